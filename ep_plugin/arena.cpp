@@ -1,0 +1,706 @@
+#include "arena.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <stdexcept>
+
+#include "errors.h"
+
+namespace offload {
+namespace {
+
+void warn(const std::string& what) noexcept {
+  std::fprintf(stderr, "onnx_offload: warning: %s\n", what.c_str());
+}
+
+uint64_t plain_charge(uint64_t bytes, uint64_t gran) {
+  // What a plain device allocation really takes: whole pages once it is large.
+  return bytes >= gran ? round_up(bytes, gran) : round_up(bytes, 512);
+}
+
+}  // namespace
+
+Arena::Arena(std::shared_ptr<PhysicalBackend> backend, std::shared_ptr<BudgetOwner> ledger, ArenaConfig cfg)
+    : backend_(std::move(backend)),
+      ledger_(std::move(ledger)),
+      gran_(backend_->granularity()),
+      classes_(cfg.handle_classes),
+      pool_limit_(cfg.pool_limit),
+      zone_va_(round_up(cfg.zone_va_bytes ? cfg.zone_va_bytes : (uint64_t(64) << 30), gran_)),
+      gmap_(gran_) {
+  if (classes_.empty()) classes_ = {gran_, 16 * gran_, 128 * gran_};
+  std::sort(classes_.begin(), classes_.end());
+  classes_.erase(std::unique(classes_.begin(), classes_.end()), classes_.end());
+  if (classes_.front() != gran_)
+    throw std::invalid_argument(concat("the smallest handle class must be the granularity (", gran_, " bytes)"));
+  for (uint64_t c : classes_)
+    if (c % gran_ != 0) throw std::invalid_argument(concat("handle class ", c, " is not a multiple of the granularity ", gran_));
+  for (int z = 0; z < kZoneCount; ++z) regions_.emplace_back(zone_va_);
+  base_ = backend_->reserve(zone_va_ * kZoneCount);
+  counters_.granularity = gran_;
+  counters_.va_base = base_;
+  counters_.va_bytes = zone_va_ * kZoneCount;
+}
+
+Arena::~Arena() {
+  try {
+    close();
+  } catch (const std::exception& e) {
+    warn(concat("closing the arena failed: ", e.what()));
+  }
+}
+
+void Arena::require_open_locked() const {
+  if (closed_) throw StateError("the arena is closed");
+}
+
+void Arena::check_capture_locked(const char* what) {
+  for (auto it = guarded_.begin(); it != guarded_.end();) {
+    auto s = it->lock();
+    if (!s) {
+      it = guarded_.erase(it);
+      continue;
+    }
+    if (s->is_capturing()) {
+      ++counters_.maps_in_capture;
+      throw StateError(concat("refused to ", what, " while stream ", s->native(),
+                              " is capturing a graph: residency may change only between replays"));
+    }
+    ++it;
+  }
+}
+
+std::vector<ByteRange> Arena::to_offsets_locked(const std::vector<ByteRange>& ranges) const {
+  std::vector<ByteRange> out;
+  out.reserve(ranges.size());
+  const uint64_t total = zone_va_ * kZoneCount;
+  for (const ByteRange& r : ranges) {
+    if (r.offset < base_ || r.length > total || r.offset - base_ > total - r.length)
+      throw StateError(concat("range [", r.offset, ", +", r.length, ") is outside the arena"));
+    out.push_back({r.offset - base_, r.length});
+  }
+  return out;
+}
+
+uint64_t Arena::carve(Zone region, uint64_t length, uint64_t alignment) {
+  std::lock_guard<std::mutex> g(mu_);
+  require_open_locked();
+  auto off = regions_[int(region)].carve(length, alignment);
+  if (!off)
+    throw OffloadError(concat("the ", zone_name(region), " region of the arena has no free span of ", length,
+                              " bytes (", regions_[int(region)].free_bytes(), " bytes free of ", zone_va_,
+                              "); raise zone_va_bytes"));
+  return base_ + uint64_t(int(region)) * zone_va_ + *off;
+}
+
+void Arena::release(uint64_t va) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) return;
+  if (va < base_ || va - base_ >= zone_va_ * kZoneCount) throw StateError(concat("address ", va, " is outside the arena"));
+  const uint64_t off = va - base_;
+  regions_[off / zone_va_].release(off % zone_va_);
+}
+
+uint64_t Arena::incremental_commit_bytes(const std::vector<ByteRange>& ranges) {
+  std::lock_guard<std::mutex> g(mu_);
+  require_open_locked();
+  return gmap_.incremental_commit_bytes(to_offsets_locked(ranges));
+}
+
+uint64_t Arena::acquire_handle_locked(uint64_t rem, uint64_t pending, bool* reused) {
+  uint64_t ideal = classes_.front();
+  for (uint64_t c : classes_)
+    if (c <= rem) ideal = c;
+  *reused = true;
+  if (auto h = pool_.take(ideal)) return *h;
+  const uint64_t budget = ledger_->budget();
+  // Physical bytes now: the zones (which already include this transaction's
+  // pending, unbacked bytes) less those pending bytes, plus idle pooled handles.
+  auto physical = [&] { return ledger_->committed_total() - pending + pool_.bytes(); };
+  if (physical() + ideal > budget) {
+    if (auto smaller = pool_.largest_fitting(rem)) {
+      auto h = pool_.take(*smaller);
+      return *h;
+    }
+    while (physical() + ideal > budget) {
+      auto victim = pool_.pop_for_trim(rem);
+      if (!victim) break;
+      handle_size_.erase(victim->second);
+      ++counters_.handles_released;
+      backend_->release(victim->second);
+    }
+  }
+  *reused = false;
+  uint64_t h = backend_->create(ideal);
+  handle_size_[h] = ideal;
+  ++counters_.handles_created;
+  return h;
+}
+
+void Arena::return_handle_locked(uint64_t size, uint64_t handle) noexcept {
+  if (pool_.bytes() + size <= pool_limit_) {
+    pool_.put(size, handle);
+    return;
+  }
+  try {
+    backend_->release(handle);
+    handle_size_.erase(handle);
+    ++counters_.handles_released;
+  } catch (const std::exception& e) {
+    warn(concat("releasing a physical handle failed: ", e.what()));
+  }
+}
+
+void Arena::commit(Zone charge, const std::vector<ByteRange>& ranges, uint64_t content) {
+  std::lock_guard<std::mutex> g(mu_);
+  require_open_locked();
+  const std::vector<ByteRange> offs = to_offsets_locked(ranges);
+  const std::vector<GranuleRun> runs = gmap_.uncovered_runs(offs);
+  uint64_t n = 0;
+  for (const GranuleRun& r : runs) n += r.count * gran_;
+  if (n > 0) check_capture_locked("map");
+  ledger_->charge(charge, n);  // reserve first; throws BudgetExceeded and nothing changed
+  std::vector<Mapped> done;
+  try {
+    uint64_t pending = n;
+    for (const GranuleRun& run : runs) {
+      const uint64_t va = base_ + run.first * gran_, bytes = run.count * gran_;
+      for (uint64_t pos = 0; pos < bytes;) {
+        bool reused = false;
+        const uint64_t h = acquire_handle_locked(bytes - pos, pending, &reused);
+        const uint64_t size = handle_size_.at(h);
+        if (reused) ++counters_.handles_reused;
+        try {
+          backend_->map(va + pos, size, h);
+        } catch (...) {
+          return_handle_locked(size, h);
+          throw;
+        }
+        done.push_back({va + pos, size, h});
+        pending -= size;
+        pos += size;
+      }
+      backend_->set_access(va, bytes);  // one call over the whole run
+    }
+  } catch (...) {
+    ++counters_.rollbacks;
+    uint64_t stuck = 0;
+    for (auto it = done.rbegin(); it != done.rend(); ++it) {
+      try {
+        backend_->unmap(it->va, it->bytes);
+        return_handle_locked(it->bytes, it->handle);
+      } catch (const std::exception& e) {
+        // Still mapped: keep it as an unreferenced extent, charged, so close() retries.
+        warn(concat("rollback could not unmap ", it->bytes, " bytes: ", e.what()));
+        gmap_.add_extent({(it->va - base_) / gran_, it->bytes / gran_, it->handle, charge});
+        mapped_by_zone_[int(charge)] += it->bytes;
+        stuck += it->bytes;
+      }
+    }
+    ledger_->refund(charge, n - stuck);
+    ledger_->set_pooled(pool_.bytes());
+    throw;
+  }
+  for (const Mapped& m : done) gmap_.add_extent({(m.va - base_) / gran_, m.bytes / gran_, m.handle, charge});
+  gmap_.acquire(charge, offs);
+  mapped_by_zone_[int(charge)] += n;
+  content_by_zone_[int(charge)] += content;
+  ledger_->add_content(charge, content);
+  ledger_->set_pooled(pool_.bytes());
+  ++counters_.commits;
+}
+
+void Arena::wait_readers_locked(const std::vector<Extent>& freed) {
+  for (const Extent& e : freed) {
+    auto it = readers_.find(e.first);
+    if (it == readers_.end()) continue;
+    for (auto& ev : it->second) {
+      if (!ev->query()) {
+        ++counters_.reader_waits;
+        ev->synchronize();
+      }
+      if (!ev->query()) ++counters_.unmaps_before_reader;
+    }
+  }
+}
+
+void Arena::decommit(Zone charge, const std::vector<ByteRange>& ranges, uint64_t content) {
+  std::lock_guard<std::mutex> g(mu_);
+  require_open_locked();
+  const std::vector<ByteRange> offs = to_offsets_locked(ranges);
+  if (content > content_by_zone_[int(charge)])
+    throw StateError(concat("decommit of ", content, " content bytes from zone ", zone_name(charge), " which holds ",
+                            content_by_zone_[int(charge)]));
+  GranuleMap::ReleaseResult rel;
+  try {
+    rel = gmap_.release(charge, offs);  // an underflow throws and changes nothing
+  } catch (const StateError&) {
+    counters_.refcount_underflows = gmap_.underflows();
+    throw;
+  }
+  if (!rel.freed.empty()) {
+    try {
+      check_capture_locked("unmap");
+      wait_readers_locked(rel.freed);
+    } catch (...) {
+      gmap_.restore(charge, offs, rel);
+      throw;
+    }
+  }
+  std::vector<Extent> freed = rel.freed;
+  std::sort(freed.begin(), freed.end(), [](const Extent& a, const Extent& b) { return a.first < b.first; });
+  std::vector<Extent> unmapped;
+  std::string first_error;
+  for (std::size_t i = 0; i < freed.size();) {
+    std::size_t j = i + 1;
+    while (j < freed.size() && freed[j - 1].first + freed[j - 1].count == freed[j].first) ++j;
+    const uint64_t va = base_ + freed[i].first * gran_;
+    const uint64_t bytes = (freed[j - 1].first + freed[j - 1].count - freed[i].first) * gran_;
+    try {
+      backend_->unmap(va, bytes);  // one call over the contiguous run
+      unmapped.insert(unmapped.end(), freed.begin() + long(i), freed.begin() + long(j));
+    } catch (const std::exception& e) {
+      // Keep them, charged and unreferenced; close() retries.
+      if (first_error.empty()) first_error = e.what();
+      for (std::size_t k = i; k < j; ++k) gmap_.add_extent(freed[k]);
+    }
+    i = j;
+  }
+  for (const Extent& e : unmapped) {
+    const uint64_t bytes = e.count * gran_;
+    ledger_->refund(e.zone, bytes);
+    mapped_by_zone_[int(e.zone)] -= bytes;
+    readers_.erase(e.first);
+    return_handle_locked(bytes, e.handle);
+  }
+  for (auto& [e, to] : rel.recharged) {
+    const uint64_t bytes = e.count * gran_;
+    ledger_->transfer(e.zone, to, bytes);
+    mapped_by_zone_[int(e.zone)] -= bytes;
+    mapped_by_zone_[int(to)] += bytes;
+    gmap_.set_extent_zone(e.first, to);
+  }
+  content_by_zone_[int(charge)] -= content;
+  ledger_->sub_content(charge, content);
+  ledger_->set_pooled(pool_.bytes());
+  ++counters_.decommits;
+  if (!first_error.empty()) throw OffloadError(concat("decommit could not unmap: ", first_error));
+}
+
+void Arena::note_reader(const std::vector<ByteRange>& ranges, std::shared_ptr<Event> e) {
+  std::lock_guard<std::mutex> g(mu_);
+  require_open_locked();
+  for (uint64_t first : gmap_.extents_touching(to_offsets_locked(ranges))) {
+    auto& list = readers_[first];
+    list.erase(std::remove_if(list.begin(), list.end(), [&](const std::shared_ptr<Event>& x) { return x == e || x->query(); }),
+               list.end());
+    list.push_back(e);
+  }
+}
+
+uint64_t Arena::plain_alloc(Zone charge, uint64_t bytes) {
+  std::lock_guard<std::mutex> g(mu_);
+  require_open_locked();
+  if (bytes == 0) throw std::invalid_argument("plain allocation of zero bytes");
+  const uint64_t charged = plain_charge(bytes, gran_);
+  ledger_->charge(charge, charged);
+  uint64_t ptr = 0;
+  try {
+    const uint64_t budget = ledger_->budget();
+    while (ledger_->committed_total() + pool_.bytes() > budget) {
+      auto victim = pool_.pop_for_trim(0);
+      if (!victim) break;
+      handle_size_.erase(victim->second);
+      ++counters_.handles_released;
+      backend_->release(victim->second);
+    }
+    ptr = backend_->plain_alloc(bytes);
+  } catch (...) {
+    ledger_->refund(charge, charged);
+    ledger_->set_pooled(pool_.bytes());
+    throw;
+  }
+  plain_[ptr] = {charge, charged};
+  plain_by_zone_[int(charge)] += charged;
+  ledger_->set_pooled(pool_.bytes());
+  return ptr;
+}
+
+void Arena::plain_free(uint64_t ptr) {
+  std::lock_guard<std::mutex> g(mu_);
+  require_open_locked();
+  auto it = plain_.find(ptr);
+  if (it == plain_.end()) throw StateError(concat("plain_free of ", ptr, " which the arena did not allocate"));
+  auto [zone, charged] = it->second;
+  backend_->plain_free(ptr, charged);
+  plain_.erase(it);
+  plain_by_zone_[int(zone)] -= charged;
+  ledger_->refund(zone, charged);
+}
+
+void Arena::guard_capture(std::shared_ptr<Stream> s) {
+  std::lock_guard<std::mutex> g(mu_);
+  guarded_.push_back(s);
+}
+
+void Arena::unguard_capture(const Stream* s) {
+  std::lock_guard<std::mutex> g(mu_);
+  guarded_.erase(std::remove_if(guarded_.begin(), guarded_.end(),
+                                [&](const std::weak_ptr<Stream>& w) {
+                                  auto p = w.lock();
+                                  return !p || p.get() == s;
+                                }),
+                 guarded_.end());
+}
+
+uint64_t Arena::trim_pool(uint64_t bytes) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) return 0;
+  uint64_t freed = 0;
+  while (freed < bytes) {
+    auto victim = pool_.pop_for_trim(0);
+    if (!victim) break;
+    backend_->release(victim->second);
+    handle_size_.erase(victim->second);
+    ++counters_.handles_released;
+    freed += victim->first;
+  }
+  ledger_->set_pooled(pool_.bytes());
+  return freed;
+}
+
+uint64_t Arena::unaccounted_locked() {
+  auto diff = [](uint64_t a, uint64_t b) { return a > b ? a - b : b - a; };
+  LedgerSnapshot s = ledger_->snapshot();
+  uint64_t bad = diff(s.pooled, pool_.bytes());
+  for (int z = 0; z < kZoneCount; ++z)
+    bad += diff(s.zones[z].committed.current - s.zones[z].outside, mapped_by_zone_[z] + plain_by_zone_[z]);
+  uint64_t live = 0, mapped = 0;
+  for (auto& [h, size] : handle_size_) live += size;
+  for (uint64_t m : mapped_by_zone_) mapped += m;
+  bad += diff(live, mapped + pool_.bytes());
+  bad += diff(mapped, gmap_.mapped_granules() * gran_);
+  return bad;
+}
+
+ArenaStats Arena::stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  ArenaStats s = counters_;
+  for (auto& [h, size] : handle_size_) s.live_handle_bytes += size;
+  s.live_handles = handle_size_.size();
+  s.pool_bytes = pool_.bytes();
+  s.pool_handles = pool_.count();
+  s.extents = gmap_.extent_count();
+  s.mapped_bytes = gmap_.mapped_granules() * gran_;
+  s.mapped_by_zone = mapped_by_zone_;
+  s.plain_by_zone = plain_by_zone_;
+  s.content_by_zone = content_by_zone_;
+  const DriverCounters& c = backend_->counters();
+  s.unmap_calls = c.unmaps;
+  s.set_access_calls = c.accesses;
+  s.map_calls = c.maps;
+  s.refcount_underflows = gmap_.underflows();
+  s.uncovered_referenced = gmap_.uncovered_referenced();
+  s.unaccounted_bytes = closed_ ? 0 : unaccounted_locked();
+  return s;
+}
+
+void Arena::close() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) return;
+  std::vector<Extent> all = gmap_.extents();
+  wait_readers_locked(all);
+  for (const Extent& e : all) {
+    const uint64_t bytes = e.count * gran_;
+    try {
+      backend_->unmap(base_ + e.first * gran_, bytes);
+      backend_->release(e.handle);
+      ++counters_.handles_released;
+    } catch (const std::exception& ex) {
+      warn(concat("close could not unmap or release ", bytes, " bytes: ", ex.what()));
+    }
+    handle_size_.erase(e.handle);
+    ledger_->refund(e.zone, bytes);
+  }
+  for (auto& [size, h] : pool_.drain()) {
+    try {
+      backend_->release(h);
+      ++counters_.handles_released;
+    } catch (const std::exception& ex) {
+      warn(concat("close could not release a pooled handle: ", ex.what()));
+    }
+    handle_size_.erase(h);
+  }
+  for (auto& [ptr, zc] : plain_) {
+    try {
+      backend_->plain_free(ptr, zc.second);
+    } catch (const std::exception& ex) {
+      warn(concat("close could not free a plain allocation: ", ex.what()));
+    }
+    ledger_->refund(zc.first, zc.second);
+  }
+  plain_.clear();
+  for (int z = 0; z < kZoneCount; ++z) {
+    if (content_by_zone_[z]) ledger_->sub_content(Zone(z), content_by_zone_[z]);
+    content_by_zone_[z] = mapped_by_zone_[z] = plain_by_zone_[z] = 0;
+  }
+  ledger_->set_pooled(0);
+  readers_.clear();
+  gmap_ = GranuleMap(gran_);
+  backend_->free_reservation(base_, zone_va_ * kZoneCount);
+  closed_ = true;
+}
+
+// ---------------------------------------------------------------- WeightSlot
+
+const char* slot_state_name(SlotState s) {
+  switch (s) {
+    case SlotState::Evicted: return "evicted";
+    case SlotState::PagingIn: return "paging_in";
+    case SlotState::Resident: return "resident";
+    case SlotState::Pinned: return "pinned";
+  }
+  return "?";
+}
+
+WeightSlot::WeightSlot(std::shared_ptr<Arena> arena, std::string key, uint64_t length, uint64_t alignment, Zone region)
+    : arena_(std::move(arena)), key_(std::move(key)), length_(length) {
+  if (length == 0) throw std::invalid_argument(concat("weight '", key_, "' has zero bytes"));
+  va_ = arena_->carve(region, length, alignment);
+}
+
+WeightSlot::~WeightSlot() {
+  if (arena_->closed()) return;
+  try {
+    if (state_ != SlotState::Evicted) {
+      pins_ = 0;
+      state_ = SlotState::Resident;
+      arena_->decommit(charge_, {range()}, length_);
+    }
+    arena_->release(va_);
+  } catch (const std::exception& e) {
+    warn(concat("dropping slot '", key_, "' failed: ", e.what()));
+  }
+}
+
+void WeightSlot::illegal(const char* op) {
+  throw StateError(concat("slot '", key_, "' at 0x", std::hex, va_, std::dec, " cannot ", op, " while ",
+                          slot_state_name(state_)));
+}
+
+SlotState WeightSlot::state() {
+  if (state_ == SlotState::PagingIn && ready_ && ready_->query()) state_ = SlotState::Resident;
+  return state_;
+}
+
+void WeightSlot::set_source(const void* host, uint64_t bytes) {
+  if (bytes < length_) throw std::invalid_argument(concat("source of '", key_, "' has ", bytes, " bytes, the slot ", length_));
+  src_ = host;
+  src_bytes_ = bytes;
+}
+
+void WeightSlot::pin() {
+  SlotState s = state();
+  if (s != SlotState::Resident && s != SlotState::PagingIn && s != SlotState::Pinned) illegal("be pinned");
+  state_ = SlotState::Pinned;
+  ++pins_;
+}
+
+void WeightSlot::unpin() {
+  if (state_ != SlotState::Pinned) illegal("be unpinned");
+  if (--pins_ == 0) state_ = SlotState::Resident;
+}
+
+void WeightSlot::mark_read(std::shared_ptr<Event> e) {
+  if (state_ == SlotState::Evicted) illegal("be read");
+  arena_->note_reader({range()}, std::move(e));
+}
+
+std::shared_ptr<Event> WeightSlot::page_in(const std::vector<std::shared_ptr<WeightSlot>>& slots, Zone charge, Stream& stream) {
+  if (slots.empty()) return nullptr;
+  Arena& arena = *slots.front()->arena_;
+  std::vector<ByteRange> ranges;
+  uint64_t content = 0;
+  for (auto& s : slots) {
+    if (s->arena_.get() != &arena) throw std::invalid_argument("slots of one page-in must share an arena");
+    if (s->state() != SlotState::Evicted) s->illegal("be paged in");
+    if (s->src_ == nullptr) throw StateError(concat("slot '", s->key_, "' has no host source to page in from"));
+    ranges.push_back(s->range());
+    content += s->length_;
+  }
+  arena.commit(charge, ranges, content);
+  std::shared_ptr<Event> ev;
+  try {
+    for (auto& s : slots) arena.backend().copy_h2d(s->va_, s->src_, s->length_, stream);
+    ev = arena.backend().create_event();
+    ev->record(stream);
+    arena.note_reader(ranges, ev);  // the copy writes: no unmap before it ends
+  } catch (...) {
+    stream.synchronize();
+    arena.decommit(charge, ranges, content);
+    throw;
+  }
+  for (auto& s : slots) {
+    s->state_ = SlotState::PagingIn;
+    s->ready_ = ev;
+    s->charge_ = charge;
+  }
+  return ev;
+}
+
+void WeightSlot::commit_empty(const std::vector<std::shared_ptr<WeightSlot>>& slots, Zone charge) {
+  if (slots.empty()) return;
+  Arena& arena = *slots.front()->arena_;
+  std::vector<ByteRange> ranges;
+  uint64_t content = 0;
+  for (auto& s : slots) {
+    if (s->arena_.get() != &arena) throw std::invalid_argument("slots of one commit must share an arena");
+    if (s->state() != SlotState::Evicted) s->illegal("be committed");
+    ranges.push_back(s->range());
+    content += s->length_;
+  }
+  arena.commit(charge, ranges, content);
+  for (auto& s : slots) {
+    s->state_ = SlotState::Resident;
+    s->ready_.reset();
+    s->charge_ = charge;
+  }
+}
+
+void WeightSlot::evict(const std::vector<std::shared_ptr<WeightSlot>>& slots) {
+  if (slots.empty()) return;
+  Arena& arena = *slots.front()->arena_;
+  const Zone charge = slots.front()->charge_;
+  std::vector<ByteRange> ranges;
+  uint64_t content = 0;
+  for (auto& s : slots) {
+    if (s->arena_.get() != &arena) throw std::invalid_argument("slots of one eviction must share an arena");
+    SlotState st = s->state();
+    if (st != SlotState::Resident && st != SlotState::PagingIn) s->illegal("be evicted");
+    if (s->charge_ != charge) throw std::invalid_argument("slots of one eviction must be charged to one zone");
+    ranges.push_back(s->range());
+    content += s->length_;
+  }
+  arena.decommit(charge, ranges, content);
+  for (auto& s : slots) {
+    s->state_ = SlotState::Evicted;
+    s->ready_.reset();
+  }
+}
+
+// ---------------------------------------------------------------- ScratchAllocator
+
+ScratchAllocator::ScratchAllocator(std::shared_ptr<Arena> arena, Zone zone, uint64_t alignment)
+    : arena_(std::move(arena)), zone_(zone), align_(alignment) {
+  if (!is_pow2(alignment)) throw std::invalid_argument("scratch alignment must be a power of two");
+}
+
+ScratchAllocator::~ScratchAllocator() {
+  try {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [ptr, size] : live_) cache_.insert({size, ptr});
+    live_.clear();
+    empty_cache_locked();
+  } catch (const std::exception& e) {
+    warn(concat("releasing scratch memory failed: ", e.what()));
+  }
+}
+
+uint64_t ScratchAllocator::allocate(uint64_t bytes) {
+  const uint64_t r = round_up(std::max<uint64_t>(bytes, 1), align_);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = cache_.lower_bound(r);
+    if (it != cache_.end() && it->first <= r + r / 2) {
+      const uint64_t ptr = it->second, size = it->first;
+      cache_.erase(it);
+      live_[ptr] = size;
+      stats_.cached_bytes -= size;
+      stats_.live_bytes += size;
+      stats_.peak_live = std::max(stats_.peak_live, stats_.live_bytes);
+      ++stats_.allocs;
+      ++stats_.cache_hits;
+      return ptr;
+    }
+  }
+  const uint64_t va = arena_->carve(zone_, r, align_);
+  try {
+    try {
+      arena_->commit(zone_, {{va, r}}, r);
+    } catch (const BudgetExceeded&) {
+      // Free our own cache, then ask lower-priority zones to lend, then retry once.
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        empty_cache_locked();
+      }
+      arena_->ledger()->make_room(zone_, arena_->incremental_commit_bytes({{va, r}}));
+      arena_->commit(zone_, {{va, r}}, r);
+    }
+  } catch (...) {
+    arena_->release(va);
+    std::lock_guard<std::mutex> g(mu_);
+    ++stats_.failures;
+    throw;
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  live_[va] = r;
+  stats_.live_bytes += r;
+  stats_.peak_live = std::max(stats_.peak_live, stats_.live_bytes);
+  ++stats_.allocs;
+  return va;
+}
+
+uint64_t ScratchAllocator::try_allocate(uint64_t bytes) noexcept {
+  try {
+    return allocate(bytes);
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> g(mu_);
+    last_error_ = e.what();
+    return 0;
+  }
+}
+
+std::string ScratchAllocator::last_error() {
+  std::lock_guard<std::mutex> g(mu_);
+  return last_error_;
+}
+
+void ScratchAllocator::deallocate(uint64_t ptr) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) throw StateError(concat("scratch free of ", ptr, " which is not a live block"));
+  cache_.insert({it->second, ptr});
+  stats_.live_bytes -= it->second;
+  stats_.cached_bytes += it->second;
+  ++stats_.frees;
+  live_.erase(it);
+}
+
+uint64_t ScratchAllocator::empty_cache() {
+  std::lock_guard<std::mutex> g(mu_);
+  return empty_cache_locked();
+}
+
+uint64_t ScratchAllocator::empty_cache_locked() {
+  if (cache_.empty() || arena_->closed()) return 0;
+  std::vector<ByteRange> ranges;
+  uint64_t content = 0;
+  for (auto& [size, ptr] : cache_) {
+    ranges.push_back({ptr, size});
+    content += size;
+  }
+  const uint64_t before = arena_->ledger()->snapshot().zones[int(zone_)].committed.current;
+  arena_->decommit(zone_, ranges, content);
+  for (auto& r : ranges) arena_->release(r.offset);
+  cache_.clear();
+  stats_.cached_bytes = 0;
+  const uint64_t after = arena_->ledger()->snapshot().zones[int(zone_)].committed.current;
+  return before - after;
+}
+
+ScratchAllocator::Stats ScratchAllocator::stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  return stats_;
+}
+
+}  // namespace offload

@@ -1,0 +1,125 @@
+// Physical backends behind one interface: the CUDA driver (VMM) and the host
+// (memfd pages mapped into a PROT_NONE reservation). The arena sees only this.
+//
+// Public methods are non-virtual: they count calls and time once, here, and
+// delegate to the backend's do_* implementation.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace offload {
+
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  virtual uint64_t native() const = 0;  // CUstream, or the host stream's id
+  virtual void synchronize() = 0;
+  virtual bool is_capturing() = 0;
+};
+
+class Event {
+ public:
+  virtual ~Event() = default;
+  virtual void record(Stream& s) = 0;
+  virtual bool query() = 0;        // true once the work before the record has finished
+  virtual void synchronize() = 0;  // host waits
+  virtual void wait_on(Stream& s) = 0;  // s waits for this event, without the host waiting
+  virtual float elapsed_ms(Event& start) = 0;
+};
+
+// Driver-call counters: how many calls and how long they took.
+struct DriverCounters {
+  std::atomic<uint64_t> creates{0}, releases{0}, maps{0}, unmaps{0}, accesses{0};
+  std::atomic<uint64_t> create_ns{0}, release_ns{0}, map_ns{0}, unmap_ns{0}, access_ns{0};
+  std::atomic<uint64_t> plain_allocs{0}, plain_frees{0}, plain_alloc_ns{0}, plain_free_ns{0};
+};
+
+class PhysicalBackend {
+ private:
+  template <typename F>
+  static auto timed(std::atomic<uint64_t>& calls, std::atomic<uint64_t>& ns, F&& f) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto result = f();
+    ns += uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    ++calls;
+    return result;
+  }
+
+ public:
+  virtual ~PhysicalBackend() = default;
+  virtual std::string name() const = 0;
+  virtual int device() const = 0;
+  virtual uint64_t granularity() const = 0;
+
+  // Address space.
+  virtual uint64_t reserve(uint64_t bytes) = 0;
+  virtual void free_reservation(uint64_t va, uint64_t bytes) noexcept = 0;
+
+  // Physical handles and mappings, counted and timed.
+  uint64_t create(uint64_t bytes) { return timed(counters_.creates, counters_.create_ns, [&] { return do_create(bytes); }); }
+  void release(uint64_t handle) { timed(counters_.releases, counters_.release_ns, [&] { do_release(handle); return 0; }); }
+  void map(uint64_t va, uint64_t bytes, uint64_t handle) {
+    timed(counters_.maps, counters_.map_ns, [&] { do_map(va, bytes, handle); return 0; });
+  }
+  void set_access(uint64_t va, uint64_t bytes) {
+    timed(counters_.accesses, counters_.access_ns, [&] { do_set_access(va, bytes); return 0; });
+  }
+  void unmap(uint64_t va, uint64_t bytes) { timed(counters_.unmaps, counters_.unmap_ns, [&] { do_unmap(va, bytes); return 0; }); }
+  // Plain allocations (the cudaMalloc-per-page-in baseline), counted the same way.
+  uint64_t plain_alloc(uint64_t bytes) {
+    return timed(counters_.plain_allocs, counters_.plain_alloc_ns, [&] { return do_plain_alloc(bytes); });
+  }
+  void plain_free(uint64_t ptr, uint64_t bytes) {
+    timed(counters_.plain_frees, counters_.plain_free_ns, [&] { do_plain_free(ptr, bytes); return 0; });
+  }
+
+  // Streams, events and copies.
+  virtual std::shared_ptr<Stream> create_stream() = 0;
+  virtual std::shared_ptr<Stream> wrap_stream(uint64_t native) = 0;  // not owned
+  virtual std::shared_ptr<Event> create_event() = 0;
+  virtual void copy_h2d(uint64_t dst, const void* src, uint64_t n, Stream& s) = 0;
+  virtual void copy_d2h(void* dst, uint64_t src, uint64_t n, Stream& s) = 0;
+  virtual void copy_d2d(uint64_t dst, uint64_t src, uint64_t n, Stream& s) = 0;
+  virtual void fill(uint64_t dst, uint8_t value, uint64_t n, Stream& s) = 0;
+
+  // Page-locks host memory for fast, asynchronous copies (no-op on the host).
+  virtual void host_register(void* p, uint64_t n) = 0;
+  virtual void host_unregister(void* p) noexcept = 0;
+
+  // (free, total) bytes of the device.
+  virtual std::pair<uint64_t, uint64_t> mem_info() = 0;
+
+  const DriverCounters& counters() const { return counters_; }
+
+ protected:
+  virtual uint64_t do_create(uint64_t bytes) = 0;
+  virtual void do_release(uint64_t handle) = 0;
+  virtual void do_map(uint64_t va, uint64_t bytes, uint64_t handle) = 0;
+  virtual void do_set_access(uint64_t va, uint64_t bytes) = 0;
+  virtual void do_unmap(uint64_t va, uint64_t bytes) = 0;
+  virtual uint64_t do_plain_alloc(uint64_t bytes) = 0;
+  virtual void do_plain_free(uint64_t ptr, uint64_t bytes) = 0;
+
+ private:
+  DriverCounters counters_;
+};
+
+std::shared_ptr<PhysicalBackend> make_host_backend(uint64_t granularity);
+std::shared_ptr<PhysicalBackend> make_cuda_backend(int device);
+
+// Host-only: capture a host stream's work into a replayable graph.
+class HostGraph {
+ public:
+  virtual ~HostGraph() = default;
+  virtual void launch(Stream& s) = 0;
+  virtual std::size_t size() const = 0;
+};
+void host_begin_capture(Stream& s);
+std::shared_ptr<HostGraph> host_end_capture(Stream& s);
+
+}  // namespace offload

@@ -1,0 +1,70 @@
+// The exception family of the core. Python maps each type onto the classes of
+// onnx_offload.errors, so a caller can catch BudgetExceeded as a MemoryError.
+#pragma once
+
+#include <cstddef>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace offload {
+
+// Base of every error the core raises on purpose.
+class OffloadError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The CUDA driver is missing, too old, or has no device.
+class CudaUnavailable : public OffloadError {
+ public:
+  using OffloadError::OffloadError;
+};
+
+// A driver call returned an error: carries the call, the CUresult name and file:line.
+class CudaDriverError : public OffloadError {
+ public:
+  CudaDriverError(int code, const std::string& name, const std::string& what)
+      : OffloadError(what), code_(code), name_(name) {}
+  int code() const { return code_; }
+  const std::string& error_name() const { return name_; }
+
+ private:
+  int code_;
+  std::string name_;
+};
+
+// A zone or the device budget cannot take the requested committed bytes.
+// The message lists the request and every zone's committed bytes and allowance.
+class BudgetExceeded : public OffloadError {
+ public:
+  BudgetExceeded(const std::string& zone, std::size_t requested, const std::string& what)
+      : OffloadError(what), zone_(zone), requested_(requested) {}
+  const std::string& zone() const { return zone_; }
+  std::size_t requested() const { return requested_; }
+
+ private:
+  std::string zone_;
+  std::size_t requested_;
+};
+
+// An operation that is illegal in the slot's current state, or a bookkeeping
+// request that names memory the arena does not own.
+class StateError : public OffloadError {
+ public:
+  using OffloadError::OffloadError;
+};
+
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+}  // namespace offload
+
+#define OFFLOAD_REQUIRE(cond, ...)                                          \
+  do {                                                                      \
+    if (!(cond)) throw ::offload::OffloadError(::offload::concat(__VA_ARGS__)); \
+  } while (0)

@@ -1,0 +1,298 @@
+// The host backend: the same semantics as CUDA VMM, on the CPU.
+//
+// A reservation is a PROT_NONE mapping. A physical handle is a memfd whose pages
+// are allocated up front (fallocate), so that "committed" means committed. Mapping
+// places the memfd over part of the reservation with MAP_FIXED|MAP_SHARED; access
+// is granted separately (mprotect), as cuMemSetAccess does; unmapping puts a fresh
+// PROT_NONE mapping back, so the address range stays reserved.
+//
+// Streams are worker threads that run their copies in order; events are fences.
+// Reading an unmapped range faults, exactly like a kernel reading unmapped VMM memory.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/sysinfo.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "backend.h"
+#include "bookkeeping.h"
+#include "errors.h"
+
+namespace offload {
+namespace {
+
+[[noreturn]] void throw_errno(const char* what) {
+  throw OffloadError(concat("host backend: ", what, " failed: ", std::strerror(errno)));
+}
+
+class Fence {
+ public:
+  void signal() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      done_ = true;
+      at_ = std::chrono::steady_clock::now();
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return done_; });
+  }
+  bool done() {
+    std::lock_guard<std::mutex> g(mu_);
+    return done_;
+  }
+  std::chrono::steady_clock::time_point at() {
+    wait();
+    std::lock_guard<std::mutex> g(mu_);
+    return at_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::chrono::steady_clock::time_point at_{};
+};
+
+using Task = std::function<void()>;
+
+class HostStream : public Stream {
+ public:
+  explicit HostStream(uint64_t id) : id_(id), worker_([this] { run(); }) {}
+  ~HostStream() override {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+  uint64_t native() const override { return id_; }
+  void enqueue(Task t) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (capturing_) {
+        captured_.push_back(std::move(t));
+        return;
+      }
+      queue_.push_back(std::move(t));
+    }
+    cv_.notify_all();
+  }
+  void synchronize() override {
+    auto f = std::make_shared<Fence>();
+    enqueue([f] { f->signal(); });
+    f->wait();
+  }
+  bool is_capturing() override {
+    std::lock_guard<std::mutex> g(mu_);
+    return capturing_;
+  }
+  void begin_capture() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (capturing_) throw StateError("host stream is already capturing");
+    capturing_ = true;
+    captured_.clear();
+  }
+  std::vector<Task> end_capture() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!capturing_) throw StateError("host stream is not capturing");
+    capturing_ = false;
+    return std::move(captured_);
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      Task t;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        t = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      t();
+    }
+  }
+  uint64_t id_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  bool stop_ = false;
+  bool capturing_ = false;
+  std::vector<Task> captured_;
+  std::thread worker_;  // last: starts after the members it uses
+};
+
+HostStream& as_host(Stream& s) {
+  auto* h = dynamic_cast<HostStream*>(&s);
+  if (h == nullptr) throw std::invalid_argument("the host backend was given a stream of another backend");
+  return *h;
+}
+
+class HostEvent : public Event {
+ public:
+  HostEvent() { fence_->signal(); }  // like a CUDA event never recorded: complete
+  void record(Stream& s) override {
+    auto f = std::make_shared<Fence>();
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      fence_ = f;
+    }
+    as_host(s).enqueue([f] { f->signal(); });
+  }
+  bool query() override { return current()->done(); }
+  void synchronize() override { current()->wait(); }
+  void wait_on(Stream& s) override {
+    auto f = current();
+    as_host(s).enqueue([f] { f->wait(); });
+  }
+  float elapsed_ms(Event& start) override {
+    auto* other = dynamic_cast<HostEvent*>(&start);
+    if (other == nullptr) throw std::invalid_argument("elapsed_ms across backends");
+    auto dt = current()->at() - other->current()->at();
+    return std::chrono::duration<float, std::milli>(dt).count();
+  }
+
+ private:
+  std::shared_ptr<Fence> current() {
+    std::lock_guard<std::mutex> g(mu_);
+    return fence_;
+  }
+  std::mutex mu_;
+  std::shared_ptr<Fence> fence_ = std::make_shared<Fence>();
+};
+
+class HostGraphImpl : public HostGraph {
+ public:
+  explicit HostGraphImpl(std::vector<Task> tasks) : tasks_(std::move(tasks)) {}
+  void launch(Stream& s) override {
+    HostStream& hs = as_host(s);
+    for (const Task& t : tasks_) hs.enqueue(t);
+  }
+  std::size_t size() const override { return tasks_.size(); }
+
+ private:
+  std::vector<Task> tasks_;
+};
+
+class HostBackend : public PhysicalBackend {
+ public:
+  explicit HostBackend(uint64_t granularity) : gran_(granularity) {
+    const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE));
+    if (!is_pow2(granularity) || granularity % page != 0)
+      throw std::invalid_argument(concat("host granularity ", granularity,
+                                         " must be a power of two and a multiple of the page size ", page));
+  }
+  std::string name() const override { return "host"; }
+  int device() const override { return -1; }
+  uint64_t granularity() const override { return gran_; }
+
+  uint64_t reserve(uint64_t bytes) override {
+    bytes = round_up(bytes, gran_);
+    const uint64_t total = bytes + gran_;
+    void* p = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw_errno("reserving address space (mmap PROT_NONE)");
+    const uint64_t start = uint64_t(p), aligned = round_up(start, gran_);
+    if (aligned > start) munmap(p, aligned - start);
+    const uint64_t tail = start + total - (aligned + bytes);
+    if (tail > 0) munmap(reinterpret_cast<void*>(aligned + bytes), tail);
+    return aligned;
+  }
+  void free_reservation(uint64_t va, uint64_t bytes) noexcept override {
+    munmap(reinterpret_cast<void*>(va), round_up(bytes, gran_));
+  }
+
+  std::shared_ptr<Stream> create_stream() override { return std::make_shared<HostStream>(++next_stream_); }
+  std::shared_ptr<Stream> wrap_stream(uint64_t) override {
+    throw std::invalid_argument("the host backend has no foreign streams to wrap");
+  }
+  std::shared_ptr<Event> create_event() override { return std::make_shared<HostEvent>(); }
+  void copy_h2d(uint64_t dst, const void* src, uint64_t n, Stream& s) override {
+    as_host(s).enqueue([=] { std::memcpy(reinterpret_cast<void*>(dst), src, n); });
+  }
+  void copy_d2h(void* dst, uint64_t src, uint64_t n, Stream& s) override {
+    as_host(s).enqueue([=] { std::memcpy(dst, reinterpret_cast<const void*>(src), n); });
+  }
+  void copy_d2d(uint64_t dst, uint64_t src, uint64_t n, Stream& s) override {
+    as_host(s).enqueue([=] { std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n); });
+  }
+  void fill(uint64_t dst, uint8_t value, uint64_t n, Stream& s) override {
+    as_host(s).enqueue([=] { std::memset(reinterpret_cast<void*>(dst), value, n); });
+  }
+  void host_register(void*, uint64_t) override {}
+  void host_unregister(void*) noexcept override {}
+  std::pair<uint64_t, uint64_t> mem_info() override {
+    struct sysinfo si {};
+    if (sysinfo(&si) != 0) throw_errno("sysinfo");
+    return {uint64_t(si.freeram + si.bufferram) * si.mem_unit, uint64_t(si.totalram) * si.mem_unit};
+  }
+
+ protected:
+  uint64_t do_create(uint64_t bytes) override {
+    if (bytes == 0 || bytes % gran_ != 0)
+      throw std::invalid_argument(concat("handle size ", bytes, " is not a multiple of the granularity ", gran_));
+    int fd = memfd_create("onnx-offload", MFD_CLOEXEC);
+    if (fd < 0) throw_errno("memfd_create");
+    if (ftruncate(fd, off_t(bytes)) != 0 || fallocate(fd, 0, 0, off_t(bytes)) != 0) {
+      int saved = errno;
+      close(fd);
+      errno = saved;
+      throw_errno(concat("committing ", bytes, " bytes (memfd fallocate)").c_str());
+    }
+    return uint64_t(fd);
+  }
+  void do_release(uint64_t handle) override {
+    if (close(int(handle)) != 0) throw_errno("close(memfd)");
+  }
+  void do_map(uint64_t va, uint64_t bytes, uint64_t handle) override {
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, int(handle), 0);
+    if (p == MAP_FAILED) throw_errno("mmap(MAP_FIXED|MAP_SHARED)");
+  }
+  void do_set_access(uint64_t va, uint64_t bytes) override {
+    if (mprotect(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE) != 0) throw_errno("mprotect");
+  }
+  void do_unmap(uint64_t va, uint64_t bytes) override {
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw_errno("mmap(PROT_NONE) over a mapping");
+  }
+  uint64_t do_plain_alloc(uint64_t bytes) override {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED) throw_errno("mmap(plain allocation)");
+    return uint64_t(p);
+  }
+  void do_plain_free(uint64_t ptr, uint64_t bytes) override {
+    if (munmap(reinterpret_cast<void*>(ptr), bytes) != 0) throw_errno("munmap(plain allocation)");
+  }
+
+ private:
+  uint64_t gran_;
+  std::atomic<uint64_t> next_stream_{0};
+};
+
+}  // namespace
+
+std::shared_ptr<PhysicalBackend> make_host_backend(uint64_t granularity) {
+  return std::make_shared<HostBackend>(granularity);
+}
+
+void host_begin_capture(Stream& s) { as_host(s).begin_capture(); }
+
+std::shared_ptr<HostGraph> host_end_capture(Stream& s) {
+  return std::make_shared<HostGraphImpl>(as_host(s).end_capture());
+}
+
+}  // namespace offload
