@@ -62,7 +62,7 @@ void Arena::check_capture_locked(const char* what) {
       continue;
     }
     if (s->is_capturing()) {
-      ++counters_.maps_in_capture;
+      ++counters_.capture_refusals;
       throw StateError(concat("refused to ", what, " while stream ", s->native(),
                               " is capturing a graph: residency may change only between replays"));
     }
@@ -159,7 +159,7 @@ void Arena::commit(Zone charge, const std::vector<ByteRange>& ranges, uint64_t c
   uint64_t n = 0;
   for (const GranuleRun& r : runs) n += r.count * gran_;
   if (n > 0) check_capture_locked("map");
-  ledger_->charge(charge, n);  // reserve first; throws BudgetExceeded and nothing changed
+  ledger_->charge(charge, n, false, false);  // reserve first; throws BudgetExceeded and nothing changed
   std::vector<Mapped> done;
   try {
     uint64_t pending = n;
@@ -303,7 +303,7 @@ uint64_t Arena::plain_alloc(Zone charge, uint64_t bytes) {
   require_open_locked();
   if (bytes == 0) throw std::invalid_argument("plain allocation of zero bytes");
   const uint64_t charged = plain_charge(bytes, gran_);
-  ledger_->charge(charge, charged);
+  ledger_->charge(charge, charged, false, false);
   uint64_t ptr = 0;
   try {
     const uint64_t budget = ledger_->budget();

@@ -42,9 +42,9 @@ struct ArenaStats {
   uint64_t handles_created = 0, handles_released = 0, handles_reused = 0;
   uint64_t unmap_calls = 0, set_access_calls = 0, map_calls = 0;
   uint64_t reader_waits = 0;
+  uint64_t capture_refusals = 0;  // map/unmap attempts refused because a guarded stream was capturing
   // Invariants: all must read 0.
   uint64_t refcount_underflows = 0;
-  uint64_t maps_in_capture = 0;       // map/unmap attempted while a guarded stream captured (refused)
   uint64_t unmaps_before_reader = 0;  // unmaps whose reader had not finished
   uint64_t unaccounted_bytes = 0;     // ledger vs arena disagreement
   uint64_t uncovered_referenced = 0;

@@ -42,7 +42,8 @@ struct DriverCounters {
 class PhysicalBackend {
  private:
   template <typename F>
-  static auto timed(std::atomic<uint64_t>& calls, std::atomic<uint64_t>& ns, F&& f) {
+  auto timed(std::atomic<uint64_t>& calls, std::atomic<uint64_t>& ns, F&& f) {
+    maybe_fail(calls);
     auto t0 = std::chrono::steady_clock::now();
     auto result = f();
     ns += uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
@@ -96,6 +97,10 @@ class PhysicalBackend {
 
   const DriverCounters& counters() const { return counters_; }
 
+  // Fault injection for rollback tests: the `after`-th next call of `op` ("create",
+  // "map", "set_access", "unmap", "release", "plain_alloc") throws instead of running.
+  void inject_failure(const std::string& op, uint64_t after);
+
  protected:
   virtual uint64_t do_create(uint64_t bytes) = 0;
   virtual void do_release(uint64_t handle) = 0;
@@ -106,7 +111,10 @@ class PhysicalBackend {
   virtual void do_plain_free(uint64_t ptr, uint64_t bytes) = 0;
 
  private:
+  void maybe_fail(const std::atomic<uint64_t>& calls);
   DriverCounters counters_;
+  std::atomic<const std::atomic<uint64_t>*> fail_op_{nullptr};
+  std::atomic<uint64_t> fail_at_{0};
 };
 
 std::shared_ptr<PhysicalBackend> make_host_backend(uint64_t granularity);

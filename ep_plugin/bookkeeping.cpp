@@ -315,18 +315,4 @@ std::vector<std::pair<uint64_t, uint64_t>> HandlePool::drain() {
   return out;
 }
 
-std::vector<uint64_t> split_into_classes(uint64_t bytes, const std::vector<uint64_t>& classes) {
-  if (classes.empty()) throw std::invalid_argument("no handle classes");
-  if (bytes % classes.front() != 0)
-    throw std::invalid_argument(concat(bytes, " bytes is not a multiple of the smallest handle class ", classes.front()));
-  std::vector<uint64_t> out;
-  uint64_t rem = bytes;
-  for (auto it = classes.rbegin(); it != classes.rend(); ++it)
-    while (rem >= *it) {
-      out.push_back(*it);
-      rem -= *it;
-    }
-  return out;
-}
-
 }  // namespace offload

@@ -138,8 +138,4 @@ class HandlePool {
   uint64_t bytes_ = 0;
 };
 
-// Splits a run of `bytes` (a multiple of the smallest class) into handle sizes,
-// largest class first. Classes must be ascending multiples of the granule.
-std::vector<uint64_t> split_into_classes(uint64_t bytes, const std::vector<uint64_t>& classes);
-
 }  // namespace offload

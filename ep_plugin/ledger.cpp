@@ -78,6 +78,7 @@ void BudgetOwner::refuse_locked(Zone z, uint64_t bytes, const std::string& why) 
 void BudgetOwner::note_peak_locked() {
   uint64_t phys = pooled_, content = 0;
   for (auto& zs : zones_) {
+    zs.committed.peak = std::max(zs.committed.peak, zs.committed.current);
     phys += zs.committed.current;
     content += zs.content.current;
   }
@@ -85,13 +86,15 @@ void BudgetOwner::note_peak_locked() {
   peak_content_ = std::max(peak_content_, content);
 }
 
-void BudgetOwner::charge(Zone z, uint64_t bytes, bool outside) {
+void BudgetOwner::charge(Zone z, uint64_t bytes, bool outside, bool note_peak) {
   std::lock_guard<std::mutex> g(mu_);
   std::string why;
   if (!can_charge_locked(z, bytes, &why)) refuse_locked(z, bytes, why);
-  zones_[int(z)].committed.add(bytes);
-  if (outside) zones_[int(z)].outside += bytes;
-  note_peak_locked();
+  ZoneSnapshot& zs = zones_[int(z)];
+  zs.committed.current += bytes;
+  zs.committed.total += bytes;
+  if (outside) zs.outside += bytes;
+  if (note_peak) note_peak_locked();
 }
 
 void BudgetOwner::refund(Zone z, uint64_t bytes, bool outside) {
@@ -111,6 +114,7 @@ void BudgetOwner::transfer(Zone from, Zone to, uint64_t bytes) {
     throw StateError(concat("transfer of ", bytes, " bytes out of zone ", zone_name(from)));
   f.committed.sub(bytes);
   zones_[int(to)].committed.add(bytes);
+  note_peak_locked();
 }
 
 bool BudgetOwner::can_charge(Zone z, uint64_t bytes) const {

@@ -64,7 +64,9 @@ class BudgetOwner {
   void set_zone(Zone z, uint64_t allowance, uint64_t reserve, int priority);
 
   // Admits `bytes` into zone z or throws BudgetExceeded; never calls out.
-  void charge(Zone z, uint64_t bytes, bool outside = false);
+  // The arena charges before it backs the bytes (possibly with pooled handles), so it
+  // passes note_peak=false and records the peak when it updates `pooled` at the end.
+  void charge(Zone z, uint64_t bytes, bool outside = false, bool note_peak = true);
   void refund(Zone z, uint64_t bytes, bool outside = false);
   // Moves committed bytes between zones (an extent now held only by another zone).
   void transfer(Zone from, Zone to, uint64_t bytes);

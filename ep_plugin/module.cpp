@@ -149,7 +149,7 @@ py::dict arena_dict(const ArenaStats& s) {
   F(granularity) F(va_base) F(va_bytes) F(live_handle_bytes) F(live_handles) F(pool_bytes) F(pool_handles)
   F(extents) F(mapped_bytes) F(commits) F(decommits) F(rollbacks) F(handles_created) F(handles_released)
   F(handles_reused) F(unmap_calls) F(set_access_calls) F(map_calls) F(reader_waits) F(refcount_underflows)
-  F(maps_in_capture) F(unmaps_before_reader) F(unaccounted_bytes) F(uncovered_referenced)
+  F(capture_refusals) F(unmaps_before_reader) F(unaccounted_bytes) F(uncovered_referenced)
 #undef F
   py::dict mz, pz, cz;
   for (int i = 0; i < kZoneCount; ++i) {
@@ -218,7 +218,6 @@ PYBIND11_MODULE(_core, m) {
 
   // Pure bookkeeping.
   m.def("round_up", &round_up);
-  m.def("split_into_classes", &split_into_classes);
   py::class_<SpanAllocator>(m, "SpanAllocator")
       .def(py::init<uint64_t>())
       .def("carve", &SpanAllocator::carve, py::arg("length"), py::arg("alignment") = 1)
@@ -316,6 +315,7 @@ PYBIND11_MODULE(_core, m) {
       .def("host_unregister", [](PhysicalBackend& b, uint64_t p) { b.host_unregister(reinterpret_cast<void*>(p)); }, Release())
       .def("mem_info", &PhysicalBackend::mem_info)
       .def("counters", [](PhysicalBackend& b) { return driver_counters_dict(b.counters()); })
+      .def("inject_failure", &PhysicalBackend::inject_failure, py::arg("op"), py::arg("after") = 1)
       // Raw handle calls, for benchmarks and tests of the driver costs themselves.
       .def("create", &PhysicalBackend::create, Release())
       .def("release", &PhysicalBackend::release, Release())

@@ -1,0 +1,4 @@
+"""Generators of the models that onnx-offload's tests, demo and benchmarks run."""
+from .generators import decoder_like, mlp_stack, residual_mlp, save, transformer_block, weight_bytes
+
+__all__ = ["decoder_like", "mlp_stack", "residual_mlp", "save", "transformer_block", "weight_bytes"]

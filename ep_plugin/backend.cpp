@@ -1,0 +1,29 @@
+#include "backend.h"
+
+#include <stdexcept>
+
+#include "errors.h"
+
+namespace offload {
+
+void PhysicalBackend::inject_failure(const std::string& op, uint64_t after) {
+  const std::atomic<uint64_t>* target = nullptr;
+  if (op == "create") target = &counters_.creates;
+  else if (op == "release") target = &counters_.releases;
+  else if (op == "map") target = &counters_.maps;
+  else if (op == "set_access") target = &counters_.accesses;
+  else if (op == "unmap") target = &counters_.unmaps;
+  else if (op == "plain_alloc") target = &counters_.plain_allocs;
+  else throw std::invalid_argument(concat("cannot inject a failure into '", op, "'"));
+  fail_at_ = target->load() + after;
+  fail_op_ = target;
+}
+
+void PhysicalBackend::maybe_fail(const std::atomic<uint64_t>& calls) {
+  if (fail_op_.load() == &calls && calls.load() + 1 >= fail_at_.load()) {
+    fail_op_ = nullptr;
+    throw OffloadError("injected failure");
+  }
+}
+
+}  // namespace offload

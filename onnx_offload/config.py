@@ -1,0 +1,178 @@
+"""Configuration: one dataclass, built from keyword arguments or the environment.
+
+Environment variables (the names the ONNX GenAI engine uses):
+
+- ``ONNX_GENAI_WEIGHT_OFFLOAD``: ``1`` lets weights exceed their allowance and stream.
+- ``ONNX_GENAI_WEIGHT_OFFLOAD_VMM``: ``1`` gives every weight a stable address (CUDA VMM);
+  otherwise offloaded weights are allocated per page-in (the plain baseline).
+- ``ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES``: the allowance of the weights zone, in bytes.
+- ``ONNX_GENAI_WEIGHT_OFFLOAD_POLICY``: ``planned`` (default), ``stable``, ``lru`` or ``mru``.
+- ``ONNX_GENAI_VRAM_LIMIT``: the device budget: ``6GiB``, ``6000000000``, ``0.9`` (a fraction
+  of device memory) or ``auto`` (90% of the memory free when the session starts).
+- ``ONNX_GENAI_CUDA_GRAPH``: ``0`` or ``1``; unset means decide automatically.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Mapping, Optional, Union
+
+ENV_OFFLOAD = "ONNX_GENAI_WEIGHT_OFFLOAD"
+ENV_VMM = "ONNX_GENAI_WEIGHT_OFFLOAD_VMM"
+ENV_DEVICE_BYTES = "ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES"
+ENV_POLICY = "ONNX_GENAI_WEIGHT_OFFLOAD_POLICY"
+ENV_VRAM_LIMIT = "ONNX_GENAI_VRAM_LIMIT"
+ENV_CUDA_GRAPH = "ONNX_GENAI_CUDA_GRAPH"
+
+POLICIES = ("planned", "stable", "lru", "mru")
+MiB = 1 << 20
+GiB = 1 << 30
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+BYTES_FORMS = "an integer byte count (6000000000) or a size with a unit (6GiB, 512MiB, 6GB)"
+LIMIT_FORMS = BYTES_FORMS + ", a fraction of device memory in (0, 1] (0.9), or 'auto'"
+BOOL_FORMS = "'0' or '1'"
+
+
+def parse_bytes(value: Union[str, int], name: str = "value") -> int:
+    """Parses ``6GiB``, ``512MiB``, ``6GB`` or ``6000000000`` into bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not valid: expected {BYTES_FORMS}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{name}={value!r} is not valid: expected a positive size, {BYTES_FORMS}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"{name}={value!r} is not valid: expected {BYTES_FORMS}")
+    number = float(m.group(1))
+    if unit in ("", "b") and "." in m.group(1):
+        raise ValueError(f"{name}={value!r} is not valid: a plain byte count must be an integer; expected {BYTES_FORMS}")
+    n = int(number * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"{name}={value!r} is not valid: expected a positive size, {BYTES_FORMS}")
+    return n
+
+
+def parse_vram_limit(value: Union[str, int, float, None], name: str = ENV_VRAM_LIMIT):
+    """Returns ``None`` (auto), a fraction (float in (0, 1]) or a byte count (int)."""
+    if value is None:
+        return None
+    if isinstance(value, float):
+        if 0.0 < value <= 1.0:
+            return value
+        raise ValueError(f"{name}={value!r} is not valid: expected {LIMIT_FORMS}")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return None
+        if re.fullmatch(r"0?\.[0-9]+|1\.0*|0\.0*", text):
+            f = float(text)
+            if 0.0 < f <= 1.0:
+                return f
+            raise ValueError(f"{name}={value!r} is not valid: expected {LIMIT_FORMS}")
+    try:
+        return parse_bytes(value, name)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not valid: expected {LIMIT_FORMS}") from None
+
+
+def parse_flag(value: Union[str, bool, int, None], name: str) -> Optional[bool]:
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true"):
+        return True
+    if text in ("0", "false"):
+        return False
+    raise ValueError(f"{name}={value!r} is not valid: expected {BOOL_FORMS}")
+
+
+def parse_policy(value: str, name: str = ENV_POLICY) -> str:
+    text = str(value).strip().lower()
+    if text not in POLICIES:
+        raise ValueError(f"{name}={value!r} is not valid: expected one of {', '.join(POLICIES)}")
+    return text
+
+
+@dataclasses.dataclass
+class OffloadConfig:
+    """Everything that shapes an offloaded session. Build with ``from_env`` or directly."""
+
+    offload: bool = False
+    vmm: bool = False
+    weight_bytes: Optional[int] = None  # allowance of the weights zone
+    vram_limit: Union[None, int, float] = None  # bytes, fraction, or None (auto)
+    cuda_graph: Optional[bool] = None  # explicit env value; None: auto
+    graph_override: Optional[bool] = None  # programmatic override (kwarg cuda_graph=)
+    policy: str = "planned"
+    device_id: int = 0
+    min_weight_bytes: int = 4096  # smaller initializers stay inside the model
+    kv_bytes: int = 0  # reserve of the KV zone
+    scratch_bytes: int = 256 * MiB  # reserve of the scratch zone (ORT's memory, boundary buffers)
+    segment_bytes: Optional[int] = None  # weights per segment; None: a quarter of the allowance
+    host_granularity: int = 2 * MiB  # the host backend's granule, matching the GPU's
+    handle_classes: tuple = ()  # () means granule, 16 and 128 granules
+    zone_va_bytes: Optional[int] = None
+    optimization_level: Optional[str] = None  # None: the SessionOptions' level
+
+    def __post_init__(self):
+        self.vram_limit = parse_vram_limit(self.vram_limit, "vram_limit")
+        self.policy = parse_policy(self.policy, "policy")
+        if self.weight_bytes is not None:
+            self.weight_bytes = parse_bytes(self.weight_bytes, "weight_bytes")
+        if self.segment_bytes is not None:
+            self.segment_bytes = parse_bytes(self.segment_bytes, "segment_bytes")
+        for field in ("kv_bytes", "scratch_bytes", "min_weight_bytes"):
+            v = getattr(self, field)
+            if isinstance(v, str):
+                setattr(self, field, parse_bytes(v, field))
+            elif not isinstance(v, int) or v < 0:
+                raise ValueError(f"{field}={v!r} is not valid: expected a non-negative byte count")
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides) -> "OffloadConfig":
+        """Reads the ``ONNX_GENAI_*`` variables; keyword arguments win over them."""
+        env = os.environ if env is None else env
+        values = {}
+
+        def get(name):
+            v = env.get(name)
+            return None if v is None or v.strip() == "" else v
+
+        if get(ENV_OFFLOAD) is not None:
+            values["offload"] = parse_flag(get(ENV_OFFLOAD), ENV_OFFLOAD)
+        if get(ENV_VMM) is not None:
+            values["vmm"] = parse_flag(get(ENV_VMM), ENV_VMM)
+        if get(ENV_DEVICE_BYTES) is not None:
+            values["weight_bytes"] = parse_bytes(get(ENV_DEVICE_BYTES), ENV_DEVICE_BYTES)
+        if get(ENV_POLICY) is not None:
+            values["policy"] = parse_policy(get(ENV_POLICY))
+        if get(ENV_VRAM_LIMIT) is not None:
+            values["vram_limit"] = parse_vram_limit(get(ENV_VRAM_LIMIT))
+        if get(ENV_CUDA_GRAPH) is not None:
+            values["cuda_graph"] = parse_flag(get(ENV_CUDA_GRAPH), ENV_CUDA_GRAPH)
+        if "cuda_graph" in overrides:
+            values["graph_override"] = parse_flag(overrides.pop("cuda_graph"), "cuda_graph")
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown OffloadConfig options: {', '.join(sorted(unknown))}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def resolve_budget(self, free: int, total: int) -> int:
+        """The device budget in bytes, given the device's free and total memory."""
+        if self.vram_limit is None:
+            return int(free * 0.9)
+        if isinstance(self.vram_limit, float):
+            return int(total * self.vram_limit)
+        return int(self.vram_limit)

@@ -1,0 +1,83 @@
+"""The host store: every weight in one page-locked buffer, registered once.
+
+It is filled straight from the optimized model's data file with ``readinto``, so the
+weights are never held twice in RAM. Page-ins copy from here.
+"""
+from __future__ import annotations
+
+import mmap
+from typing import Callable, Dict, Iterable, Optional
+
+import numpy as np
+
+from .model import WeightInfo
+
+ALIGN = 256
+
+
+class HostStore:
+    def __init__(self, backend, weights: Iterable[WeightInfo]):
+        self._backend = backend
+        self._offsets: Dict[str, int] = {}
+        self._sizes: Dict[str, int] = {}
+        total = 0
+        for w in weights:
+            total = -(-total // ALIGN) * ALIGN
+            self._offsets[w.name] = total
+            self._sizes[w.name] = w.nbytes
+            total += w.nbytes
+        self.nbytes = total
+        self._map = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self.base = self._array.ctypes.data
+        self._registered = False
+        if total:
+            backend.host_register(self.base, total)
+            self._registered = True
+
+    def fill_from_file(self, path: str, weights: Iterable[WeightInfo],
+                       progress: Optional[Callable[[int, int], None]] = None) -> None:
+        weights = list(weights)
+        done = 0
+        with open(path, "rb", buffering=0) as f:
+            for w in weights:
+                f.seek(w.offset)
+                view = memoryview(self._array)[self._offsets[w.name]:self._offsets[w.name] + w.nbytes]
+                got = 0
+                while got < w.nbytes:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise OSError(f"{path}: weight {w.name!r} is truncated ({got} of {w.nbytes} bytes)")
+                    got += n
+                done += w.nbytes
+                if progress:
+                    progress(done, self.nbytes)
+
+    def ptr(self, name: str) -> int:
+        return self.base + self._offsets[name]
+
+    def view(self, name: str) -> np.ndarray:
+        o = self._offsets[name]
+        return self._array[o:o + self._sizes[name]]
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        if self._registered:
+            self._backend.host_unregister(self.base)
+            self._registered = False
+        self._array = None
+        try:
+            self._map.close()
+        except BufferError:
+            # A view is still exported somewhere; the mapping goes with the last reference.
+            pass
+        self._map = None
+
+
+def read_bytes(backend, stream, va: int, nbytes: int) -> np.ndarray:
+    """Copies device (or host-backend) memory back into a new numpy array."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    backend.copy_d2h(out.ctypes.data, va, nbytes, stream)
+    stream.synchronize()
+    return out

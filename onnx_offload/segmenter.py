@@ -1,0 +1,123 @@
+"""Splits a graph, in topological order, into contiguous segments whose weights fit a
+target, and computes the boundary tensors between them.
+
+Each segment becomes a model of its own: its nodes, the small initializers they read,
+the weights they read (as declarations; the data arrives through slots), the boundary
+values it consumes as inputs, and the values later segments or the caller need as
+outputs. Running the segments in order gives the outputs of the unsplit model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Sequence
+
+import onnx
+from onnx import helper
+
+from .model import node_inputs
+
+
+@dataclasses.dataclass
+class Segment:
+    index: int
+    node_indices: List[int]
+    weights: List[str]  # weights its nodes read, in first-use order
+    inputs: List[str]   # values it consumes from the caller or earlier segments
+    outputs: List[str]  # values it produces for later segments or the caller
+    model: onnx.ModelProto = None
+
+
+def plan_segments(model: onnx.ModelProto, weight_cost: Callable[[Sequence[str]], int],
+                  is_weight: Callable[[str], bool], target: int) -> List[List[int]]:
+    """Groups consecutive nodes so that each group's weights cost at most `target`.
+
+    `weight_cost(names)` is the committed cost of a set of weights. A node whose own
+    weights exceed the target gets a segment to itself.
+    """
+    groups: List[List[int]] = []
+    current: List[int] = []
+    current_weights: List[str] = []
+    seen = set()
+    for i, node in enumerate(model.graph.node):
+        mine = [n for n in dict.fromkeys(node_inputs(node)) if is_weight(n)]
+        new = [n for n in mine if n not in seen]
+        if current and new and weight_cost(current_weights + new) > target:
+            groups.append(current)
+            current, current_weights, seen = [], [], set()
+            new = mine
+        current.append(i)
+        current_weights.extend(new)
+        seen.update(new)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
+    """Types of every value: ONNX shape inference, then, for ops it does not know (ORT's
+    fused contrib ops), the element type of the node's first typed input."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - inference is best effort; the fallback below covers it
+        inferred = model
+    types: Dict[str, onnx.TypeProto] = {}
+    for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            types.setdefault(vi.name, vi.type)
+    for t in model.graph.initializer:
+        types.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, list(t.dims)))
+    for node in model.graph.node:
+        for out in node.output:
+            if out and out not in types:
+                src = next((types[n] for n in node.input if n in types), None)
+                if src is not None:
+                    types[out] = helper.make_tensor_type_proto(src.tensor_type.elem_type, None)
+    return types
+
+
+def _value_info(name: str, types: Dict[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
+    if name not in types:
+        raise ValueError(f"no type is known for boundary value {name!r}")
+    t = types[name]
+    shape = None
+    if t.tensor_type.HasField("shape"):
+        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.tensor_type.shape.dim]
+    return helper.make_tensor_value_info(name, t.tensor_type.elem_type, shape)
+
+
+def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[str], bool]) -> List[Segment]:
+    """Builds one model per group. `model` holds weights as declarations only."""
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    graph_outputs = [o.name for o in graph.output]
+    producer: Dict[str, int] = {}
+    for gi, group in enumerate(groups):
+        for i in group:
+            for out in graph.node[i].output:
+                if out:
+                    producer[out] = gi
+    consumers: Dict[str, set] = {}
+    for gi, group in enumerate(groups):
+        for i in group:
+            for name in node_inputs(graph.node[i]):
+                consumers.setdefault(name, set()).add(gi)
+    types = value_types(model)
+    segments = []
+    for gi, group in enumerate(groups):
+        nodes = [graph.node[i] for i in group]
+        read = list(dict.fromkeys(n for node in nodes for n in node_inputs(node)))
+        produced = {o for node in nodes for o in node.output if o}
+        inputs = [n for n in read if n not in produced and n not in initializers]
+        weights = [n for n in read if n in initializers and is_weight(n)]
+        constants = [initializers[n] for n in read if n in initializers and not is_weight(n)]
+        outputs = [o for node in nodes for o in node.output
+                   if o and (o in graph_outputs or any(c > gi for c in consumers.get(o, ())))]
+        sub = helper.make_graph(
+            nodes, f"{graph.name or 'graph'}_segment{gi}",
+            [_value_info(n, types) for n in inputs],
+            [_value_info(n, types) for n in outputs],
+            initializer=constants + [initializers[n] for n in weights])
+        m = helper.make_model(sub, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+        m.producer_name = "onnx-offload"
+        segments.append(Segment(gi, list(group), weights, inputs, outputs, m))
+    return segments

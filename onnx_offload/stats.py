@@ -1,0 +1,120 @@
+"""A snapshot of a session's memory and offload counters, printable as a table."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .residency import Counters
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def table(rows, headers=None) -> str:
+    rows = [[str(c) for c in r] for r in rows]
+    if headers:
+        rows.insert(0, list(headers))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    if headers:
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    backend: str
+    policy: str
+    vmm: bool
+    segments: int
+    weights: int
+    weight_bytes: int
+    capture: str
+    ledger: dict
+    arena: dict
+    driver: dict
+    counters: Counters
+    last_step: Counters
+    scratch: dict
+    ort_owned_bytes: int
+    outside_bytes: int
+    notes: tuple = ()
+
+    @property
+    def vram_alloc_ms(self) -> float:
+        d = self.driver
+        return (d["create_ns"] + d["map_ns"] + d["set_access_ns"] + d["plain_alloc_ns"]) / 1e6
+
+    @property
+    def vram_free_ms(self) -> float:
+        d = self.driver
+        return (d["unmap_ns"] + d["release_ns"] + d["plain_free_ns"]) / 1e6
+
+    @property
+    def peak_committed(self) -> int:
+        return self.ledger["peak_committed"]
+
+    @property
+    def peak_content(self) -> int:
+        return self.ledger["peak_content"]
+
+    @property
+    def granule_overhead(self) -> int:
+        return self.ledger["peak_committed"] - self.ledger["peak_content"]
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["counters"] = self.counters.as_dict()
+        d["last_step"] = self.last_step.as_dict()
+        d.update(vram_alloc_ms=self.vram_alloc_ms, vram_free_ms=self.vram_free_ms,
+                 peak_committed=self.peak_committed, peak_content=self.peak_content,
+                 granule_overhead=self.granule_overhead)
+        return d
+
+    def table(self) -> str:
+        c = self.counters
+        rows = [
+            ("backend / policy", f"{self.backend} / {self.policy}{' (vmm)' if self.vmm else ' (plain)'}"),
+            ("segments / weights", f"{self.segments} / {self.weights} ({fmt_bytes(self.weight_bytes)})"),
+            ("cuda graph", self.capture),
+            ("steps", c.steps),
+            ("accesses", c.accesses),
+            ("page_ins", c.page_ins),
+            ("hits", c.hits),
+            ("hit rate", f"{c.hit_rate:.2%}"),
+            ("byte hit rate", f"{c.byte_hit_rate:.2%}"),
+            ("evictions", c.evictions),
+            ("bypassed page-ins", f"{c.bypassed} ({fmt_bytes(c.bypassed_bytes)})"),
+            ("htod", f"{fmt_bytes(c.htod_bytes)} in {c.htod_ms:.2f} ms"),
+            ("vram_alloc / vram_free", f"{self.vram_alloc_ms:.2f} ms / {self.vram_free_ms:.2f} ms"),
+            ("driver creates / releases", f"{self.driver['creates']} / {self.driver['releases']}"),
+            ("budget", fmt_bytes(self.ledger["budget"])),
+            ("peak committed", fmt_bytes(self.peak_committed)),
+            ("peak content", fmt_bytes(self.peak_content)),
+            ("granule overhead", fmt_bytes(self.granule_overhead)),
+            ("ORT-owned initializers", fmt_bytes(self.ort_owned_bytes)),
+            ("outside bytes (cuBLAS, ORT arena)", fmt_bytes(self.outside_bytes)),
+        ]
+        zones = [(z, fmt_bytes(v["committed"]["current"]), fmt_bytes(v["committed"]["peak"]),
+                  fmt_bytes(v["allowance"]), fmt_bytes(v["reserve"]))
+                 for z, v in self.ledger["zones"].items()]
+        text = table(rows) + "\n\n" + table(zones, ("zone", "committed", "peak", "allowance", "reserve"))
+        if self.notes:
+            text += "\n\n" + "\n".join(f"note: {n}" for n in self.notes)
+        return text
+
+    __str__ = table
+
+
+def invariant_violations(arena: Optional[dict]) -> dict:
+    """The invariant counters that must read 0, with their values."""
+    if not arena:
+        return {}
+    keys = ("refcount_underflows", "unmaps_before_reader", "unaccounted_bytes", "uncovered_referenced")
+    return {k: arena[k] for k in keys if arena[k]}

@@ -1,0 +1,80 @@
+import functools
+
+import pytest
+
+from onnx_offload import _core, cuda_available
+
+MiB = 1 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_skip_reason() -> str:
+    ok, why = cuda_available()
+    if not ok:
+        return f"no CUDA device: {why}"
+    import onnxruntime as ort
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "onnxruntime has no CUDA execution provider (install onnxruntime-gpu)"
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_skip_reason()
+    if not reason:
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+class Rig:
+    """A backend, a ledger and an arena, as one device would have them."""
+
+    def __init__(self, kind: str, budget: int, granularity: int = 64 << 10, classes=(), pool_limit=None):
+        self.kind = kind
+        self.backend = _core.make_cuda_backend(0) if kind == "cuda" else _core.make_host_backend(granularity)
+        self.g = self.backend.granularity
+        self.ledger = _core.BudgetOwner(budget)
+        kwargs = dict(zone_va_bytes=1 << 36, handle_classes=list(classes))
+        if pool_limit is not None:
+            kwargs["pool_limit"] = pool_limit
+        self.arena = _core.Arena(self.backend, self.ledger, **kwargs)
+        self.stream = self.backend.create_stream()
+        self.keep = []
+
+    def read(self, va: int, n: int):
+        import numpy as np
+        out = np.empty(n, dtype=np.uint8)
+        self.backend.copy_d2h(out.ctypes.data, va, n, self.stream)
+        self.stream.synchronize()
+        return out
+
+    def write(self, va: int, data):
+        import numpy as np
+        data = np.ascontiguousarray(data)
+        self.backend.copy_h2d(va, data.ctypes.data, data.nbytes, self.stream)
+        self.stream.synchronize()
+
+    def invariants(self) -> dict:
+        s = self.arena.stats()
+        return {k: s[k] for k in ("refcount_underflows", "unmaps_before_reader", "unaccounted_bytes",
+                                   "uncovered_referenced")}
+
+
+@pytest.fixture(params=BACKENDS)
+def rig_factory(request):
+    made = []
+
+    def make(budget=256 * MiB, **kw):
+        if request.param == "cuda":
+            kw.pop("granularity", None)
+        r = Rig(request.param, budget, **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.arena.close()
