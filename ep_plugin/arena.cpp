@@ -205,8 +205,8 @@ void Arena::commit(Zone charge, const std::vector<ByteRange>& ranges, uint64_t c
   gmap_.acquire(charge, offs);
   mapped_by_zone_[int(charge)] += n;
   content_by_zone_[int(charge)] += content;
+  ledger_->set_pooled(pool_.bytes());  // first: the peak is noted against the current pool
   ledger_->add_content(charge, content);
-  ledger_->set_pooled(pool_.bytes());
   ++counters_.commits;
 }
 

@@ -107,16 +107,18 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
         nodes = [graph.node[i] for i in group]
         read = list(dict.fromkeys(n for node in nodes for n in node_inputs(node)))
         produced = {o for node in nodes for o in node.output if o}
-        inputs = [n for n in read if n not in produced and n not in initializers]
-        weights = [n for n in read if n in initializers and is_weight(n)]
+        inputs = [n for n in read if n not in produced and n not in initializers and not is_weight(n)]
+        weights = [n for n in read if is_weight(n)]
         constants = [initializers[n] for n in read if n in initializers and not is_weight(n)]
+        # Weights arrive as initializers (stable slots) or, in the plain baseline, as inputs.
+        weight_inputs = [n for n in weights if n not in initializers]
         outputs = [o for node in nodes for o in node.output
                    if o and (o in graph_outputs or any(c > gi for c in consumers.get(o, ())))]
         sub = helper.make_graph(
             nodes, f"{graph.name or 'graph'}_segment{gi}",
-            [_value_info(n, types) for n in inputs],
+            [_value_info(n, types) for n in inputs + weight_inputs],
             [_value_info(n, types) for n in outputs],
-            initializer=constants + [initializers[n] for n in weights])
+            initializer=constants + [initializers[n] for n in weights if n in initializers])
         m = helper.make_model(sub, opset_imports=list(model.opset_import), ir_version=model.ir_version)
         m.producer_name = "onnx-offload"
         segments.append(Segment(gi, list(group), weights, inputs, outputs, m))

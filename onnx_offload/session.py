@@ -195,7 +195,7 @@ class OffloadSession:
             segments = split(model, groups, names.__contains__)
         else:
             seg_weights = [w.name for w in weights]
-            segments = [Segment(0, groups[0], seg_weights, [v.name for v in self._graph_inputs],
+            segments = [Segment(0, groups[0], seg_weights, [v.name for v in self._graph_inputs if v.name not in names],
                                 [v.name for v in self._graph_outputs], model)]
 
         # Budget: the transient zone holds the largest streamed segment; the weights zone the rest.

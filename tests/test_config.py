@@ -1,0 +1,75 @@
+"""Configuration from keywords and the environment, bad values included."""
+import pytest
+
+from onnx_offload import OffloadConfig, parse_bytes
+from onnx_offload.config import parse_vram_limit
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("6GiB", 6 * GiB), ("6 GiB", 6 * GiB), ("6000000000", 6_000_000_000), ("6GB", 6_000_000_000),
+    ("512MiB", 512 << 20), ("1.5GiB", int(1.5 * GiB)), ("64k", 64 << 10), (4096, 4096),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "six", "6 GiBs", "-1", "0", "1.5", "GiB", True])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError, match="expected"):
+        parse_bytes(text, "X")
+
+
+@pytest.mark.parametrize("text,expected", [("auto", None), ("0.9", 0.9), ("1.0", 1.0), ("6GiB", 6 * GiB),
+                                           ("6000000000", 6_000_000_000), (0.5, 0.5)])
+def test_parse_vram_limit(text, expected):
+    assert parse_vram_limit(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1.5", "0.0", "-0.5", "lots", "90%"])
+def test_parse_vram_limit_rejects_naming_the_variable(text):
+    with pytest.raises(ValueError, match=r"ONNX_GENAI_VRAM_LIMIT=.*fraction.*auto"):
+        parse_vram_limit(text)
+
+
+def test_from_env_reads_every_flag():
+    env = {"ONNX_GENAI_WEIGHT_OFFLOAD": "1", "ONNX_GENAI_WEIGHT_OFFLOAD_VMM": "1",
+           "ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES": "6000000000", "ONNX_GENAI_VRAM_LIMIT": "0.5",
+           "ONNX_GENAI_CUDA_GRAPH": "0", "ONNX_GENAI_WEIGHT_OFFLOAD_POLICY": "LRU"}
+    c = OffloadConfig.from_env(env)
+    assert (c.offload, c.vmm, c.weight_bytes, c.vram_limit, c.cuda_graph, c.policy) == (
+        True, True, 6_000_000_000, 0.5, False, "lru")
+    assert c.graph_override is None
+
+
+def test_keywords_win_over_the_environment():
+    env = {"ONNX_GENAI_WEIGHT_OFFLOAD": "0", "ONNX_GENAI_VRAM_LIMIT": "1GiB"}
+    c = OffloadConfig.from_env(env, offload=True, vram_limit="2GiB", cuda_graph=True)
+    assert c.offload and c.vram_limit == 2 * GiB and c.graph_override is True and c.cuda_graph is None
+
+
+@pytest.mark.parametrize("name,value,forms", [
+    ("ONNX_GENAI_WEIGHT_OFFLOAD", "yes", "'0' or '1'"),
+    ("ONNX_GENAI_WEIGHT_OFFLOAD_VMM", "2", "'0' or '1'"),
+    ("ONNX_GENAI_CUDA_GRAPH", "on", "'0' or '1'"),
+    ("ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES", "6 gigs", "integer byte count"),
+    ("ONNX_GENAI_VRAM_LIMIT", "half", "fraction"),
+    ("ONNX_GENAI_WEIGHT_OFFLOAD_POLICY", "fifo", "planned, stable, lru, mru"),
+])
+def test_bad_env_values_name_the_variable_and_the_forms(name, value, forms):
+    with pytest.raises(ValueError) as e:
+        OffloadConfig.from_env({name: value})
+    assert name in str(e.value) and repr(value) in str(e.value) and forms in str(e.value)
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="vram_limt"):
+        OffloadConfig.from_env({}, vram_limt="1GiB")
+
+
+def test_budget_resolution():
+    free, total = 50 * GiB, 80 * GiB
+    assert OffloadConfig(vram_limit=None).resolve_budget(free, total) == int(free * 0.9)
+    assert OffloadConfig(vram_limit=0.5).resolve_budget(free, total) == 40 * GiB
+    assert OffloadConfig(vram_limit="6GiB").resolve_budget(free, total) == 6 * GiB

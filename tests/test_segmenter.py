@@ -1,0 +1,69 @@
+"""Segmenter equivalence: running the segments in order equals the unsplit model."""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from onnx_offload.models import mlp_stack, residual_mlp, transformer_block
+from onnx_offload.segmenter import plan_segments, split
+
+CPU = ["CPUExecutionProvider"]
+
+
+def run_split(model, target, feeds, min_weight=4096):
+    sizes = {t.name: numpy_helper.to_array(t).nbytes for t in model.graph.initializer}
+    is_weight = lambda n: sizes.get(n, 0) >= min_weight  # noqa: E731
+    groups = plan_segments(model, lambda ns: sum(sizes[n] for n in ns), is_weight, target)
+    segments = split(model, groups, is_weight)
+    values = dict(feeds)
+    for seg in segments:
+        sess = ort.InferenceSession(seg.model.SerializeToString(), providers=CPU)
+        outs = sess.run(seg.outputs, {n: values[n] for n in seg.inputs})
+        values.update(zip(seg.outputs, outs))
+    return segments, [values[o.name] for o in model.graph.output]
+
+
+def reference(model, feeds):
+    return ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)
+
+
+@pytest.mark.parametrize("target", [1, 300_000, 10**9])
+def test_chain(target):
+    m = mlp_stack(layers=6, hidden=192, batch=3)
+    feeds = {"x": np.random.default_rng(0).standard_normal((3, 192)).astype(np.float32)}
+    segments, outs = run_split(m, target, feeds)
+    assert len(segments) == (6 if target == 1 else 1 if target == 10**9 else 3)
+    np.testing.assert_array_equal(outs[0], reference(m, feeds)[0])
+
+
+def test_residuals_shared_weight_and_several_outputs():
+    m = residual_mlp(layers=6, hidden=128, batch=4)
+    feeds = {"x": np.random.default_rng(1).standard_normal((4, 128)).astype(np.float32)}
+    segments, outs = run_split(m, 1, feeds)
+    assert len(segments) == 6
+    readers = [s.index for s in segments if "shared" in s.weights]
+    assert readers == [0, 5]  # one weight, used by two segments
+    assert "x" in segments[1].inputs or "r0" in segments[1].inputs
+    for got, want in zip(outs, reference(m, feeds)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_transformer_blocks():
+    m = transformer_block(hidden=64, heads=4, seq=8, batch=2, ffn=128, blocks=3)
+    feeds = {"x": np.random.default_rng(2).standard_normal((2, 8, 64)).astype(np.float32)}
+    segments, outs = run_split(m, 40_000, feeds)
+    assert len(segments) > 3
+    np.testing.assert_array_equal(outs[0], reference(m, feeds)[0])
+
+
+def test_boundaries_are_minimal():
+    m = mlp_stack(layers=4, hidden=64, batch=2)
+    sizes = {t.name: numpy_helper.to_array(t).nbytes for t in m.graph.initializer}
+    groups = plan_segments(m, lambda ns: sum(sizes[n] for n in ns), lambda n: sizes.get(n, 0) >= 4096, 1)
+    segments = split(m, groups, lambda n: sizes.get(n, 0) >= 4096)
+    for seg in segments[1:]:
+        assert len(seg.inputs) == 1  # only the running activation crosses a cut
+    for seg in segments[:-1]:
+        assert len(seg.outputs) == 1
+    onnx.checker.check_model(segments[0].model)

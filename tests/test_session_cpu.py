@@ -1,0 +1,132 @@
+"""OffloadSession on the CPU EP through the host backend, against plain onnxruntime."""
+import ctypes
+import os
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from onnx_offload import BudgetExceeded, CorruptModel, CudaUnavailable, OffloadSession, StateError, cuda_available
+from onnx_offload.models import mlp_stack, save, transformer_block, weight_bytes
+
+CPU = ["CPUExecutionProvider"]
+G = 64 << 10
+
+
+def reference(model, feeds):
+    return ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)
+
+
+@pytest.fixture
+def mlp():
+    return mlp_stack(layers=4, hidden=256, batch=8)
+
+
+@pytest.fixture
+def x():
+    return np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+
+
+def session(model, **kw):
+    kw.setdefault("host_granularity", G)
+    kw.setdefault("vram_limit", "256MiB")
+    return OffloadSession(model.SerializeToString(), providers=CPU, **kw)
+
+
+@pytest.mark.parametrize("make,shape", [(lambda: mlp_stack(layers=4, hidden=256, batch=8), (8, 256)),
+                                        (lambda: transformer_block(), (2, 16, 256))])
+def test_outputs_equal_plain_onnxruntime(make, shape):
+    model = make()
+    feeds = {"x": np.random.default_rng(3).standard_normal(shape).astype(np.float32)}
+    with session(model) as s:
+        got = s.run(None, feeds)
+        assert len(s.segments) == 1
+    np.testing.assert_allclose(got[0], reference(model, feeds)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_weights_are_used_in_place(mlp, x):
+    with session(mlp) as s:
+        before = s.run(None, {"x": x})[0]
+        w3 = s.residency.slots["w3"]
+        ctypes.memset(w3.va, 0, w3.length)  # the slot is what ORT reads
+        after = s.run(None, {"x": x})[0]
+    bias = next(numpy_helper.to_array(t) for t in mlp.graph.initializer if t.name == "b3")
+    assert not np.allclose(before, after)
+    np.testing.assert_allclose(after, np.broadcast_to(bias, after.shape), rtol=1e-6)
+
+
+def test_ledger_matches_the_weights_and_returns_to_zero(mlp, x):
+    s = session(mlp)
+    s.run(None, {"x": x})
+    st = s.stats()
+    w = st.ledger["zones"]["weights"]
+    assert w["content"]["current"] == weight_bytes(mlp)
+    assert w["committed"]["current"] >= w["content"]["current"]
+    assert w["committed"]["current"] - w["content"]["current"] < G
+    assert st.counters.accesses == st.counters.hits == 4 and st.counters.page_ins == 0
+    assert "weights" in str(st) and "hit rate" in str(st)
+    final = s.close()
+    assert final["committed"] == 0 and final["pooled"] == 0
+    with pytest.raises(StateError, match="closed"):
+        s.run(None, {"x": x})
+
+
+def test_iobinding_and_introspection(mlp, x):
+    with session(mlp) as s:
+        io = s.io_binding()
+        io.bind_cpu_input("x", x)
+        io.bind_output("y")
+        s.run_with_iobinding(io)
+        np.testing.assert_allclose(io.copy_outputs_to_cpu()[0], reference(mlp, {"x": x})[0], rtol=1e-5, atol=1e-6)
+        assert [i.name for i in s.get_inputs()] == ["x"] and [o.name for o in s.get_outputs()] == ["y"]
+        assert s.get_providers() == CPU
+        assert not s.graph_capture.enabled
+
+
+def test_budget_below_weights_without_offload_is_refused(mlp):
+    with pytest.raises(BudgetExceeded, match="ONNX_GENAI_WEIGHT_OFFLOAD=1") as e:
+        session(mlp, vram_limit=weight_bytes(mlp) // 2)
+    assert isinstance(e.value, MemoryError)
+
+
+def test_budget_below_the_largest_weight_is_refused(mlp):
+    with pytest.raises(BudgetExceeded, match="largest weight"):
+        session(mlp, vram_limit=128 << 10, offload=True, vmm=True)
+
+
+def test_corrupt_model_is_a_typed_error(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07garbage that is not a protobuf model" * 3)
+    with pytest.raises(CorruptModel):
+        OffloadSession(str(bad), providers=CPU)
+    with pytest.raises(FileNotFoundError):
+        OffloadSession(str(tmp_path / "missing.onnx"), providers=CPU)
+
+
+def test_env_flags_drive_the_session(mlp, x, monkeypatch):
+    monkeypatch.setenv("ONNX_GENAI_WEIGHT_OFFLOAD", "1")
+    monkeypatch.setenv("ONNX_GENAI_WEIGHT_OFFLOAD_VMM", "1")
+    monkeypatch.setenv("ONNX_GENAI_VRAM_LIMIT", str(weight_bytes(mlp) // 2))
+    with OffloadSession(mlp.SerializeToString(), providers=CPU, host_granularity=G) as s:
+        assert len(s.segments) > 1 and s.config.offload and s.config.vmm
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(mlp, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("ONNX_GENAI_VRAM_LIMIT", "lots")
+    with pytest.raises(ValueError, match="ONNX_GENAI_VRAM_LIMIT"):
+        OffloadSession(mlp.SerializeToString(), providers=CPU)
+
+
+@pytest.mark.skipif(cuda_available()[0], reason="checks the error on machines without CUDA")
+def test_cuda_without_a_driver_is_a_typed_error(mlp):
+    with pytest.raises(CudaUnavailable, match="driver|CUDA"):
+        OffloadSession(mlp.SerializeToString(), providers=["CUDAExecutionProvider"])
+
+
+def test_model_from_path_with_sess_options(mlp, x, tmp_path):
+    path = save(mlp, str(tmp_path / "m.onnx"))
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    with OffloadSession(path, so, providers=CPU, host_granularity=G, vram_limit="64MiB") as s:
+        assert s.get_session_options().intra_op_num_threads == 1
+        np.testing.assert_allclose(s.run(["y"], {"x": x})[0], reference(mlp, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    assert os.path.exists(path)
