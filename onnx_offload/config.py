@@ -124,6 +124,7 @@ class OffloadConfig:
     handle_classes: tuple = ()  # () means granule, 16 and 128 granules
     zone_va_bytes: Optional[int] = None
     optimization_level: Optional[str] = None  # None: the SessionOptions' level
+    cache_dir: Optional[str] = None  # keeps optimized models between sessions
 
     def __post_init__(self):
         self.vram_limit = parse_vram_limit(self.vram_limit, "vram_limit")

@@ -45,7 +45,11 @@ class Device:
         self.ledger = _core.BudgetOwner(self.budget)
         weights = min(config.weight_bytes or self.budget, self.budget)
         kv_reserve = min(config.kv_bytes, self.budget)
+        # At least one granule when asked for any: less cannot back a single buffer.
         scratch_reserve = min(config.scratch_bytes, (self.budget - kv_reserve) // 8)
+        if config.scratch_bytes:
+            g = self.backend.granularity
+            scratch_reserve = min(-(-scratch_reserve // g) * g, self.budget - kv_reserve)
         self.ledger.set_zone("weights", allowance=weights, reserve=0, priority=0)
         self.ledger.set_zone("kv", allowance=self.budget, reserve=kv_reserve, priority=2)
         self.ledger.set_zone("scratch", allowance=self.budget, reserve=scratch_reserve, priority=1)

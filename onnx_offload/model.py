@@ -13,6 +13,7 @@ fails after the file is written; the file is what we keep.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from typing import Optional, Sequence
 
@@ -73,10 +74,21 @@ def materialize(path_or_bytes, workdir: str) -> str:
     return path
 
 
+def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int) -> str:
+    """Identifies an optimized model: the source file, the provider, the level, the threshold."""
+    st = os.stat(src)
+    text = "|".join(str(v) for v in (os.path.realpath(src), st.st_size, st.st_mtime_ns, on_cuda, int(level),
+                                      min_weight_bytes, ort.__version__))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
 def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes: int,
                   device=None) -> str:
-    """Runs ORT's graph optimizations once; returns the optimized model's path."""
+    """Runs ORT's graph optimizations once; returns the optimized model's path.
+    An optimized model already in `workdir` (a cache directory) is reused."""
     out = os.path.join(workdir, OPTIMIZED)
+    if os.path.exists(out) and os.path.exists(os.path.join(workdir, OPTIMIZED_DATA)):
+        return out
     so = ort.SessionOptions()
     so.graph_optimization_level = level
     so.optimized_model_filepath = out

@@ -233,8 +233,9 @@ def first_fit(order: Sequence[str], cost: IncrementalCost, allowance: int) -> se
 
 
 def plan_by_packs(mgr: "ResidencyManager", value: Dict[str, int]) -> set:
-    """0/1 knapsack over segment packs (granule-aligned, so their costs add), in
-    granules, then first-fit of the remaining weights into what is left."""
+    """0/1 knapsack over segment packs, in granules (a pack's cost counts the granules it
+    may share with a neighbour, so the sum is an upper bound), then first-fit of the
+    remaining weights, at their true incremental cost, into what is left."""
     g = mgr.granularity
     packs = [p for p in mgr.packs if p]
     costs = []
@@ -285,8 +286,9 @@ class ResidencyManager:
         self.granularity = device.granularity
         self.segments = [list(s) for s in segments]
         self.info = {w.name: w for w in weights}
-        # Pack order: each weight lives in the pack of the first segment that reads it,
-        # and each pack starts on a granule, so that segments never share one.
+        # Pack order: each weight lives in the pack of the first segment that reads it.
+        # Packs follow each other at byte granularity: the granule on a boundary between
+        # two segments is refcounted, committed once and freed when neither holds it.
         owner: Dict[str, int] = {}
         for k, seg in enumerate(self.segments):
             for n in seg:
@@ -297,11 +299,10 @@ class ResidencyManager:
         self.order = [n for p in self.packs for n in p]
         self.slots: Dict[str, object] = {}
         for pack in self.packs:
-            for i, n in enumerate(pack):
+            for n in pack:
                 nbytes = self.info[n].nbytes
                 if vmm:
-                    align = self.granularity if i == 0 else 256
-                    slot = _core.WeightSlot(device.arena, n, nbytes, align, "weights")
+                    slot = _core.WeightSlot(device.arena, n, nbytes, 256, "weights")
                 else:
                     slot = PlainSlot(device.arena, n, nbytes)
                 slot.set_source(store.ptr(n), nbytes)
@@ -375,8 +376,8 @@ class ResidencyManager:
                 if not self.policy.admit(n):
                     bypass.append(n)
                     continue
-                need = self._group_cost(admitted + [n])
-                while ledger.headroom("weights") < need:
+                # Recomputed after each eviction: a victim may have shared a granule with the group.
+                while (need := self._group_cost(admitted + [n])) > ledger.headroom("weights"):
                     victim = self.policy.victim(self.resident, current)
                     if victim is None:
                         break

@@ -34,7 +34,7 @@ from .device import Device
 from .errors import BudgetExceeded, CudaUnavailable, OffloadError, StateError
 from .graph_capture import GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
 from .host_store import HostStore
-from .model import (OPTIMIZED_DATA, WeightInfo, materialize, optimization_level, optimize_once,
+from .model import (OPTIMIZED_DATA, cache_key, materialize, optimization_level, optimize_once,
                     point_weights_at_placeholder, read_weights, save_model, weights_as_inputs)
 from .residency import Counters, ResidencyManager, plain_charge
 from .segmenter import Segment, plan_segments, split
@@ -148,7 +148,20 @@ class OffloadSession:
         cfg, dev = self.config, self._device
         src = materialize(path_or_bytes, self._workdir)
         level = optimization_level(cfg.optimization_level, self._user_options)
-        opt_path = optimize_once(src, self._workdir, self._on_cuda, level, cfg.min_weight_bytes, dev)
+        if cfg.cache_dir:
+            opt_dir = os.path.join(cfg.cache_dir, cache_key(src, self._on_cuda, level, cfg.min_weight_bytes))
+            if not os.path.isdir(opt_dir):
+                # Optimize beside the cache entry, then publish it with one rename.
+                os.makedirs(cfg.cache_dir, exist_ok=True)
+                tmp = tempfile.mkdtemp(dir=cfg.cache_dir, prefix=".partial-")
+                optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev)
+                try:
+                    os.rename(tmp, opt_dir)
+                except OSError:  # another process published it first
+                    shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            opt_dir = self._workdir
+        opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev)
         model = onnx.load(opt_path, load_external_data=False)
         weights = read_weights(model)
         self._weights = weights
@@ -200,7 +213,8 @@ class OffloadSession:
 
         # Budget: the transient zone holds the largest streamed segment; the weights zone the rest.
         if self._multi:
-            streamed = max(cost(s.weights) for s in segments)
+            # A segment's pack may start inside a granule: one more than its packed cost.
+            streamed = max(cost(s.weights) for s in segments) + (g if stable else 0)
             if streamed > usable:
                 raise BudgetExceeded(f"a segment needs {streamed} committed bytes, more than the usable budget {usable}")
             dev.set_transient_reserve(streamed)
@@ -212,7 +226,7 @@ class OffloadSession:
             override=cfg.graph_override, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why)
 
         self._store = HostStore(dev.backend, weights)
-        self._store.fill_from_file(os.path.join(self._workdir, OPTIMIZED_DATA), weights, progress)
+        self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, progress)
         self._residency = ResidencyManager(dev, self._store, weights, [s.weights for s in segments],
                                            cfg.policy, vmm=stable, record_timeline=record_timeline)
         if not self._multi:
@@ -334,7 +348,8 @@ class OffloadSession:
             return out
         values = self._run_segments(input_feed, run_options)
         wanted = output_names or [o.name for o in self._graph_outputs]
-        return [values[n].numpy() for n in wanted]
+        # Copies: on the CPU, numpy() aliases the fixed buffer the next step overwrites.
+        return [np.array(values[n].numpy(), copy=True) for n in wanted]
 
     def _after_single_run(self, mark) -> None:
         c = self._residency.counters
@@ -641,4 +656,4 @@ class OffloadIOBinding:
         return list(self._results.values())
 
     def copy_outputs_to_cpu(self):
-        return [v.numpy() for v in self._results.values()]
+        return [np.array(v.numpy(), copy=True) for v in self._results.values()]

@@ -68,7 +68,7 @@ def test_residuals_shared_weight_and_two_outputs():
     model = residual_mlp(layers=8, hidden=128, batch=4)
     x = np.random.default_rng(1).standard_normal((4, 128)).astype(np.float32)
     want = reference(model, {"x": x})
-    with offloaded(model, weight_bytes(model) // 3) as s:
+    with offloaded(model, weight_bytes(model) // 2) as s:
         for _ in range(2):
             got = s.run(None, {"x": x})
             for g, w in zip(got, want):
@@ -87,7 +87,7 @@ def test_transformer_blocks_split():
 
 def test_dynamic_batch_gets_a_plan_per_shape():
     model = mlp_stack(layers=8, hidden=128, batch=None)
-    with offloaded(model, weight_bytes(model) // 3) as s:
+    with offloaded(model, weight_bytes(model) // 2) as s:
         for batch in (1, 5, 1, 5, 3):
             x = np.random.default_rng(batch).standard_normal((batch, 128)).astype(np.float32)
             np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
@@ -97,7 +97,7 @@ def test_dynamic_batch_gets_a_plan_per_shape():
 def test_iobinding_on_a_split_session():
     model = mlp_stack(layers=8, hidden=128, batch=2)
     x = np.random.default_rng(4).standard_normal((2, 128)).astype(np.float32)
-    with offloaded(model, weight_bytes(model) // 3) as s:
+    with offloaded(model, weight_bytes(model) // 2) as s:
         io = s.io_binding()
         io.bind_cpu_input("x", x)
         io.bind_output("y")

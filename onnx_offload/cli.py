@@ -1,0 +1,194 @@
+"""The onnx-offload command line.
+
+    onnx-offload run MODEL --vram-limit 2GiB [--policy planned] [--profile] [--steps N] [--inputs f.npz]
+    onnx-offload demo [--cpu]
+    onnx-offload bench arena|session|offload [--out DIR] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .config import POLICIES, parse_bytes
+from .device import cuda_available
+from .errors import OffloadError
+
+
+def _kind(args) -> str:
+    if getattr(args, "cpu", False):
+        return "host"
+    ok, _ = cuda_available()
+    if ok:
+        import onnxruntime as ort
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            return "cuda"
+    return "host"
+
+
+def _provider(kind: str) -> str:
+    return "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
+
+
+class Progress:
+    """A one-line progress bar on stderr while weights load."""
+
+    def __init__(self, label: str):
+        self.label, self.last = label, -1
+
+    def __call__(self, done: int, total: int):
+        pct = int(100 * done / total) if total else 100
+        if pct != self.last:
+            self.last = pct
+            bar = "#" * (pct // 4)
+            sys.stderr.write(f"\r{self.label} [{bar:<25}] {pct:3d}% of {total / 2**20:.0f} MiB")
+            if pct == 100:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+       "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+       "tensor(bool)": np.bool_}
+
+
+def make_feeds(inputs, seed: int = 0):
+    """Random feeds from the model's input shapes; dynamic dimensions become 1."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in inputs:
+        if i.type not in _NP:
+            raise OffloadError(f"cannot generate a feed for input {i.name!r} of type {i.type}: pass --inputs")
+        shape = [d if isinstance(d, int) and d > 0 else 1 for d in i.shape]
+        dtype = _NP[i.type]
+        if np.issubdtype(dtype, np.floating):
+            feeds[i.name] = (rng.standard_normal(shape) * 0.1).astype(dtype)
+        else:
+            feeds[i.name] = rng.integers(0, 2, shape).astype(dtype)
+    return feeds
+
+
+def cmd_run(args) -> int:
+    from .session import OffloadSession
+    kind = _kind(args)
+    kw = dict(offload=not args.no_offload, vmm=not args.no_vmm, policy=args.policy,
+              record_timeline=bool(args.timeline))
+    if args.vram_limit:
+        kw["vram_limit"] = args.vram_limit
+    if args.weight_bytes:
+        kw["weight_bytes"] = parse_bytes(args.weight_bytes, "--weight-bytes")
+    with OffloadSession(args.model, providers=[_provider(kind)], progress=Progress("loading weights"), **kw) as s:
+        if args.inputs:
+            with np.load(args.inputs) as data:
+                feeds = {k: data[k] for k in data.files}
+        else:
+            feeds = make_feeds(s.get_inputs())
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            s.run(None, feeds)
+            times.append((time.perf_counter() - t0) * 1e3)
+        print(s.stats())
+        if args.profile:
+            print(f"\nstep time: median {statistics.median(times):.2f} ms, first {times[0]:.2f} ms, "
+                  f"min {min(times):.2f} ms over {len(times)} steps")
+            print("segments: " + ", ".join(f"{i}:{len(seg.weights)}w" for i, seg in enumerate(s.segments)))
+        if args.timeline:
+            from .timeline import residency_png
+            print(f"residency timeline: {residency_png(args.timeline, s.residency.timeline)}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import onnxruntime as ort
+
+    from .models import mlp_stack, save, weight_bytes
+    from .session import OffloadSession
+    kind = _kind(args)
+    model = mlp_stack(layers=16, hidden=1024, batch=4)
+    weights = weight_bytes(model)
+    budget = weights // 4
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save(model, os.path.join(tmp, "demo.onnx"))
+        x = np.random.default_rng(0).standard_normal((4, 1024)).astype(np.float32)
+        print(f"demo: a 16-layer MLP with {weights / 2**20:.0f} MiB of weights under a {budget / 2**20:.0f} MiB "
+              f"budget, on {'the GPU (CUDA VMM)' if kind == 'cuda' else 'the CPU (host backend)'}")
+        want = ort.InferenceSession(path, providers=[_provider(kind)]).run(None, {"x": x})[0]
+        with OffloadSession(path, providers=[_provider(kind)], offload=True, vmm=True, vram_limit=budget,
+                            progress=Progress("loading weights")) as s:
+            for _ in range(3):
+                got = s.run(None, {"x": x})[0]
+            print(s.stats())
+            st = s.stats()
+        err = float(np.max(np.abs(got - want)))
+        print(f"\nmax |offloaded - plain ORT| = {err:.3g}; peak committed {st.peak_committed / 2**20:.2f} MiB "
+              f"of a {budget / 2**20:.2f} MiB budget")
+        if err > 1e-3 or st.peak_committed > budget:
+            print("demo FAILED", file=sys.stderr)
+            return 1
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+    kind = _kind(args)
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    if args.what == "arena":
+        res = bench.bench_arena(kind)
+        text = bench.print_arena(res)
+    elif args.what == "session":
+        res = bench.bench_session(kind, out)
+        text = bench.print_session(res)
+    else:
+        res = bench.bench_offload(kind, out, weight_gb=args.weight_gb if kind == "cuda" else min(args.weight_gb, 0.05))
+        text = bench.print_offload(res)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="onnx-offload", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a model under a VRAM budget and print the offload counters")
+    r.add_argument("model")
+    r.add_argument("--vram-limit", help="6GiB, 6000000000, 0.9 or auto (ONNX_GENAI_VRAM_LIMIT)")
+    r.add_argument("--weight-bytes", help="allowance of the weights zone (ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES)")
+    r.add_argument("--policy", choices=POLICIES, default="planned")
+    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--inputs", help=".npz file of feeds; default: random feeds from the input shapes")
+    r.add_argument("--profile", action="store_true", help="print step times and the segment plan")
+    r.add_argument("--timeline", help="write the residency timeline to this PNG")
+    r.add_argument("--no-offload", action="store_true", help="refuse models whose weights exceed the budget")
+    r.add_argument("--no-vmm", action="store_true", help="the plain baseline: cudaMalloc per page-in")
+    r.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
+    r.set_defaults(fn=cmd_run)
+    d = sub.add_parser("demo", help="a small model under a budget below its weights (GPU if present, else CPU)")
+    d.add_argument("--cpu", action="store_true")
+    d.set_defaults(fn=cmd_demo)
+    b = sub.add_parser("bench", help="benchmarks: arena page-in costs, session overhead, offloaded step time")
+    b.add_argument("what", choices=("arena", "session", "offload"))
+    b.add_argument("--out", default="onnx-offload-bench")
+    b.add_argument("--json")
+    b.add_argument("--weight-gb", type=float, default=8.0)
+    b.add_argument("--cpu", action="store_true")
+    b.set_defaults(fn=cmd_bench)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (OffloadError, MemoryError, ValueError, FileNotFoundError) as e:
+        print(f"onnx-offload: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
