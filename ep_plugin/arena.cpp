@@ -28,7 +28,9 @@ Arena::Arena(std::shared_ptr<PhysicalBackend> backend, std::shared_ptr<BudgetOwn
       pool_limit_(cfg.pool_limit),
       zone_va_(round_up(cfg.zone_va_bytes ? cfg.zone_va_bytes : (uint64_t(64) << 30), gran_)),
       gmap_(gran_) {
-  if (classes_.empty()) classes_ = {gran_, 16 * gran_, 128 * gran_};
+  // With 2 MiB granules: 2, 32, 128 and 512 MiB. Set-access and unmap cost about the
+  // same per handle whatever its size, so large ranges want few, large handles.
+  if (classes_.empty()) classes_ = {gran_, 16 * gran_, 64 * gran_, 256 * gran_};
   std::sort(classes_.begin(), classes_.end());
   classes_.erase(std::unique(classes_.begin(), classes_.end()), classes_.end());
   if (classes_.front() != gran_)

@@ -11,30 +11,47 @@
 namespace offload {
 namespace {
 
+// The device's primary context, retained for as long as anything made in it lives:
+// the backend, and every stream and event, each hold a reference.
+class PrimaryContext {
+ public:
+  explicit PrimaryContext(CUdevice dev) : dev_(dev) { CU_CHECK(DRV(cuDevicePrimaryCtxRetain)(&ctx_, dev_)); }
+  ~PrimaryContext() { CU_WARN(DRV(cuDevicePrimaryCtxRelease)(dev_)); }
+  PrimaryContext(const PrimaryContext&) = delete;
+  PrimaryContext& operator=(const PrimaryContext&) = delete;
+  CUcontext get() const { return ctx_; }
+  void make_current() const { CU_CHECK(DRV(cuCtxSetCurrent)(ctx_)); }
+
+ private:
+  CUdevice dev_;
+  CUcontext ctx_ = nullptr;
+};
+using ContextRef = std::shared_ptr<const PrimaryContext>;
+
 class CudaStream : public Stream {
  public:
-  CudaStream(CUcontext ctx, CUstream s, bool owned) : ctx_(ctx), s_(s), owned_(owned) {}
+  CudaStream(ContextRef ctx, CUstream s, bool owned) : ctx_(std::move(ctx)), s_(s), owned_(owned) {}
   ~CudaStream() override {
     if (owned_ && s_ != nullptr) {
-      CU_WARN(DRV(cuCtxSetCurrent)(ctx_));
+      CU_WARN(DRV(cuCtxSetCurrent)(ctx_->get()));
       CU_WARN(DRV(cuStreamDestroy)(s_));
     }
   }
   uint64_t native() const override { return uint64_t(reinterpret_cast<uintptr_t>(s_)); }
   CUstream get() const { return s_; }
   void synchronize() override {
-    CU_CHECK(DRV(cuCtxSetCurrent)(ctx_));
+    ctx_->make_current();
     CU_CHECK(DRV(cuStreamSynchronize)(s_));
   }
   bool is_capturing() override {
-    CU_CHECK(DRV(cuCtxSetCurrent)(ctx_));
+    ctx_->make_current();
     CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
     CU_CHECK(DRV(cuStreamIsCapturing)(s_, &st));
     return st != CU_STREAM_CAPTURE_STATUS_NONE;
   }
 
  private:
-  CUcontext ctx_;
+  ContextRef ctx_;
   CUstream s_;
   bool owned_;
 };
@@ -47,44 +64,44 @@ CUstream raw(Stream& s) {
 
 class CudaEvent : public Event {
  public:
-  explicit CudaEvent(CUcontext ctx) : ctx_(ctx) {
-    CU_CHECK(DRV(cuCtxSetCurrent)(ctx_));
+  explicit CudaEvent(ContextRef ctx) : ctx_(std::move(ctx)) {
+    ctx_->make_current();
     CU_CHECK(DRV(cuEventCreate)(&e_, CU_EVENT_DEFAULT));
   }
   ~CudaEvent() override {
-    CU_WARN(DRV(cuCtxSetCurrent)(ctx_));
+    CU_WARN(DRV(cuCtxSetCurrent)(ctx_->get()));
     CU_WARN(DRV(cuEventDestroy)(e_));
   }
   void record(Stream& s) override {
-    CU_CHECK(DRV(cuCtxSetCurrent)(ctx_));
+    ctx_->make_current();
     CU_CHECK(DRV(cuEventRecord)(e_, raw(s)));
   }
   bool query() override {
-    CU_CHECK(DRV(cuCtxSetCurrent)(ctx_));
+    ctx_->make_current();
     CUresult r = DRV(cuEventQuery)(e_);
     if (r == CUDA_ERROR_NOT_READY) return false;
     CU_CHECK(r);
     return true;
   }
   void synchronize() override {
-    CU_CHECK(DRV(cuCtxSetCurrent)(ctx_));
+    ctx_->make_current();
     CU_CHECK(DRV(cuEventSynchronize)(e_));
   }
   void wait_on(Stream& s) override {
-    CU_CHECK(DRV(cuCtxSetCurrent)(ctx_));
+    ctx_->make_current();
     CU_CHECK(DRV(cuStreamWaitEvent)(raw(s), e_, 0));
   }
   float elapsed_ms(Event& start) override {
     auto* other = dynamic_cast<CudaEvent*>(&start);
     if (other == nullptr) throw std::invalid_argument("elapsed_ms across backends");
     float ms = 0;
-    CU_CHECK(DRV(cuCtxSetCurrent)(ctx_));
+    ctx_->make_current();
     CU_CHECK(DRV(cuEventElapsedTime)(&ms, other->e_, e_));
     return ms;
   }
 
  private:
-  CUcontext ctx_;
+  ContextRef ctx_;
   CUevent e_ = nullptr;
 };
 
@@ -97,23 +114,17 @@ class CudaBackend : public PhysicalBackend {
     if (device < 0 || device >= count)
       throw CudaUnavailable(concat("CUDA device ", device, " does not exist (", count, " visible)"));
     CU_CHECK(d.cuDeviceGet_(&dev_, device));
-    CU_CHECK(d.cuDevicePrimaryCtxRetain_(&ctx_, dev_));
-    try {
-      current();
-      prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-      prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-      prop_.location.id = device;
-      size_t g = 0;
-      CU_CHECK(d.cuMemGetAllocationGranularity_(&g, &prop_, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
-      gran_ = g;
-      access_.location = prop_.location;
-      access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    } catch (...) {
-      CU_WARN(d.cuDevicePrimaryCtxRelease_(dev_));
-      throw;
-    }
+    ctx_ = std::make_shared<const PrimaryContext>(dev_);
+    current();
+    prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop_.location.id = device;
+    size_t g = 0;
+    CU_CHECK(d.cuMemGetAllocationGranularity_(&g, &prop_, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+    gran_ = g;
+    access_.location = prop_.location;
+    access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   }
-  ~CudaBackend() override { CU_WARN(DRV(cuDevicePrimaryCtxRelease)(dev_)); }
 
   std::string name() const override { return "cuda"; }
   int device() const override { return device_; }
@@ -126,7 +137,7 @@ class CudaBackend : public PhysicalBackend {
     return uint64_t(p);
   }
   void free_reservation(uint64_t va, uint64_t bytes) noexcept override {
-    CU_WARN(DRV(cuCtxSetCurrent)(ctx_));
+    CU_WARN(DRV(cuCtxSetCurrent)(ctx_->get()));
     CU_WARN(DRV(cuMemAddressFree)(CUdeviceptr(va), round_up(bytes, gran_)));
   }
 
@@ -161,7 +172,7 @@ class CudaBackend : public PhysicalBackend {
     CU_CHECK(DRV(cuMemHostRegister)(p, n, CU_MEMHOSTREGISTER_PORTABLE));
   }
   void host_unregister(void* p) noexcept override {
-    CU_WARN(DRV(cuCtxSetCurrent)(ctx_));
+    CU_WARN(DRV(cuCtxSetCurrent)(ctx_->get()));
     CU_WARN(DRV(cuMemHostUnregister)(p));
   }
   std::pair<uint64_t, uint64_t> mem_info() override {
@@ -206,10 +217,10 @@ class CudaBackend : public PhysicalBackend {
   }
 
  private:
-  void current() { CU_CHECK(DRV(cuCtxSetCurrent)(ctx_)); }
+  void current() { ctx_->make_current(); }
   int device_;
   CUdevice dev_ = 0;
-  CUcontext ctx_ = nullptr;
+  ContextRef ctx_;
   uint64_t gran_ = 0;
   CUmemAllocationProp prop_{};
   CUmemAccessDesc access_{};
