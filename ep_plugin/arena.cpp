@@ -486,8 +486,7 @@ WeightSlot::~WeightSlot() {
 }
 
 void WeightSlot::illegal(const char* op) {
-  throw StateError(concat("slot '", key_, "' at 0x", std::hex, va_, std::dec, " cannot ", op, " while ",
-                          slot_state_name(state_)));
+  throw StateError(concat("slot '", key_, "' at ", hex(va_), " cannot ", op, " while ", slot_state_name(state_)));
 }
 
 SlotState WeightSlot::state() {

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstddef>
-#include <sstream>
+#include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace offload {
 
@@ -55,11 +57,27 @@ class StateError : public OffloadError {
   using OffloadError::OffloadError;
 };
 
+// Messages are built with std::to_string rather than iostreams: no locale machinery
+// runs on error paths.
+inline void append_to(std::string& out, const std::string& s) { out += s; }
+inline void append_to(std::string& out, const char* s) { out += s; }
+inline void append_to(std::string& out, char c) { out += c; }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+void append_to(std::string& out, T v) {
+  out += std::to_string(v);
+}
+
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string out;
+  (append_to(out, args), ...);
+  return out;
+}
+
+inline std::string hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
 }
 
 }  // namespace offload
