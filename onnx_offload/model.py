@@ -6,8 +6,9 @@ Those initializers are the weights: the ones that reach slots are the final ones
 the sessions that run them are created with optimizations off, so nothing replaces
 them afterwards.
 
-The optimization pass never commits device memory: on CUDA its allocator has a zero
-budget. ORT saves the optimized model before it places initializers, so the pass
+On CUDA the optimization pass takes its device memory from the device's own ledger,
+in the transient zone, and gives all of it back when it ends. ORT saves the optimized
+model before it places initializers, so for a model larger than the budget the pass
 fails after the file is written; the file is what we keep.
 """
 from __future__ import annotations
@@ -98,27 +99,23 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
                                 str(min_weight_bytes))
     so.add_session_config_entry("session.disable_prepacking", "1")
     providers: list = ["CPUExecutionProvider"]
-    keep = []
     if on_cuda:
-        # A zero budget: any device allocation is refused, after the model is saved.
-        ledger = _core.BudgetOwner(0)
-        arena = _core.Arena(device.backend, ledger, zone_va_bytes=device.granularity)
-        refuser = _core.ScratchAllocator(arena, "scratch")
-        index, alloc, free, empty = _core.bind_external_allocator(refuser)
-        keep = [arena, refuser]
+        passing = _core.ScratchAllocator(device.arena, "transient")
+        index, alloc, free, empty = _core.bind_external_allocator(passing)
         providers = [("CUDAExecutionProvider", {
             "device_id": str(device.config.device_id), "gpu_external_alloc": str(alloc),
             "gpu_external_free": str(free), "gpu_external_empty_cache": str(empty)}),
             "CPUExecutionProvider"]
     error = None
     try:
-        ort.InferenceSession(src, so, providers=providers)
+        session = ort.InferenceSession(src, so, providers=providers)
+        del session  # frees its device memory before the allocator goes
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         error = e
     finally:
         if on_cuda:
             _core.unbind_external_allocator(index)
-            keep[0].close()
+            passing.empty_cache()
     if not os.path.exists(out) or (error is not None and not on_cuda):
         msg = str(error) if error else "ORT wrote no optimized model"
         if any(t in msg for t in ("INVALID_GRAPH", "INVALID_PROTOBUF", "ValidateGraph", "Protobuf parsing failed",
