@@ -6,10 +6,12 @@ Those initializers are the weights: the ones that reach slots are the final ones
 the sessions that run them are created with optimizations off, so nothing replaces
 them afterwards.
 
-On CUDA the optimization pass takes its device memory from the device's own ledger,
-in the transient zone, and gives all of it back when it ends. ORT saves the optimized
-model before it places initializers, so for a model larger than the budget the pass
-fails after the file is written; the file is what we keep.
+On CUDA the pass needs the weights on the device once, as ORT places initializers
+before it saves the optimized model. Its device memory comes through the plugin's
+external allocator from a ledger of its own, sized to the memory free on the device,
+and all of it is given back before the session's budget applies. When even that does
+not fit, the pass falls back to ORT's provider-independent (basic) optimizations on
+the CPU, and the session says so in its notes.
 """
 from __future__ import annotations
 
@@ -84,12 +86,40 @@ def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int) -> str:
 
 
 def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes: int,
-                  device=None) -> str:
+                  device=None, notes: Optional[list] = None) -> str:
     """Runs ORT's graph optimizations once; returns the optimized model's path.
     An optimized model already in `workdir` (a cache directory) is reused."""
     out = os.path.join(workdir, OPTIMIZED)
     if os.path.exists(out) and os.path.exists(os.path.join(workdir, OPTIMIZED_DATA)):
         return out
+    if not on_cuda:
+        _optimize(src, out, level, min_weight_bytes, ["CPUExecutionProvider"])
+        return out
+    free, _ = device.backend.mem_info()
+    ledger = _core.BudgetOwner(free)
+    arena = _core.Arena(device.backend, ledger, zone_va_bytes=max(free, device.granularity))
+    allocator = _core.ScratchAllocator(arena, "scratch")
+    index, alloc, release, empty = _core.bind_external_allocator(allocator)
+    providers = [("CUDAExecutionProvider", {
+        "device_id": str(device.config.device_id), "gpu_external_alloc": str(alloc),
+        "gpu_external_free": str(release), "gpu_external_empty_cache": str(empty)}), "CPUExecutionProvider"]
+    try:
+        _optimize(src, out, level, min_weight_bytes, providers)
+        return out
+    except OffloadError as e:
+        if notes is None:
+            raise
+        notes.append(f"the CUDA optimization pass did not fit the free device memory ({e}); "
+                     "used ORT's basic, provider-independent optimizations")
+    finally:
+        _core.unbind_external_allocator(index)
+        allocator.empty_cache()
+        arena.close()
+    _optimize(src, out, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, min_weight_bytes, ["CPUExecutionProvider"])
+    return out
+
+
+def _optimize(src: str, out: str, level, min_weight_bytes: int, providers) -> None:
     so = ort.SessionOptions()
     so.graph_optimization_level = level
     so.optimized_model_filepath = out
@@ -98,31 +128,19 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                 str(min_weight_bytes))
     so.add_session_config_entry("session.disable_prepacking", "1")
-    providers: list = ["CPUExecutionProvider"]
-    if on_cuda:
-        passing = _core.ScratchAllocator(device.arena, "transient")
-        index, alloc, free, empty = _core.bind_external_allocator(passing)
-        providers = [("CUDAExecutionProvider", {
-            "device_id": str(device.config.device_id), "gpu_external_alloc": str(alloc),
-            "gpu_external_free": str(free), "gpu_external_empty_cache": str(empty)}),
-            "CPUExecutionProvider"]
     error = None
     try:
         session = ort.InferenceSession(src, so, providers=providers)
-        del session  # frees its device memory before the allocator goes
+        del session  # its device memory goes back before the allocator does
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         error = e
-    finally:
-        if on_cuda:
-            _core.unbind_external_allocator(index)
-            passing.empty_cache()
-    if not os.path.exists(out) or (error is not None and not on_cuda):
-        msg = str(error) if error else "ORT wrote no optimized model"
-        if any(t in msg for t in ("INVALID_GRAPH", "INVALID_PROTOBUF", "ValidateGraph", "Protobuf parsing failed",
-                                  "Load model", "NOT_IMPLEMENTED")):
-            raise CorruptModel(f"ONNX Runtime cannot load the model: {msg}") from error
-        raise OffloadError(f"optimizing the model failed: {msg}") from error
-    return out
+    if os.path.exists(out) and os.path.exists(os.path.join(os.path.dirname(out), OPTIMIZED_DATA)):
+        return  # a failure after the save (placing initializers) does not matter
+    msg = str(error) if error else "ORT wrote no optimized model"
+    if any(t in msg for t in ("INVALID_GRAPH", "INVALID_PROTOBUF", "ValidateGraph", "Protobuf parsing failed",
+                              "Load model", "NOT_IMPLEMENTED")):
+        raise CorruptModel(f"ONNX Runtime cannot load the model: {msg}") from error
+    raise OffloadError(f"optimizing the model failed: {msg}") from error
 
 
 def read_weights(model: onnx.ModelProto) -> list[WeightInfo]:

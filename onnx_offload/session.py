@@ -123,7 +123,6 @@ class OffloadSession:
         self._workdir = tempfile.mkdtemp(prefix="onnx-offload-")
         self._sessions: List[_SegmentRun] = []
         self._initializer_values: List[ort.OrtValue] = []
-        self._binding = None
         self._plans: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
         self._residency = None
         self._store = None
@@ -154,14 +153,14 @@ class OffloadSession:
                 # Optimize beside the cache entry, then publish it with one rename.
                 os.makedirs(cfg.cache_dir, exist_ok=True)
                 tmp = tempfile.mkdtemp(dir=cfg.cache_dir, prefix=".partial-")
-                optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev)
+                optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)
                 try:
                     os.rename(tmp, opt_dir)
                 except OSError:  # another process published it first
                     shutil.rmtree(tmp, ignore_errors=True)
         else:
             opt_dir = self._workdir
-        opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev)
+        opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)
         model = onnx.load(opt_path, load_external_data=False)
         weights = read_weights(model)
         self._weights = weights
@@ -234,8 +233,6 @@ class OffloadSession:
             for s in self._residency.slots.values():
                 s.pin()  # resident for the session's life, safe under captured replays
 
-        if self._on_cuda and not self._capture.enabled:
-            self._binding = _core.bind_external_allocator(dev.scratch)
         for seg in segments:
             self._sessions.append(self._create_segment_session(seg))
         self._residency.counters = Counters()  # count runs, not the page-ins of construction
@@ -260,13 +257,14 @@ class OffloadSession:
         opts["device_id"] = str(self.config.device_id)
         opts["has_user_compute_stream"] = "1"
         opts["user_compute_stream"] = str(self._device.compute_stream.native)
+        # ORT's own arena, capped from the scratch allowance; what it takes is measured and
+        # charged. (With ORT 1.31.1 the external allocator cannot be used here: with it ORT
+        # reads initializers from the model file instead of the add_initializer values, and
+        # it breaks capture.)
+        opts["arena_extend_strategy"] = "kSameAsRequested"
+        opts["gpu_mem_limit"] = str(max(self._device.ledger.headroom("scratch"), self._device.granularity))
         if capture:
             opts["enable_cuda_graph"] = "1"
-            opts["arena_extend_strategy"] = "kSameAsRequested"
-            opts["gpu_mem_limit"] = str(max(self._device.ledger.headroom("scratch"), self._device.granularity))
-        else:
-            _, alloc, free, empty = self._binding
-            opts.update(gpu_external_alloc=str(alloc), gpu_external_free=str(free), gpu_external_empty_cache=str(empty))
         return [(CUDA_EP, opts), CPU_EP]
 
     def _create_segment_session(self, seg: Segment) -> _SegmentRun:
@@ -284,15 +282,15 @@ class OffloadSession:
                 value = ortvalue_at(slot.va, info.shape, info.dtype, self._on_cuda, self.config.device_id)
                 so.add_initializer(name, value)
                 self._initializer_values.append(value)
-        scratch_before = dev.scratch.stats()["live_bytes"]
         mark = self._outside_mark()
         try:
             session = self._make_session(path, so)
         finally:
             if self._vmm and self._multi:
                 res.release(seg.index, None)
-        self._ort_owned += dev.scratch.stats()["live_bytes"] - scratch_before
-        self._charge_outside(mark)
+        # What ORT committed while creating the session: its own initializers (small
+        # constants, any copy it makes) and its workspaces.
+        self._ort_owned += self._charge_outside(mark)
         return _SegmentRun(seg, session, path)
 
     def _make_session(self, path: str, so: ort.SessionOptions) -> ort.InferenceSession:
@@ -303,11 +301,7 @@ class OffloadSession:
             if self._capture.enabled and "CUDA Graph" in msg:
                 # ORT refuses capture when it placed nodes on the CPU: run without it.
                 self._capture = GraphCaptureDecision(False, f"ORT refused capture: {msg.strip()[:200]}")
-                if self._binding is None:
-                    self._binding = _core.bind_external_allocator(self._device.scratch)
                 return ort.InferenceSession(path, so, providers=self._provider_list(False))
-            if self._device.scratch.last_error():
-                raise BudgetExceeded(f"ORT could not get device memory: {self._device.scratch.last_error()}") from e
             raise
 
     # ------------------------------------------------------------------ outside bytes
@@ -318,11 +312,11 @@ class OffloadSession:
         snap = self._device.ledger.snapshot()
         return free, snap["committed"] + snap["pooled"]
 
-    def _charge_outside(self, mark) -> None:
-        """Charges device memory that appeared outside the arena since `mark`
-        (cuBLAS/cuDNN workspaces, ORT's own arena when capture is on)."""
+    def _charge_outside(self, mark) -> int:
+        """Charges device memory that appeared outside the arena since `mark` (ORT's
+        arena and initializers, cuBLAS/cuDNN workspaces); returns the bytes charged."""
         if mark is None:
-            return
+            return 0
         free0, ours0 = mark
         free1, _ = self._device.backend.mem_info()
         snap = self._device.ledger.snapshot()
@@ -330,9 +324,10 @@ class OffloadSession:
         g = self._device.granularity
         grown = (grown // g) * g
         if grown <= 0:
-            return
+            return 0
         self._device.ledger.charge("scratch", grown, outside=True)
         self._outside += grown
+        return grown
 
     # ------------------------------------------------------------------ running
     def _check_open(self):
@@ -549,9 +544,6 @@ class OffloadSession:
         for plan in self._plans.values():
             self._free_plan(plan)
         self._plans.clear()
-        if self._binding is not None:
-            _core.unbind_external_allocator(self._binding[0])
-            self._binding = None
         if self._residency is not None:
             self._residency.close()
         if self._device is not None:
