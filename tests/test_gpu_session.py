@@ -142,9 +142,11 @@ def test_offload_on_cuda_matches_plain_and_keeps_addresses(policy):
     model = mlp_stack(layers=16, hidden=2048, batch=8)
     x = np.random.default_rng(3).standard_normal((8, 2048)).astype(np.float32)
     want = plain(model).run(None, {"x": x})[0]
-    budget = weight_bytes(model) // 4 + 8 * MiB
+    # ORT's own device memory (its arena, cuBLAS) is measured and charged to scratch:
+    # the budget holds a quarter of the weights plus that.
+    budget = weight_bytes(model) // 4 + 256 * MiB
     with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True, vram_limit=budget,
-                        policy=policy, scratch_bytes=8 * MiB) as s:
+                        policy=policy, scratch_bytes=256 * MiB) as s:
         assert len(s.segments) > 1
         addresses = {n: sl.va for n, sl in s.residency.slots.items()}
         for _ in range(2):
@@ -164,8 +166,9 @@ def test_offload_on_cuda_matches_plain_and_keeps_addresses(policy):
 def test_plain_baseline_declines_capture_and_matches():
     model = mlp_stack(layers=8, hidden=1024, batch=4)
     x = np.random.default_rng(4).standard_normal((4, 1024)).astype(np.float32)
-    with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=False,
-                        vram_limit=weight_bytes(model) // 2, scratch_bytes=8 * MiB, cuda_graph=True) as s:
+    with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=False, vram_limit="1GiB",
+                        weight_bytes=weight_bytes(model) // 2, scratch_bytes=256 * MiB, cuda_graph=True) as s:
+        assert len(s.segments) > 1
         assert not s.graph_capture.enabled and "stable addresses" in s.graph_capture.reason
         for _ in range(2):
             np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain(model).run(None, {"x": x})[0])
@@ -176,8 +179,8 @@ def test_per_segment_capture_under_offload():
     model = mlp_stack(layers=8, hidden=1024, batch=4)
     x = np.random.default_rng(5).standard_normal((4, 1024)).astype(np.float32)
     want = plain(model).run(None, {"x": x})[0]
-    with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True,
-                        vram_limit=weight_bytes(model) // 2, scratch_bytes=64 * MiB, cuda_graph=True) as s:
+    with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True, vram_limit="1GiB",
+                        weight_bytes=weight_bytes(model) // 2, scratch_bytes=256 * MiB, cuda_graph=True) as s:
         assert len(s.segments) > 1 and s.graph_capture.enabled, s.graph_capture.reason
         for _ in range(4):  # discovery, warm-up, capture, replays while weights page behind fixed addresses
             np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
@@ -194,7 +197,9 @@ def test_compute_sanitizer_memcheck_is_clean_on_an_offload_run(tmp_path):
         m = mlp_stack(layers=8, hidden=512, batch=4)
         x = np.ones((4, 512), np.float32)
         with OffloadSession(m.SerializeToString(), providers=["CUDAExecutionProvider"], offload=True, vmm=True,
-                            vram_limit=weight_bytes(m) // 2, scratch_bytes=16 << 20, cuda_graph=False) as s:
+                            vram_limit="1GiB", weight_bytes=weight_bytes(m) // 2, scratch_bytes=256 << 20,
+                            cuda_graph=False) as s:
+            assert len(s.segments) > 1
             for _ in range(2):
                 s.run(None, {"x": x})
             print("pages", s.stats().counters.page_ins)
