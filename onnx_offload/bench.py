@@ -244,7 +244,8 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
     def measure(**kw):
         s = OffloadSession(path, providers=[provider], offload=True, cache_dir=cache, **kw)
         try:
-            s.run(None, {"x": x})  # warm-up: plans, pools
+            for _ in range(2):  # warm-up: boundary-buffer plans, then the handle pool settles
+                s.run(None, {"x": x})
             before = s.stats()
             times = step_times(lambda: s.run(None, {"x": x}), 0, steps)
             st = s.stats()
