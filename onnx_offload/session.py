@@ -379,10 +379,9 @@ class OffloadSession:
             ready = res.acquire(seg.index)
             try:
                 if ready is not None:
-                    if self._on_cuda:
-                        ready.wait_on(dev.compute_stream)
-                    else:
-                        ready.synchronize()
+                    # A host wait: ORT's CUDA EP is not shown to run on the compute stream
+                    # it is given, so a stream wait could let it read half-copied weights.
+                    ready.synchronize()
                 io = run.session.io_binding()
                 for name in seg.inputs:
                     if plan is not None:
