@@ -269,6 +269,7 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
     scratch = 768 * MiB if kind == "cuda" else 8 * MiB
     s, resident, want = measure(vmm=True, vram_limit=weights + 2 * scratch, scratch_bytes=scratch)
     s.close()
+    print(f"  all resident: {resident['step_ms']:.2f} ms; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)
     rows = []
     timeline = None
     for frac in fractions:
@@ -286,6 +287,7 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
                      bound_ms=bound,
                      vs_bound=r["step_ms"] / bound, outputs_equal=bool(np.array_equal(got, want)))
             rows.append(r)
+            print(f"  {int(frac * 100)}% {r['policy']}: {r['step_ms']:.1f} ms (bound {bound:.1f} ms)", flush=True)
     return dict(kind=kind, weights=weights, scratch=scratch, h2d_gbps=bw / 1e9, resident_ms=resident["step_ms"], rows=rows,
                 timeline=timeline)
 

@@ -124,6 +124,7 @@ class OffloadSession:
         self._sessions: List[_SegmentRun] = []
         self._initializer_values: List[ort.OrtValue] = []
         self._plans: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
+        self._bound: Dict[tuple, tuple] = {}  # input shapes -> (IOBinding, device inputs), under capture
         self._residency = None
         self._store = None
         self._device = None
@@ -338,13 +339,41 @@ class OffloadSession:
         self._check_open()
         if not self._multi:
             mark = self._outside_mark() if self._runs < _OUTSIDE_MEASURED_RUNS else None
-            out = self._sessions[0].session.run(output_names, input_feed, run_options)
+            if self._capture.enabled:
+                out = self._run_bound(output_names, input_feed, run_options)
+            else:
+                out = self._sessions[0].session.run(output_names, input_feed, run_options)
             self._after_single_run(mark)
             return out
         values = self._run_segments(input_feed, run_options)
         wanted = output_names or [o.name for o in self._graph_outputs]
         # Copies: on the CPU, numpy() aliases the fixed buffer the next step overwrites.
         return [np.array(values[n].numpy(), copy=True) for n in wanted]
+
+    def _run_bound(self, output_names, input_feed, run_options):
+        """run() under a captured graph: ORT replays only through IOBinding with fixed device
+        buffers, so feeds are copied into device inputs that stay put, per input shape."""
+        sess = self._sessions[0].session
+        feeds = {k: np.ascontiguousarray(v.numpy() if isinstance(v, ort.OrtValue) else v) for k, v in input_feed.items()}
+        sig = tuple(sorted((k, v.shape, v.dtype.str) for k, v in feeds.items()))
+        bound = self._bound.get(sig)
+        if bound is None:
+            io = sess.io_binding()
+            inputs = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", self.config.device_id) for k, v in feeds.items()}
+            for k, v in inputs.items():
+                io.bind_ortvalue_input(k, v)
+            for o in sess.get_outputs():
+                io.bind_output(o.name, "cuda", self.config.device_id)
+            bound = self._bound[sig] = (io, inputs)
+        else:
+            for k, v in feeds.items():
+                bound[1][k].update_inplace(v)
+        io = bound[0]
+        sess.run_with_iobinding(io, run_options)
+        outs = dict(zip([o.name for o in sess.get_outputs()], io.get_outputs()))
+        for o in sess.get_outputs():  # later replays write into what this run returned
+            io.bind_ortvalue_output(o.name, outs[o.name])
+        return [outs[n].numpy() for n in (output_names or list(outs))]
 
     def _after_single_run(self, mark) -> None:
         c = self._residency.counters
@@ -384,12 +413,13 @@ class OffloadSession:
                     ready.synchronize()
                 io = run.session.io_binding()
                 for name in seg.inputs:
-                    if plan is not None:
-                        if name in feeds:
-                            self._copy_into(plan.buffers[name], feeds[name])
+                    if name in values:
+                        io.bind_ortvalue_input(name, values[name])
+                    elif plan is not None:
+                        self._copy_into(plan.buffers[name], feeds[name])
                         io.bind_ortvalue_input(name, plan.buffers[name][3])
                     else:
-                        io.bind_ortvalue_input(name, feeds[name] if name in feeds else values[name])
+                        io.bind_ortvalue_input(name, feeds[name])
                 if not self._vmm:
                     for name in seg.weights:
                         slot, info = res.slots[name], res.info[name]
@@ -400,9 +430,10 @@ class OffloadSession:
                     else:
                         io.bind_output(name, device_name, self.config.device_id)
                 run.session.run_with_iobinding(io, run_options)
-                if plan is None:
-                    for name, v in zip(seg.outputs, io.get_outputs()):
-                        values[name] = v
+                # What ORT produced: the bound buffer, or (on CUDA, where ORT may decline a
+                # DLPack output buffer) one of its own.
+                for name, v in zip(seg.outputs, io.get_outputs()):
+                    values[name] = v
                 reader = dev.backend.create_event()
                 reader.record(dev.compute_stream)
             except BaseException:
@@ -415,8 +446,7 @@ class OffloadSession:
         self._charge_outside(mark)
         if plan is None:
             self._make_plan(sig, feeds, values)
-            return values
-        return {name: entry[3] for name, entry in plan.buffers.items()}
+        return values
 
     def _copy_into(self, entry, value: ort.OrtValue) -> None:
         ptr, shape, dtype, _ = entry
@@ -540,6 +570,7 @@ class OffloadSession:
             self._device.compute_stream.synchronize()
         self._sessions = []  # ORT sessions go first: they may still free scratch blocks
         self._initializer_values = []
+        self._bound.clear()
         for plan in self._plans.values():
             self._free_plan(plan)
         self._plans.clear()
