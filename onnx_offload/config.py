@@ -118,7 +118,8 @@ class OffloadConfig:
     device_id: int = 0
     min_weight_bytes: int = 4096  # smaller initializers stay inside the model
     kv_bytes: int = 0  # reserve of the KV zone
-    scratch_bytes: int = 256 * MiB  # reserve of the scratch zone (ORT's memory, boundary buffers)
+    scratch_bytes: Optional[int] = None  # reserve of the scratch zone (ORT's memory, boundary buffers);
+    # None: 256 MiB or an eighth of the budget, whichever is less
     segment_bytes: Optional[int] = None  # weights per segment; None: a quarter of the allowance
     host_granularity: int = 2 * MiB  # the host backend's granule, matching the GPU's
     handle_classes: tuple = ()  # () means granule, 16 and 128 granules
@@ -135,6 +136,8 @@ class OffloadConfig:
             self.segment_bytes = parse_bytes(self.segment_bytes, "segment_bytes")
         for field in ("kv_bytes", "scratch_bytes", "min_weight_bytes"):
             v = getattr(self, field)
+            if v is None and field == "scratch_bytes":
+                continue
             if isinstance(v, str):
                 setattr(self, field, parse_bytes(v, field))
             elif not isinstance(v, int) or v < 0:

@@ -7,7 +7,7 @@ the whole stack.
 from __future__ import annotations
 
 from . import _core
-from .config import GiB, OffloadConfig
+from .config import GiB, MiB, OffloadConfig
 from .errors import CudaUnavailable
 
 
@@ -45,9 +45,12 @@ class Device:
         self.ledger = _core.BudgetOwner(self.budget)
         weights = min(config.weight_bytes or self.budget, self.budget)
         kv_reserve = min(config.kv_bytes, self.budget)
-        # At least one granule when asked for any: less cannot back a single buffer.
-        scratch_reserve = min(config.scratch_bytes, (self.budget - kv_reserve) // 8)
-        if config.scratch_bytes:
+        if config.scratch_bytes is None:
+            scratch_reserve = min(256 * MiB, (self.budget - kv_reserve) // 8)
+        else:
+            scratch_reserve = config.scratch_bytes
+        # At least one granule when there is any: less cannot back a single buffer.
+        if scratch_reserve:
             g = self.backend.granularity
             scratch_reserve = min(-(-scratch_reserve // g) * g, self.budget - kv_reserve)
         self.ledger.set_zone("weights", allowance=weights, reserve=0, priority=0)

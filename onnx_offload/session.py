@@ -224,6 +224,12 @@ class OffloadSession:
         self._capture = resolve_graph_capture_enabled(
             on_cuda=self._on_cuda, offload=cfg.offload, stable_addresses=stable,
             override=cfg.graph_override, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why)
+        if self._capture.enabled and self._multi:
+            # Capture per segment needs every boundary tensor at a fixed device address;
+            # on CUDA the segments still pass ORT's own output buffers along.
+            self._capture = GraphCaptureDecision(
+                False, "the weights exceed their allowance and the graph runs in segments; per-segment "
+                       "capture under offload is not supported yet")
 
         self._store = HostStore(dev.backend, weights)
         self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, progress)
@@ -396,6 +402,9 @@ class OffloadSession:
         dev, res = self._device, self._residency
         feeds = {k: self._feed_value(v) for k, v in input_feed.items()}
         sig = tuple(sorted((k, tuple(v.shape()), v.data_type()) for k, v in feeds.items()))
+        # Fixed boundary buffers are bound on the host backend. On CUDA, ORT 1.31.1 gave
+        # wrong results from the second step on with DLPack buffers bound as segment inputs,
+        # so there every step passes the feeds and ORT's own outputs, as the first does.
         plan = self._plans.get(sig)
         if plan is not None:
             self._plans.move_to_end(sig)
@@ -444,7 +453,7 @@ class OffloadSession:
         self._last_step = res.counters.minus(before)
         self._runs += 1
         self._charge_outside(mark)
-        if plan is None:
+        if plan is None and not self._on_cuda:
             self._make_plan(sig, feeds, values)
         return values
 

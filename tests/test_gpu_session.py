@@ -175,16 +175,16 @@ def test_plain_baseline_declines_capture_and_matches():
         assert s.stats().driver["plain_allocs"] > 0
 
 
-def test_per_segment_capture_under_offload():
+def test_capture_is_declined_with_its_reason_when_the_graph_runs_in_segments():
     model = mlp_stack(layers=8, hidden=1024, batch=4)
     x = np.random.default_rng(5).standard_normal((4, 1024)).astype(np.float32)
     want = plain(model).run(None, {"x": x})[0]
     with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True, vram_limit="1GiB",
                         weight_bytes=weight_bytes(model) // 2, scratch_bytes=256 * MiB, cuda_graph=True) as s:
-        assert len(s.segments) > 1 and s.graph_capture.enabled, s.graph_capture.reason
-        for _ in range(4):  # discovery, warm-up, capture, replays while weights page behind fixed addresses
+        assert len(s.segments) > 1 and not s.graph_capture.enabled
+        assert "segments" in s.graph_capture.reason
+        for _ in range(3):
             np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
-        assert s.stats().arena["capture_refusals"] == 0
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not on PATH")
