@@ -142,11 +142,12 @@ def test_offload_on_cuda_matches_plain_and_keeps_addresses(policy):
     model = mlp_stack(layers=16, hidden=2048, batch=8)
     x = np.random.default_rng(3).standard_normal((8, 2048)).astype(np.float32)
     want = plain(model).run(None, {"x": x})[0]
-    # A quarter of the weights may stay resident; ORT's own device memory (its arena,
-    # cuBLAS) is measured and charged to the scratch zone.
-    budget = 1 << 30
+    # A quarter of the weights may stay resident. ORT's own device memory is measured and
+    # charged to the scratch zone: each segment's session takes about 70 MB (its arena and
+    # cuBLAS workspace), so the scratch reserve is sized for the segments.
+    budget = 3 << 30
     with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True, vram_limit=budget,
-                        weight_bytes=weight_bytes(model) // 4, policy=policy, scratch_bytes=256 * MiB) as s:
+                        weight_bytes=weight_bytes(model) // 4, policy=policy, scratch_bytes=2 << 30) as s:
         assert len(s.segments) > 1
         addresses = {n: sl.va for n, sl in s.residency.slots.items()}
         for _ in range(2):
