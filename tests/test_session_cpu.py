@@ -42,7 +42,9 @@ def test_outputs_equal_plain_onnxruntime(make, shape):
     with session(model) as s:
         got = s.run(None, feeds)
         assert len(s.segments) == 1
-    np.testing.assert_allclose(got[0], reference(model, feeds)[0], rtol=1e-5, atol=1e-6)
+    # Prepacking stays off on the CPU (it would copy the weights), so the GEMM path differs
+    # from plain ORT's in the last bits.
+    np.testing.assert_allclose(got[0], reference(model, feeds)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_weights_are_used_in_place(mlp, x):
