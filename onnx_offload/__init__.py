@@ -1,6 +1,5 @@
 """onnx-offload: run ONNX Runtime models whose weights exceed their VRAM budget, with
 every weight at a stable address (CUDA VMM) under one committed-byte budget owner."""
-from . import _core
 from ._core import Arena, BudgetOwner, ScratchAllocator, WeightSlot, Zone
 from .config import OffloadConfig, parse_bytes
 from .device import Device, cuda_available

@@ -204,7 +204,6 @@ def bench_session(kind: str, out_dir: str, steps: int = 100) -> Dict:
         rows.append(dict(capture=capture, capture_reason=ours.graph_capture.reason, weights=weights,
                          plain_ms=mp, offload_ms=mo, overhead_pct=100 * (mo - mp) / mp, outputs_equal=bool(same)))
         ours.close()
-        del plain
     return dict(kind=kind, rows=rows)
 
 

@@ -275,7 +275,7 @@ class OffloadSession:
         return [(CUDA_EP, opts), CPU_EP]
 
     def _create_segment_session(self, seg: Segment) -> _SegmentRun:
-        dev, res = self._device, self._residency
+        res = self._residency
         path = save_model(seg.model, os.path.join(self._workdir, f"segment{seg.index}.onnx"))
         so = self._session_options()
         if self._vmm:
@@ -443,6 +443,8 @@ class OffloadSession:
                 # DLPack output buffer) one of its own.
                 for name, v in zip(seg.outputs, io.get_outputs()):
                     values[name] = v
+                # The segment's reads end here: ORT synchronizes its stream before returning,
+                # and this event, on the stream it was given, orders every later unmap after it.
                 reader = dev.backend.create_event()
                 reader.record(dev.compute_stream)
             except BaseException:
@@ -468,6 +470,7 @@ class OffloadSession:
             stream.synchronize()
         else:
             self._device.backend.copy_d2d(ptr, value.data_ptr(), nbytes, stream)
+            stream.synchronize()
 
     def _make_plan(self, sig, feeds, values) -> None:
         """Fixed buffers for these input shapes, so later steps bind the same addresses."""

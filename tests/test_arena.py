@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import MiB
-from onnx_offload import BudgetExceeded, OffloadError, ScratchAllocator, StateError, WeightSlot, _core
+from onnx_offload import BudgetExceeded, OffloadError, ScratchAllocator, StateError, WeightSlot
 
 
 def make_slot(rig, key, nbytes, fill, align=256):

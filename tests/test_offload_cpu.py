@@ -52,6 +52,17 @@ def test_weights_four_times_the_budget(policy, vmm):
     assert final["committed"] == 0 and final["pooled"] == 0
 
 
+def test_returned_outputs_are_not_overwritten_by_later_steps():
+    model = mlp_stack(layers=8, hidden=128, batch=2)
+    rng = np.random.default_rng(7)
+    x1, x2 = (rng.standard_normal((2, 128)).astype(np.float32) for _ in range(2))
+    with offloaded(model, weight_bytes(model) // 2) as s:
+        outs = [s.run(None, {"x": x})[0] for x in (x1, x2, x1, x2)]
+    np.testing.assert_allclose(outs[2], reference(model, {"x": x1})[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[3], reference(model, {"x": x2})[0], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(outs[2], outs[3])
+
+
 def test_planned_moves_fewer_bytes_than_lru():
     model = mlp_stack(layers=12, hidden=256, batch=2)
     x = np.ones((2, 256), np.float32)
