@@ -390,6 +390,8 @@ class OffloadSession:
         nbytes = self._store.nbytes if self._store else 0
         c.access_bytes += nbytes
         c.hit_bytes += nbytes
+        if self._residency.timeline is not None:
+            self._residency.timeline.append(self._residency._snapshot_states())
         self._runs += 1
         self._charge_outside(mark)
 
