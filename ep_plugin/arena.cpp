@@ -517,18 +517,26 @@ void WeightSlot::mark_read(std::shared_ptr<Event> e) {
   arena_->note_reader({range()}, std::move(e));
 }
 
+WeightSlot::Group WeightSlot::gather(const std::vector<std::shared_ptr<WeightSlot>>& slots, const char* op,
+                                     bool (*allowed)(SlotState)) {
+  Group g{slots.front()->arena_.get(), {}, 0};
+  for (auto& s : slots) {
+    if (s->arena_.get() != g.arena) throw std::invalid_argument(concat("slots of one ", op, " must share an arena"));
+    if (!allowed(s->state())) s->illegal(concat("be ", op).c_str());
+    g.ranges.push_back(s->range());
+    g.content += s->length_;
+  }
+  return g;
+}
+
 std::shared_ptr<Event> WeightSlot::page_in(const std::vector<std::shared_ptr<WeightSlot>>& slots, Zone charge, Stream& stream) {
   if (slots.empty()) return nullptr;
-  Arena& arena = *slots.front()->arena_;
-  std::vector<ByteRange> ranges;
-  uint64_t content = 0;
-  for (auto& s : slots) {
-    if (s->arena_.get() != &arena) throw std::invalid_argument("slots of one page-in must share an arena");
-    if (s->state() != SlotState::Evicted) s->illegal("be paged in");
+  Group group = gather(slots, "paged in", [](SlotState st) { return st == SlotState::Evicted; });
+  for (auto& s : slots)
     if (s->src_ == nullptr) throw StateError(concat("slot '", s->key_, "' has no host source to page in from"));
-    ranges.push_back(s->range());
-    content += s->length_;
-  }
+  Arena& arena = *group.arena;
+  const std::vector<ByteRange>& ranges = group.ranges;
+  const uint64_t content = group.content;
   arena.commit(charge, ranges, content);
   std::shared_ptr<Event> ev;
   try {
@@ -549,40 +557,14 @@ std::shared_ptr<Event> WeightSlot::page_in(const std::vector<std::shared_ptr<Wei
   return ev;
 }
 
-void WeightSlot::commit_empty(const std::vector<std::shared_ptr<WeightSlot>>& slots, Zone charge) {
-  if (slots.empty()) return;
-  Arena& arena = *slots.front()->arena_;
-  std::vector<ByteRange> ranges;
-  uint64_t content = 0;
-  for (auto& s : slots) {
-    if (s->arena_.get() != &arena) throw std::invalid_argument("slots of one commit must share an arena");
-    if (s->state() != SlotState::Evicted) s->illegal("be committed");
-    ranges.push_back(s->range());
-    content += s->length_;
-  }
-  arena.commit(charge, ranges, content);
-  for (auto& s : slots) {
-    s->state_ = SlotState::Resident;
-    s->ready_.reset();
-    s->charge_ = charge;
-  }
-}
-
 void WeightSlot::evict(const std::vector<std::shared_ptr<WeightSlot>>& slots) {
   if (slots.empty()) return;
-  Arena& arena = *slots.front()->arena_;
+  Group group = gather(slots, "evicted",
+                       [](SlotState st) { return st == SlotState::Resident || st == SlotState::PagingIn; });
   const Zone charge = slots.front()->charge_;
-  std::vector<ByteRange> ranges;
-  uint64_t content = 0;
-  for (auto& s : slots) {
-    if (s->arena_.get() != &arena) throw std::invalid_argument("slots of one eviction must share an arena");
-    SlotState st = s->state();
-    if (st != SlotState::Resident && st != SlotState::PagingIn) s->illegal("be evicted");
+  for (auto& s : slots)
     if (s->charge_ != charge) throw std::invalid_argument("slots of one eviction must be charged to one zone");
-    ranges.push_back(s->range());
-    content += s->length_;
-  }
-  arena.decommit(charge, ranges, content);
+  group.arena->decommit(charge, group.ranges, group.content);
   for (auto& s : slots) {
     s->state_ = SlotState::Evicted;
     s->ready_.reset();

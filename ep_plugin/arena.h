@@ -158,10 +158,16 @@ class WeightSlot {
   static std::shared_ptr<Event> page_in(const std::vector<std::shared_ptr<WeightSlot>>& slots, Zone charge, Stream& stream);
   // Every slot must be Resident or PagingIn (not Pinned) and charged to the same zone.
   static void evict(const std::vector<std::shared_ptr<WeightSlot>>& slots);
-  // Commits without copying (the caller fills the memory).
-  static void commit_empty(const std::vector<std::shared_ptr<WeightSlot>>& slots, Zone charge);
 
  private:
+  struct Group {
+    Arena* arena;
+    std::vector<ByteRange> ranges;
+    uint64_t content;
+  };
+  // The ranges and content bytes of a group, checked: one arena, each slot in a state
+  // `allowed` accepts (else a StateError naming the slot, its address and `op`).
+  static Group gather(const std::vector<std::shared_ptr<WeightSlot>>& slots, const char* op, bool (*allowed)(SlotState));
   [[noreturn]] void illegal(const char* op);
   std::shared_ptr<Arena> arena_;
   std::string key_;

@@ -396,12 +396,7 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release nogil;
         return WeightSlot::page_in(slots, zone, s);
       })
-      .def_static("evict", &WeightSlot::evict, Release())
-      .def_static("commit_empty", [](const SlotList& slots, py::object z) {
-        Zone zone = to_zone(z);
-        py::gil_scoped_release nogil;
-        WeightSlot::commit_empty(slots, zone);
-      });
+      .def_static("evict", &WeightSlot::evict, Release());
 
   py::class_<ScratchAllocator, std::shared_ptr<ScratchAllocator>>(m, "ScratchAllocator")
       .def(py::init([](std::shared_ptr<Arena> a, py::object z, uint64_t align) {

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from . import _core
+from .errors import StateError
 from .model import WeightInfo
 
 
@@ -133,8 +134,7 @@ class PlainSlot:
             s.va, s.state, s._readers = 0, "evicted", []
 
 
-def _state_error(slot, op: str):
-    from .errors import StateError
+def _state_error(slot, op: str) -> StateError:
     return StateError(f"slot '{slot.key}' at {slot.va:#x} cannot {op} while {slot.state}")
 
 
