@@ -226,7 +226,7 @@ class OffloadSession:
             override=cfg.graph_override, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why)
         if self._capture.enabled and self._multi:
             # Capture per segment needs every boundary tensor at a fixed device address;
-            # on CUDA the segments still pass ORT's own output buffers along.
+            # on CUDA the segments pass ORT's own output buffers along (see _run_segments).
             self._capture = GraphCaptureDecision(
                 False, "the weights exceed their allowance and the graph runs in segments; per-segment "
                        "capture under offload is not supported yet")
@@ -404,9 +404,10 @@ class OffloadSession:
         dev, res = self._device, self._residency
         feeds = {k: self._feed_value(v) for k, v in input_feed.items()}
         sig = tuple(sorted((k, tuple(v.shape()), v.data_type()) for k, v in feeds.items()))
-        # Fixed boundary buffers are bound on the host backend. On CUDA, ORT 1.31.1 gave
-        # wrong results from the second step on with DLPack buffers bound as segment inputs,
-        # so there every step passes the feeds and ORT's own outputs, as the first does.
+        # Fixed boundary buffers are bound on the host backend. On CUDA, steps after the
+        # first gave wrong results with them bound, although ORT reads and writes DLPack
+        # buffers correctly in isolation; until that is understood, every CUDA step passes
+        # the feeds and ORT's own outputs along, as the first step does.
         plan = self._plans.get(sig)
         if plan is not None:
             self._plans.move_to_end(sig)
