@@ -90,10 +90,9 @@ class IOInfo:
 
 
 class _SegmentRun:
-    def __init__(self, seg: Segment, session: ort.InferenceSession, path: str):
+    def __init__(self, seg: Segment, session: ort.InferenceSession):
         self.seg = seg
         self.session = session
-        self.path = path
 
 
 class _Plan:
@@ -298,7 +297,7 @@ class OffloadSession:
         # What ORT committed while creating the session: its own initializers (small
         # constants, any copy it makes) and its workspaces.
         self._ort_owned += self._charge_outside(mark)
-        return _SegmentRun(seg, session, path)
+        return _SegmentRun(seg, session)
 
     def _make_session(self, path: str, so: ort.SessionOptions) -> ort.InferenceSession:
         try:
