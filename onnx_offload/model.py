@@ -90,7 +90,7 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
     """Runs ORT's graph optimizations once; returns the optimized model's path.
     An optimized model already in `workdir` (a cache directory) is reused."""
     out = os.path.join(workdir, OPTIMIZED)
-    if os.path.exists(out) and os.path.exists(os.path.join(workdir, OPTIMIZED_DATA)):
+    if _optimized_exists(out):
         return out
     if not on_cuda:
         _optimize(src, out, level, min_weight_bytes, ["CPUExecutionProvider"])
@@ -119,6 +119,10 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
     return out
 
 
+def _optimized_exists(out: str) -> bool:
+    return os.path.exists(out) and os.path.exists(os.path.join(os.path.dirname(out), OPTIMIZED_DATA))
+
+
 def _optimize(src: str, out: str, level, min_weight_bytes: int, providers) -> None:
     so = ort.SessionOptions()
     so.graph_optimization_level = level
@@ -134,7 +138,7 @@ def _optimize(src: str, out: str, level, min_weight_bytes: int, providers) -> No
         del session  # its device memory goes back before the allocator does
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         error = e
-    if os.path.exists(out) and os.path.exists(os.path.join(os.path.dirname(out), OPTIMIZED_DATA)):
+    if _optimized_exists(out):
         return  # a failure after the save (placing initializers) does not matter
     msg = str(error) if error else "ORT wrote no optimized model"
     if any(t in msg for t in ("INVALID_GRAPH", "INVALID_PROTOBUF", "ValidateGraph", "Protobuf parsing failed",

@@ -162,7 +162,6 @@ class IncrementalCost:
 
 class Policy:
     name = "policy"
-    evicts = True
 
     def prepare(self, mgr: "ResidencyManager") -> None:
         pass
@@ -194,7 +193,6 @@ class StablePolicy(Policy):
     """First fit, in first-use order, into the weights allowance. Never evicts."""
 
     name = "stable"
-    evicts = False
 
     def __init__(self):
         self.resident_set: set = set()
@@ -322,18 +320,6 @@ class ResidencyManager:
 
     def cost_model(self) -> IncrementalCost:
         return IncrementalCost(self.slots, self.granularity, self.vmm)
-
-    def segment_cost(self, k: int) -> int:
-        c = self.cost_model()
-        for n in self.segments[k]:
-            c.add(n)
-        return c.total
-
-    def total_cost(self) -> int:
-        c = self.cost_model()
-        for n in self.order:
-            c.add(n)
-        return c.total
 
     def _group_cost(self, names: Sequence[str]) -> int:
         if not names:

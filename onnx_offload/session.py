@@ -552,9 +552,6 @@ class OffloadSession:
     def residency(self) -> ResidencyManager:
         return self._residency
 
-    def slot_address(self, name: str) -> int:
-        return self._residency.slots[name].va
-
     def stats(self) -> OffloadStats:
         dev, res = self._device, self._residency
         closed = self._closed

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from .residency import Counters
 
@@ -112,9 +111,7 @@ class OffloadStats:
     __str__ = table
 
 
-def invariant_violations(arena: Optional[dict]) -> dict:
-    """The invariant counters that must read 0, with their values."""
-    if not arena:
-        return {}
+def invariant_violations(arena: dict) -> dict:
+    """The arena's invariant counters that do not read 0, with their values."""
     keys = ("refcount_underflows", "unmaps_before_reader", "unaccounted_bytes", "uncovered_referenced")
     return {k: arena[k] for k in keys if arena[k]}

@@ -16,6 +16,13 @@ def host_rig():
     rig.arena.close()
 
 
+@pytest.fixture
+def cuda_rig():
+    rig = Rig("cuda", 256 * MiB)
+    yield rig
+    rig.arena.close()
+
+
 def test_host_map_inside_capture_is_refused(host_rig):
     rig = host_rig
     rig.arena.guard_capture(rig.stream)
@@ -63,57 +70,51 @@ def _check(result):
 
 
 @pytest.mark.gpu
-def test_cuda_map_inside_capture_is_refused():
+def test_cuda_map_inside_capture_is_refused(cuda_rig):
+    rig = cuda_rig
     cu = _cu()
-    rig = Rig("cuda", 256 * MiB)
-    try:
-        rig.arena.guard_capture(rig.stream)
-        s = make_slot(rig, "w", 4096, 3)
-        stream = cu.CUstream(rig.stream.native)
-        _check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-        with pytest.raises(StateError, match="capturing"):
-            WeightSlot.page_in([s], "weights", rig.stream)
-        graph = _check(cu.cuStreamEndCapture(stream))
-        _check(cu.cuGraphDestroy(graph))
-        assert rig.arena.stats()["capture_refusals"] == 1 and rig.ledger.committed == 0
-        page_in(rig, [s])
-    finally:
-        rig.arena.close()
+    rig.arena.guard_capture(rig.stream)
+    s = make_slot(rig, "w", 4096, 3)
+    stream = cu.CUstream(rig.stream.native)
+    _check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+    with pytest.raises(StateError, match="capturing"):
+        WeightSlot.page_in([s], "weights", rig.stream)
+    graph = _check(cu.cuStreamEndCapture(stream))
+    _check(cu.cuGraphDestroy(graph))
+    assert rig.arena.stats()["capture_refusals"] == 1 and rig.ledger.committed == 0
+    page_in(rig, [s])
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_reads_new_contents_after_remap():
+def test_cuda_graph_replay_reads_new_contents_after_remap(cuda_rig):
+    rig = cuda_rig
     cu = _cu()
-    rig = Rig("cuda", 256 * MiB)
-    try:
-        g = rig.g
-        a = make_slot(rig, "a", 2 * g, 0x11, align=g)
-        b = make_slot(rig, "b", 2 * g, 0x22, align=g)
-        page_in(rig, [a])
-        handle_before = _check(cu.cuMemRetainAllocationHandle(a.va))
-        out = rig.arena.plain_alloc("scratch", 2 * g)
-        stream = cu.CUstream(rig.stream.native)
-        _check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-        _check(cu.cuMemcpyDtoDAsync(out, a.va, 2 * g, stream))
-        graph = _check(cu.cuStreamEndCapture(stream))
-        exe = _check(cu.cuGraphInstantiate(graph, 0))
-        WeightSlot.evict([a])
-        page_in(rig, [b])
-        new = np.full(2 * g, 0x77, dtype=np.uint8)
-        a.set_source(new.ctypes.data, new.nbytes)
-        page_in(rig, [a])
-        handle_after = _check(cu.cuMemRetainAllocationHandle(a.va))
-        assert int(handle_after) != int(handle_before)  # other physical memory, same address
-        _check(cu.cuGraphLaunch(exe, stream))
-        rig.stream.synchronize()
-        assert np.all(rig.read(out, 2 * g) == 0x77)
-        for h in (handle_before, handle_after):
-            _check(cu.cuMemRelease(h))  # the retains above
-        _check(cu.cuGraphExecDestroy(exe))
-        _check(cu.cuGraphDestroy(graph))
-        rig.arena.plain_free(out)
-    finally:
-        rig.arena.close()
+    g = rig.g
+    a = make_slot(rig, "a", 2 * g, 0x11, align=g)
+    b = make_slot(rig, "b", 2 * g, 0x22, align=g)
+    page_in(rig, [a])
+    handle_before = _check(cu.cuMemRetainAllocationHandle(a.va))
+    out = rig.arena.plain_alloc("scratch", 2 * g)
+    stream = cu.CUstream(rig.stream.native)
+    _check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+    _check(cu.cuMemcpyDtoDAsync(out, a.va, 2 * g, stream))
+    graph = _check(cu.cuStreamEndCapture(stream))
+    exe = _check(cu.cuGraphInstantiate(graph, 0))
+    WeightSlot.evict([a])
+    page_in(rig, [b])
+    new = np.full(2 * g, 0x77, dtype=np.uint8)
+    a.set_source(new.ctypes.data, new.nbytes)
+    page_in(rig, [a])
+    handle_after = _check(cu.cuMemRetainAllocationHandle(a.va))
+    assert int(handle_after) != int(handle_before)  # other physical memory, same address
+    _check(cu.cuGraphLaunch(exe, stream))
+    rig.stream.synchronize()
+    assert np.all(rig.read(out, 2 * g) == 0x77)
+    for h in (handle_before, handle_after):
+        _check(cu.cuMemRelease(h))  # the retains above
+    _check(cu.cuGraphExecDestroy(exe))
+    _check(cu.cuGraphDestroy(graph))
+    rig.arena.plain_free(out)
 
 
 @pytest.mark.gpu
