@@ -243,7 +243,9 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
     def measure(**kw):
         s = OffloadSession(path, providers=[provider], offload=True, cache_dir=cache, **kw)
         try:
-            for _ in range(2):  # warm-up: boundary-buffer plans, then the handle pool settles
+            # Warm-up: the first step sizes the boundary buffers, the second binds them, the
+            # third captures each segment's graph; the handle pool settles meanwhile.
+            for _ in range(3):
                 s.run(None, {"x": x})
             before = s.stats()
             times = step_times(lambda: s.run(None, {"x": x}), 0, steps)
@@ -254,6 +256,7 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
             return s, dict(step_ms=statistics.median(times), htod_bytes=last.htod_bytes,
                            hit_rate=last.hit_rate, byte_hit_rate=last.byte_hit_rate,
                            evictions=last.evictions, page_ins=last.page_ins, segments=st.segments,
+                           capture=s.graph_capture.enabled,
                            peak_committed=st.peak_committed, budget=st.ledger["budget"],
                            vram_alloc_ms=per_step(st.vram_alloc_ms, before.vram_alloc_ms),
                            vram_free_ms=per_step(st.vram_free_ms, before.vram_free_ms),
@@ -275,11 +278,13 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
     timeline = None
     for frac in fractions:
         budget = int(weights * frac)
-        arms = [(p, True) for p in policies] + [("planned", False)]
-        for policy, vmm in arms:
-            record = policy == "planned" and vmm and abs(frac - 0.5) < 1e-9
+        # Capture is on where it can be (auto); one arm turns it off to show what it adds.
+        arms = ([(p, True, None) for p in policies] + [("planned", True, False)] * (kind == "cuda")
+                + [("planned", False, None)])
+        for policy, vmm, graph in arms:
+            record = policy == "planned" and vmm and graph is None and abs(frac - 0.5) < 1e-9
             s, r, got = measure(vmm=vmm, policy=policy, vram_limit=budget + scratch, scratch_bytes=scratch,
-                                record_timeline=record)
+                                record_timeline=record, **({} if graph is None else {"cuda_graph": graph}))
             if record:
                 timeline = residency_png(os.path.join(out_dir, "residency_timeline.png"), s.residency.timeline)
             s.close()
@@ -294,7 +299,8 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
 
 
 def print_offload(res: Dict) -> str:
-    rows = [(f"{int(r['fraction'] * 100)}% ({fmt_bytes(r['weight_budget'])})", r["policy"], r["segments"], f"{r['step_ms']:.1f}", f"{r['bound_ms']:.1f}",
+    rows = [(f"{int(r['fraction'] * 100)}% ({fmt_bytes(r['weight_budget'])})", r["policy"], r["segments"],
+             "on" if r["capture"] else "off", f"{r['step_ms']:.1f}", f"{r['bound_ms']:.1f}",
              f"{r['vs_bound']:.2f}x", f"{r['hit_rate']:.1%}", f"{r['byte_hit_rate']:.1%}", r["evictions"],
              fmt_bytes(r["htod_bytes"]), f"{r['vram_alloc_ms']:.2f}/{r['vram_free_ms']:.2f}",
              f"{r['steady_creates']}/{r['steady_releases']}",
@@ -304,7 +310,7 @@ def print_offload(res: Dict) -> str:
             f"{res['resident_ms']:.2f} ms, pinned H2D {res['h2d_gbps']:.1f} GB/s (this run); "
             f"bound = max(all-resident step, streamed bytes / H2D); each budget is the weights' share "
             f"(resident + transient) plus a {fmt_bytes(res['scratch'])} scratch zone\n"
-            + table(rows, ("budget", "policy", "segments", "step ms", "bound ms", "vs bound", "hit rate",
+            + table(rows, ("budget", "policy", "segments", "graphs", "step ms", "bound ms", "vs bound", "hit rate",
                            "byte hit", "evictions/step", "H2D/step", "alloc/free ms/step", "creates/releases",
                            "within budget", "= resident"))
             + (f"\nresidency timeline: {res['timeline']}" if res.get("timeline") else ""))

@@ -7,12 +7,15 @@ The model is optimized once; every weight (an initializer of at least
 session runs the whole graph with every weight resident. When they do not and offload
 is on, the graph is split into segments, each its own ORT session, whose weights the
 residency manager pages in before it runs; boundary tensors live in fixed scratch
-buffers bound through IOBinding.
+buffers bound through IOBinding, one set per input-shape signature. Under CUDA graph
+capture each segment is captured once per signature and replayed while its weights page
+in and out behind their fixed addresses.
 
-On the CUDA EP, ORT's own device memory is charged to the scratch zone: with capture
-off it comes from the plugin's caching allocator (``gpu_external_alloc``); with capture
-on (where the external allocator breaks capture) ORT's arena is capped from the scratch
-allowance and its growth, like cuBLAS's workspace, is measured and charged.
+On the CUDA EP every segment runs on the device's compute stream (ORT's
+``user_compute_stream``), so a page-in is ordered before its readers by a stream wait on
+its event, not by a host wait. ORT's own device memory (its arena, capped from the
+scratch allowance, and cuBLAS's workspace) is measured with cuMemGetInfo and charged to
+the scratch zone.
 """
 from __future__ import annotations
 
@@ -90,16 +93,19 @@ class IOInfo:
 
 
 class _SegmentRun:
-    def __init__(self, seg: Segment, session: ort.InferenceSession):
+    def __init__(self, seg: Segment, session: ort.InferenceSession, captured: bool):
         self.seg = seg
         self.session = session
+        self.captured = captured  # created with enable_cuda_graph
 
 
 class _Plan:
     """Fixed buffers for one set of input shapes: every segment input and output."""
 
-    def __init__(self):
+    def __init__(self, graph_id: int):
         self.buffers: Dict[str, tuple] = {}  # name -> (ptr, shape, dtype, OrtValue)
+        self.graph_id = graph_id  # ORT's gpu_graph_id for captured segments; -1: not captured
+        self.runs = 0
 
 
 class OffloadSession:
@@ -123,6 +129,7 @@ class OffloadSession:
         self._sessions: List[_SegmentRun] = []
         self._initializer_values: List[ort.OrtValue] = []
         self._plans: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
+        self._next_graph_id = 0
         self._bound: Dict[tuple, tuple] = {}  # input shapes -> (IOBinding, device inputs), under capture
         self._residency = None
         self._store = None
@@ -223,12 +230,6 @@ class OffloadSession:
         self._capture = resolve_graph_capture_enabled(
             on_cuda=self._on_cuda, offload=cfg.offload, stable_addresses=stable,
             override=cfg.graph_override, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why)
-        if self._capture.enabled and self._multi:
-            # Capture per segment needs every boundary tensor at a fixed device address;
-            # on CUDA the segments pass ORT's own output buffers along (see _run_segments).
-            self._capture = GraphCaptureDecision(
-                False, "the weights exceed their allowance and the graph runs in segments; per-segment "
-                       "capture under offload is not supported yet")
 
         self._store = HostStore(dev.backend, weights)
         self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, progress)
@@ -241,6 +242,11 @@ class OffloadSession:
 
         for seg in segments:
             self._sessions.append(self._create_segment_session(seg))
+        if self._capture.enabled and self._multi:
+            n = sum(r.captured for r in self._sessions)
+            self._capture = GraphCaptureDecision(
+                n > 0, f"{self._capture.reason}; per segment: {n} of {len(self._sessions)} captured, once per "
+                       f"input-shape signature, and replayed while their weights page behind fixed addresses")
         self._residency.counters = Counters()  # count runs, not the page-ins of construction
 
     def _session_options(self) -> ort.SessionOptions:
@@ -290,25 +296,32 @@ class OffloadSession:
                 self._initializer_values.append(value)
         mark = self._outside_mark()
         try:
-            session = self._make_session(path, so)
+            session, captured = self._make_session(path, so, seg)
         finally:
             if self._vmm and self._multi:
                 res.release(seg.index, None)
         # What ORT committed while creating the session: its own initializers (small
         # constants, any copy it makes) and its workspaces.
         self._ort_owned += self._charge_outside(mark)
-        return _SegmentRun(seg, session)
+        return _SegmentRun(seg, session, captured)
 
-    def _make_session(self, path: str, so: ort.SessionOptions) -> ort.InferenceSession:
+    def _make_session(self, path: str, so: ort.SessionOptions, seg: Segment):
+        """(session, captured). ORT refuses capture when it places nodes on the CPU; that
+        segment then runs without it, and the others keep theirs."""
+        if not self._capture.enabled:
+            return ort.InferenceSession(path, so, providers=self._provider_list(False)), False
         try:
-            return ort.InferenceSession(path, so, providers=self._provider_list(self._capture.enabled))
+            return ort.InferenceSession(path, so, providers=self._provider_list(True)), True
         except Exception as e:  # noqa: BLE001 - ORT raises its own types
             msg = str(e)
-            if self._capture.enabled and "CUDA Graph" in msg:
-                # ORT refuses capture when it placed nodes on the CPU: run without it.
-                self._capture = GraphCaptureDecision(False, f"ORT refused capture: {msg.strip()[:200]}")
-                return ort.InferenceSession(path, so, providers=self._provider_list(False))
-            raise
+            if "CUDA Graph" not in msg:
+                raise
+            why = f"ORT refused capture: {msg.strip()[:200]}"
+            if self._multi:
+                self._notes.append(f"segment {seg.index} runs without capture: {why}")
+            else:
+                self._capture = GraphCaptureDecision(False, why)
+            return ort.InferenceSession(path, so, providers=self._provider_list(False)), False
 
     # ------------------------------------------------------------------ outside bytes
     def _outside_mark(self):
@@ -400,37 +413,42 @@ class OffloadSession:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))
 
     def _run_segments(self, input_feed: Dict[str, Any], run_options=None) -> Dict[str, ort.OrtValue]:
+        """One step through every segment. The first step of an input-shape signature
+        passes ORT's own outputs along and sizes the fixed buffers from them; later steps
+        bind those buffers, so every segment reads and writes the same addresses each step
+        (which is what a captured segment replays)."""
         dev, res = self._device, self._residency
         feeds = {k: self._feed_value(v) for k, v in input_feed.items()}
         sig = tuple(sorted((k, tuple(v.shape()), v.data_type()) for k, v in feeds.items()))
-        # Fixed boundary buffers are bound on the host backend. On CUDA, steps after the
-        # first gave wrong results with them bound, although ORT reads and writes DLPack
-        # buffers correctly in isolation; until that is understood, every CUDA step passes
-        # the feeds and ORT's own outputs along, as the first step does.
         plan = self._plans.get(sig)
         if plan is not None:
             self._plans.move_to_end(sig)
+            for name, v in feeds.items():
+                if name in plan.buffers:
+                    self._copy_into(plan.buffers[name], v)
+        measured = plan is None or plan.runs < _OUTSIDE_MEASURED_RUNS  # capture happens on an early run
+        mark = self._outside_mark() if measured else None
+        graph_options = self._graph_run_options(plan, run_options)
         values: Dict[str, ort.OrtValue] = {}
         device_name = "cuda" if self._on_cuda else "cpu"
-        mark = self._outside_mark() if self._runs < _OUTSIDE_MEASURED_RUNS else None
         before = Counters(**vars(res.counters))
         for run in self._sessions:
             seg = run.seg
             ready = res.acquire(seg.index)
             try:
                 if ready is not None:
-                    # A host wait: ORT's CUDA EP is not shown to run on the compute stream
-                    # it is given, so a stream wait could let it read half-copied weights.
-                    ready.synchronize()
+                    if self._on_cuda:
+                        # ORT runs the segment on the compute stream: a stream wait orders
+                        # its reads after the copy without blocking the host.
+                        ready.wait_on(dev.compute_stream)
+                    else:
+                        ready.synchronize()  # the CPU EP reads on this thread
                 io = run.session.io_binding()
                 for name in seg.inputs:
-                    if name in values:
-                        io.bind_ortvalue_input(name, values[name])
-                    elif plan is not None:
-                        self._copy_into(plan.buffers[name], feeds[name])
+                    if plan is not None:
                         io.bind_ortvalue_input(name, plan.buffers[name][3])
                     else:
-                        io.bind_ortvalue_input(name, feeds[name])
+                        io.bind_ortvalue_input(name, values[name] if name in values else feeds[name])
                 if not self._vmm:
                     for name in seg.weights:
                         slot, info = res.slots[name], res.info[name]
@@ -440,13 +458,13 @@ class OffloadSession:
                         io.bind_ortvalue_output(name, plan.buffers[name][3])
                     else:
                         io.bind_output(name, device_name, self.config.device_id)
-                run.session.run_with_iobinding(io, run_options)
-                # What ORT produced: the bound buffer, or (on CUDA, where ORT may decline a
-                # DLPack output buffer) one of its own.
+                run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
                 for name, v in zip(seg.outputs, io.get_outputs()):
+                    if plan is not None and v.data_ptr() != plan.buffers[name][0]:
+                        raise StateError(f"ORT wrote boundary tensor {name!r} outside its fixed buffer")
                     values[name] = v
                 # The segment's reads end here: ORT synchronizes its stream before returning,
-                # and this event, on the stream it was given, orders every later unmap after it.
+                # and this event, on that stream, orders every later unmap after it.
                 reader = dev.backend.create_event()
                 reader.record(dev.compute_stream)
             except BaseException:
@@ -457,26 +475,64 @@ class OffloadSession:
         self._last_step = res.counters.minus(before)
         self._runs += 1
         self._charge_outside(mark)
-        if plan is None and not self._on_cuda:
+        if plan is None:
             self._make_plan(sig, feeds, values)
+        else:
+            plan.runs += 1
         return values
 
+    def _graph_run_options(self, plan: Optional[_Plan], user: Optional[ort.RunOptions]) -> Optional[ort.RunOptions]:
+        """Run options for captured segments: the plan's gpu_graph_id, or -1 (neither
+        capture nor replay) while a signature has no fixed buffers yet."""
+        if not self._capture.enabled:
+            return user
+        ro = ort.RunOptions()
+        if user is not None:
+            for attr in ("log_severity_level", "log_verbosity_level", "logid", "only_execute_path_to_fetches"):
+                setattr(ro, attr, getattr(user, attr))
+        ro.add_run_config_entry("gpu_graph_id", str(plan.graph_id if plan is not None else -1))
+        return ro
+
     def _copy_into(self, entry, value: ort.OrtValue) -> None:
-        ptr, shape, dtype, _ = entry
+        """Copies `value` into a fixed buffer, in order on the compute stream."""
+        ptr, shape, dtype, target = entry
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        stream = self._device.compute_stream
-        src = value.numpy() if value.device_name().lower() == "cpu" else None
-        if src is not None:
-            src = np.ascontiguousarray(src)
-            self._device.backend.copy_h2d(ptr, src.ctypes.data, nbytes, stream)
+        if tuple(value.shape()) != tuple(shape) or _ort_dtype(value.data_type()) != np.dtype(dtype):
+            raise ValueError(f"a {value.data_type()} {value.shape()} value does not fit a {np.dtype(dtype)} "
+                             f"{list(shape)} buffer")
+        backend, stream = self._device.backend, self._device.compute_stream
+        src_host = value.device_name().lower() == "cpu"
+        dst_host = target.device_name().lower() == "cpu"
+        if not self._on_cuda or (src_host and dst_host):
+            # Host memory on both sides (the host backend's device memory is host memory).
+            backend.copy_h2d(ptr, value.data_ptr(), nbytes, stream)
+            stream.synchronize()
+        elif src_host:
+            backend.copy_h2d(ptr, value.data_ptr(), nbytes, stream)
+            stream.synchronize()  # the source is the caller's memory
+        elif dst_host:
+            backend.copy_d2h(ptr, value.data_ptr(), nbytes, stream)
             stream.synchronize()
         else:
-            self._device.backend.copy_d2d(ptr, value.data_ptr(), nbytes, stream)
-            stream.synchronize()
+            backend.copy_d2d(ptr, value.data_ptr(), nbytes, stream)
+
+    def _detached(self, value: ort.OrtValue) -> ort.OrtValue:
+        """A copy of `value` in memory of its own, on the same device."""
+        if value.device_name().lower() == "cpu":
+            return ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
+        dtype = _ort_dtype(value.data_type())
+        out = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), dtype, "cuda", self.config.device_id)
+        self._copy_into((out.data_ptr(), value.shape(), dtype, out), value)
+        return out
 
     def _make_plan(self, sig, feeds, values) -> None:
-        """Fixed buffers for these input shapes, so later steps bind the same addresses."""
-        plan = _Plan()
+        """Fixed buffers for these input shapes, so later steps bind the same addresses.
+        Under capture a plan lives as long as the session (its captured graphs point at
+        it), so at most _MAX_SIGNATURES shapes are captured; others run uncaptured."""
+        capturing = self._capture.enabled
+        if capturing and len(self._plans) >= _MAX_SIGNATURES:
+            return
+        plan = _Plan(self._next_graph_id if capturing else -1)
         scratch = self._device.scratch
         needed = set()
         for run in self._sessions:
@@ -493,6 +549,8 @@ class OffloadSession:
         except BaseException:
             self._free_plan(plan)
             raise
+        if capturing:
+            self._next_graph_id += 1
         self._plans[sig] = plan
         while len(self._plans) > _MAX_SIGNATURES:
             _, old = self._plans.popitem(last=False)
@@ -682,7 +740,8 @@ class OffloadIOBinding:
                                          values[n])
                 self._results[n] = target
             else:
-                self._results[n] = values[n]
+                # Its own copy, as ORT returns: the fixed buffer is overwritten next step.
+                self._results[n] = self._session._detached(values[n])
         self._session._device.compute_stream.synchronize()
 
     def get_outputs(self):

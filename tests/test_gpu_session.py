@@ -176,16 +176,100 @@ def test_plain_baseline_declines_capture_and_matches():
         assert s.stats().driver["plain_allocs"] > 0
 
 
-def test_capture_is_declined_with_its_reason_when_the_graph_runs_in_segments():
+def add_model(n):
+    from onnx import TensorProto, helper
+    g = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "add",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
+def test_ort_runs_on_the_compute_stream_it_is_given():
+    """Segments wait for their page-ins with a stream wait, which is only sound if ORT's
+    CUDA EP runs on user_compute_stream. A side stream holds that stream behind about 20 ms
+    of copies and then writes a new input: ORT must read the new one. On a stream of its
+    own (the control) it reads the old one."""
+    from onnx_offload import _core
+    from onnx_offload.session import ortvalue_at
+    be = _core.make_cuda_backend(0)
+    compute, side = be.create_stream(), be.create_stream()
+    n, big = 1 << 20, 1 << 30
+    sizes = {"a": big, "b": big, "x": 4 * n, "new": 4 * n}
+    bufs = {k: be.plain_alloc(v) for k, v in sizes.items()}
+    old, new = np.ones(n, np.float32), np.full(n, 3, np.float32)
+    be.copy_h2d(bufs["new"], new.ctypes.data, 4 * n, side)
+    side.synchronize()
+
+    def first_output(options):
+        sess = ort.InferenceSession(add_model(n), providers=[(CUDA, options)])
+        io = sess.io_binding()
+        io.bind_ortvalue_input("x", ortvalue_at(bufs["x"], [n], np.float32, True, 0))
+        io.bind_output("y", "cuda", 0)
+        be.copy_h2d(bufs["x"], old.ctypes.data, 4 * n, compute)
+        compute.synchronize()
+        sess.run_with_iobinding(io)  # warm-up
+        for _ in range(40):
+            be.copy_d2d(bufs["a"], bufs["b"], big, side)
+        be.copy_d2d(bufs["x"], bufs["new"], 4 * n, side)
+        ev = be.create_event()
+        ev.record(side)
+        ev.wait_on(compute)
+        sess.run_with_iobinding(io)
+        y = io.get_outputs()[0].numpy()
+        side.synchronize()
+        compute.synchronize()
+        return float(y[0]), float(y[-1])
+
+    try:
+        assert first_output({"has_user_compute_stream": "1", "user_compute_stream": str(compute.native)}) == (6.0, 6.0)
+        assert first_output({}) == (2.0, 2.0)
+    finally:
+        for k, ptr in bufs.items():
+            be.plain_free(ptr, sizes[k])
+
+
+def graph_log_counts(text):
+    low = text.lower()
+    return low.count("capturing the cuda graph"), low.count("replaying cuda graph")
+
+
+@pytest.mark.parametrize("policy", ["planned", "lru"])
+def test_segments_are_captured_once_and_replayed_while_weights_page(policy, capfd):
     model = mlp_stack(layers=8, hidden=1024, batch=4)
-    x = np.random.default_rng(5).standard_normal((4, 1024)).astype(np.float32)
-    want = plain(model).run(None, {"x": x})[0]
-    with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True, vram_limit="1GiB",
-                        weight_bytes=weight_bytes(model) // 2, scratch_bytes=256 * MiB, cuda_graph=True) as s:
-        assert len(s.segments) > 1 and not s.graph_capture.enabled
-        assert "segments" in s.graph_capture.reason
-        for _ in range(3):
-            np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((4, 1024)).astype(np.float32) for _ in range(2)]
+    ref = plain(model)
+    want = [ref.run(None, {"x": x})[0] for x in xs]
+    so = ort.SessionOptions()
+    so.log_severity_level = 1  # ORT logs each capture and replay at INFO
+    ort.set_default_logger_severity(1)
+    try:
+        capfd.readouterr()
+        with OffloadSession(model.SerializeToString(), so, providers=[CUDA], offload=True, vmm=True,
+                            vram_limit="1GiB", weight_bytes=weight_bytes(model) // 2, scratch_bytes=256 * MiB,
+                            cuda_graph=True, policy=policy) as s:
+            segments = len(s.segments)
+            assert segments > 1 and s.graph_capture.enabled, s.graph_capture.reason
+            assert f"{segments} of {segments} captured" in s.graph_capture.reason
+            capfd.readouterr()
+            order = [0, 0, 0, 1, 0, 1]  # first step sizes the buffers, the next captures, then replays
+            for i, k in enumerate(order):
+                np.testing.assert_array_equal(s.run(None, {"x": xs[k]})[0], want[k], err_msg=f"step {i}")
+                if i == 2:
+                    warm = s.stats()
+            st = s.stats()
+            log = capfd.readouterr().err
+    finally:
+        ort.set_default_logger_severity(2)
+    captures, replays = graph_log_counts(log)
+    assert captures == segments, log[-3000:]
+    assert replays >= segments * (len(order) - 2), log[-3000:]
+    # Weights paged in and out between replays, at their fixed addresses, with no new handles
+    # and no map attempted while a segment was capturing.
+    assert st.counters.page_ins > warm.counters.page_ins
+    assert st.driver["creates"] == warm.driver["creates"]
+    assert st.arena["capture_refusals"] == 0
+    assert invariant_violations(st.arena) == {}
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not on PATH")

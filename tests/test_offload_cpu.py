@@ -120,6 +120,35 @@ def test_iobinding_on_a_split_session():
         np.testing.assert_allclose(target.numpy(), reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
 
 
+def test_iobinding_outputs_of_earlier_steps_survive_later_steps():
+    model = mlp_stack(layers=8, hidden=128, batch=2)
+    rng = np.random.default_rng(8)
+    xs = [rng.standard_normal((2, 128)).astype(np.float32) for _ in range(3)]
+    with offloaded(model, weight_bytes(model) // 2) as s:
+        io = s.io_binding()
+        io.bind_output("y")
+        kept = []
+        for x in xs:
+            io.bind_cpu_input("x", x)
+            s.run_with_iobinding(io)
+            kept.append(io.get_outputs()[0])
+        for x, v in zip(xs, kept):
+            np.testing.assert_allclose(v.numpy(), reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_feed_of_the_wrong_shape_for_a_bound_output_is_a_clear_error():
+    model = mlp_stack(layers=8, hidden=128, batch=2)
+    x = np.ones((2, 128), np.float32)
+    with offloaded(model, weight_bytes(model) // 2) as s:
+        io = s.io_binding()
+        io.bind_cpu_input("x", x)
+        io.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_numpy(np.zeros((3, 128), np.float32)))
+        with pytest.raises(ValueError, match="does not fit"):
+            s.run_with_iobinding(io)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+        check_invariants(s)
+
+
 def test_budget_exhausted_mid_run_is_typed_and_leaves_the_ledger_consistent():
     model = mlp_stack(layers=12, hidden=256, batch=2)
     x = np.ones((2, 256), np.float32)
