@@ -387,6 +387,7 @@ class ResidencyManager:
                 need = self._group_cost(bypass)
                 if not ledger.can_charge("transient", need):
                     ledger.make_room("transient", need)
+                # The same copy stream as the admitted page-in: this later event covers both.
                 ready = self._page_in(bypass, "transient")
                 for n in bypass:
                     self.slots[n].pin()

@@ -252,20 +252,23 @@ def test_segments_are_captured_once_and_replayed_while_weights_page(policy, capf
             assert segments > 1 and s.graph_capture.enabled, s.graph_capture.reason
             assert f"{segments} of {segments} captured" in s.graph_capture.reason
             capfd.readouterr()
-            order = [0, 0, 0, 1, 0, 1]  # first step sizes the buffers, the next captures, then replays
+            addresses = {n: sl.va for n, sl in s.residency.slots.items()}
+            # Step 0 sizes the boundary buffers, step 1 binds them, step 2 captures; the rest replay.
+            order = [0, 0, 0, 1, 0, 1]
             for i, k in enumerate(order):
                 np.testing.assert_array_equal(s.run(None, {"x": xs[k]})[0], want[k], err_msg=f"step {i}")
                 if i == 2:
                     warm = s.stats()
             st = s.stats()
+            assert {n: sl.va for n, sl in s.residency.slots.items()} == addresses
             log = capfd.readouterr().err
     finally:
         ort.set_default_logger_severity(2)
     captures, replays = graph_log_counts(log)
     assert captures == segments, log[-3000:]
     assert replays >= segments * (len(order) - 2), log[-3000:]
-    # Weights paged in and out between replays, at their fixed addresses, with no new handles
-    # and no map attempted while a segment was capturing.
+    # Weights paged in and out between replays (at the fixed addresses checked above), with no
+    # new handles and no map attempted while a segment was capturing.
     assert st.counters.page_ins > warm.counters.page_ins
     assert st.driver["creates"] == warm.driver["creates"]
     assert st.arena["capture_refusals"] == 0
