@@ -13,12 +13,12 @@ void warn(const std::string& what) noexcept {
   std::fprintf(stderr, "onnx_offload: warning: %s\n", what.c_str());
 }
 
+}  // namespace
+
 uint64_t plain_charge(uint64_t bytes, uint64_t gran) {
   // What a plain device allocation really takes: whole pages once it is large.
   return bytes >= gran ? round_up(bytes, gran) : round_up(bytes, 512);
 }
-
-}  // namespace
 
 Arena::Arena(std::shared_ptr<PhysicalBackend> backend, std::shared_ptr<BudgetOwner> ledger, ArenaConfig cfg)
     : backend_(std::move(backend)),

@@ -26,6 +26,9 @@
 
 namespace offload {
 
+// Bytes a plain (non-VMM) device allocation of `bytes` commits, as the arena charges it.
+uint64_t plain_charge(uint64_t bytes, uint64_t gran);
+
 struct ArenaConfig {
   uint64_t zone_va_bytes = 0;            // address space per zone region
   std::vector<uint64_t> handle_classes;  // ascending multiples of the granularity; empty: defaults

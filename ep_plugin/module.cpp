@@ -218,6 +218,7 @@ PYBIND11_MODULE(_core, m) {
 
   // Pure bookkeeping.
   m.def("round_up", &round_up);
+  m.def("plain_charge", &plain_charge, py::arg("bytes"), py::arg("granularity"));
   py::class_<SpanAllocator>(m, "SpanAllocator")
       .def(py::init<uint64_t>())
       .def("carve", &SpanAllocator::carve, py::arg("length"), py::arg("alignment") = 1)

@@ -23,7 +23,7 @@ OPSET = 17
 IR_VERSION = 9
 
 
-def _model(nodes, inputs, outputs, initializers, name):
+def build_model(nodes, inputs, outputs, initializers, name):
     graph = helper.make_graph(nodes, name, inputs, outputs, initializer=initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
                              producer_name="onnx-offload-models")
@@ -47,7 +47,7 @@ def mlp_stack(layers: int = 4, hidden: int = 256, batch: Optional[int] = 8, seed
             nodes.append(helper.make_node("Relu", [f"add{i}"], [f"h{i}"]))
             x = f"h{i}"
     nodes.append(helper.make_node("Identity", [f"add{layers - 1}"], ["y"]))
-    return _model(nodes, [helper.make_tensor_value_info("x", elem, [batch, hidden])],
+    return build_model(nodes, [helper.make_tensor_value_info("x", elem, [batch, hidden])],
                   [helper.make_tensor_value_info("y", elem, [batch, hidden])], inits, "mlp_stack")
 
 
@@ -68,7 +68,7 @@ def residual_mlp(layers: int = 6, hidden: int = 128, batch: int = 4, seed: int =
         x = f"r{i}"
     mid = f"r{layers // 2}"
     nodes += [helper.make_node("Identity", [x], ["y"]), helper.make_node("Identity", [mid], ["mid"])]
-    return _model(nodes, [helper.make_tensor_value_info("x", f, [batch, hidden])],
+    return build_model(nodes, [helper.make_tensor_value_info("x", f, [batch, hidden])],
                   [helper.make_tensor_value_info("y", f, [batch, hidden]),
                    helper.make_tensor_value_info("mid", f, [batch, hidden])], inits, "residual_mlp")
 
@@ -122,7 +122,7 @@ def transformer_block(hidden: int = 256, heads: int = 4, seq: int = 16, batch: i
                   helper.make_node("Add", [p + "res1", p + "f2"], [p + "out"])]
         x = p + "out"
     nodes.append(helper.make_node("Identity", [x], ["y"]))
-    return _model(nodes, [helper.make_tensor_value_info("x", f, [batch, seq, hidden])],
+    return build_model(nodes, [helper.make_tensor_value_info("x", f, [batch, seq, hidden])],
                   [helper.make_tensor_value_info("y", f, [batch, seq, hidden])], inits, "transformer_block")
 
 
@@ -183,7 +183,7 @@ def decoder_like(path: str, layers: int = 20, hidden: int = 4096, ffn: int = 110
                       helper.make_node("Add", [p + "r1", p + "down"], [p + "r2"])]
             x = p + "r2"
     nodes.append(helper.make_node("Identity", [x], ["y"]))
-    model = _model(nodes, [helper.make_tensor_value_info("x", elem, [batch, hidden])],
+    model = build_model(nodes, [helper.make_tensor_value_info("x", elem, [batch, hidden])],
                    [helper.make_tensor_value_info("y", elem, [batch, hidden])], inits, "decoder_like")
     onnx.save(model, path)
     return path

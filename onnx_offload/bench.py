@@ -284,7 +284,7 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
         for policy, vmm, graph in arms:
             record = policy == "planned" and vmm and graph is None and abs(frac - 0.5) < 1e-9
             s, r, got = measure(vmm=vmm, policy=policy, vram_limit=budget + scratch, scratch_bytes=scratch,
-                                record_timeline=record, **({} if graph is None else {"cuda_graph": graph}))
+                                record_timeline=record, cuda_graph=graph)
             if record:
                 timeline = residency_png(os.path.join(out_dir, "residency_timeline.png"), s.residency.timeline)
             s.close()

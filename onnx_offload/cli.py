@@ -53,20 +53,17 @@ class Progress:
             sys.stderr.flush()
 
 
-_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-       "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
-       "tensor(bool)": np.bool_}
-
-
 def make_feeds(inputs, seed: int = 0):
     """Random feeds from the model's input shapes; dynamic dimensions become 1."""
+    from .session import numpy_dtype
     rng = np.random.default_rng(seed)
     feeds = {}
     for i in inputs:
-        if i.type not in _NP:
-            raise OffloadError(f"cannot generate a feed for input {i.name!r} of type {i.type}: pass --inputs")
+        try:
+            dtype = numpy_dtype(i.type)
+        except OffloadError:
+            raise OffloadError(f"cannot generate a feed for input {i.name!r} of type {i.type}: pass --inputs") from None
         shape = [d if isinstance(d, int) and d > 0 else 1 for d in i.shape]
-        dtype = _NP[i.type]
         if np.issubdtype(dtype, np.floating):
             feeds[i.name] = (rng.standard_normal(shape) * 0.1).astype(dtype)
         else:
@@ -124,8 +121,8 @@ def cmd_demo(args) -> int:
                             progress=Progress("loading weights")) as s:
             for _ in range(3):
                 got = s.run(None, {"x": x})[0]
-            print(s.stats())
             st = s.stats()
+            print(st)
         err = float(np.max(np.abs(got - want)))
         print(f"\nmax |offloaded - plain ORT| = {err:.3g}; peak committed {st.peak_committed / 2**20:.2f} MiB "
               f"of a {budget / 2**20:.2f} MiB budget")

@@ -104,6 +104,16 @@ def parse_policy(value: str, name: str = ENV_POLICY) -> str:
     return text
 
 
+_ENV_FIELDS = (
+    (ENV_OFFLOAD, "offload", parse_flag),
+    (ENV_VMM, "vmm", parse_flag),
+    (ENV_DEVICE_BYTES, "weight_bytes", parse_bytes),
+    (ENV_POLICY, "policy", parse_policy),
+    (ENV_VRAM_LIMIT, "vram_limit", parse_vram_limit),
+    (ENV_CUDA_GRAPH, "cuda_graph", parse_flag),
+)
+
+
 @dataclasses.dataclass
 class OffloadConfig:
     """Everything that shapes an offloaded session. Build with ``from_env`` or directly."""
@@ -122,7 +132,7 @@ class OffloadConfig:
     # None: 256 MiB or an eighth of the budget, whichever is less
     segment_bytes: Optional[int] = None  # weights per segment; None: a quarter of the allowance
     host_granularity: int = 2 * MiB  # the host backend's granule, matching the GPU's
-    handle_classes: tuple = ()  # () means granule, 16 and 128 granules
+    handle_classes: tuple = ()  # () means the arena's defaults: 1, 16, 64 and 256 granules
     zone_va_bytes: Optional[int] = None
     optimization_level: Optional[str] = None  # None: the SessionOptions' level
     cache_dir: Optional[str] = None  # keeps optimized models between sessions
@@ -153,18 +163,9 @@ class OffloadConfig:
             v = env.get(name)
             return None if v is None or v.strip() == "" else v
 
-        if get(ENV_OFFLOAD) is not None:
-            values["offload"] = parse_flag(get(ENV_OFFLOAD), ENV_OFFLOAD)
-        if get(ENV_VMM) is not None:
-            values["vmm"] = parse_flag(get(ENV_VMM), ENV_VMM)
-        if get(ENV_DEVICE_BYTES) is not None:
-            values["weight_bytes"] = parse_bytes(get(ENV_DEVICE_BYTES), ENV_DEVICE_BYTES)
-        if get(ENV_POLICY) is not None:
-            values["policy"] = parse_policy(get(ENV_POLICY))
-        if get(ENV_VRAM_LIMIT) is not None:
-            values["vram_limit"] = parse_vram_limit(get(ENV_VRAM_LIMIT))
-        if get(ENV_CUDA_GRAPH) is not None:
-            values["cuda_graph"] = parse_flag(get(ENV_CUDA_GRAPH), ENV_CUDA_GRAPH)
+        for var, field, parse in _ENV_FIELDS:
+            if get(var) is not None:
+                values[field] = parse(get(var), var)
         if "cuda_graph" in overrides:
             values["graph_override"] = parse_flag(overrides.pop("cuda_graph"), "cuda_graph")
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}

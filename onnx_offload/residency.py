@@ -63,13 +63,6 @@ class Counters:
         return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
 
 
-def plain_charge(nbytes: int, granularity: int) -> int:
-    """What a plain device allocation commits (the arena charges the same)."""
-    if nbytes >= granularity:
-        return -(-nbytes // granularity) * granularity
-    return -(-nbytes // 512) * 512
-
-
 class PlainSlot:
     """A weight in the plain baseline: a fresh allocation on every page-in, so its
     address changes, and captured graphs cannot use it."""
@@ -149,7 +142,7 @@ class IncrementalCost:
     def extra(self, name: str) -> int:
         s = self._slots[name]
         if not self._vmm:
-            return plain_charge(s.length, self._g)
+            return _core.plain_charge(s.length, self._g)
         return self._map.incremental_commit_bytes([(s.va, s.length)])
 
     def add(self, name: str) -> None:
@@ -326,7 +319,7 @@ class ResidencyManager:
             return 0
         if self.vmm:
             return self.device.arena.incremental_commit_bytes([(self.slots[n].va, self.slots[n].length) for n in names])
-        return sum(plain_charge(self.slots[n].length, self.granularity) for n in names)
+        return sum(_core.plain_charge(self.slots[n].length, self.granularity) for n in names)
 
     def _page_in(self, names: Sequence[str], zone: str):
         slots = [self.slots[n] for n in names]

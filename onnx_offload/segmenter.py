@@ -75,13 +75,16 @@ def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
     return types
 
 
+def dims(tensor_type) -> List:
+    """A tensor type's shape as ONNX Runtime reports it: sizes, symbolic names, or None."""
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
+
+
 def _value_info(name: str, types: Dict[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
     if name not in types:
         raise ValueError(f"no type is known for boundary value {name!r}")
     t = types[name]
-    shape = None
-    if t.tensor_type.HasField("shape"):
-        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.tensor_type.shape.dim]
+    shape = dims(t.tensor_type) if t.tensor_type.HasField("shape") else None
     return helper.make_tensor_value_info(name, t.tensor_type.elem_type, shape)
 
 
@@ -90,12 +93,6 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     graph_outputs = [o.name for o in graph.output]
-    producer: Dict[str, int] = {}
-    for gi, group in enumerate(groups):
-        for i in group:
-            for out in graph.node[i].output:
-                if out:
-                    producer[out] = gi
     consumers: Dict[str, set] = {}
     for gi, group in enumerate(groups):
         for i in group:

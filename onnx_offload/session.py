@@ -39,13 +39,17 @@ from .graph_capture import GraphCaptureDecision, resolve_graph_capture_enabled, 
 from .host_store import HostStore
 from .model import (OPTIMIZED_DATA, cache_key, materialize, optimization_level, optimize_once,
                     point_weights_at_placeholder, read_weights, save_model, weights_as_inputs)
-from .residency import Counters, ResidencyManager, plain_charge
-from .segmenter import Segment, plan_segments, split
+from .residency import Counters, ResidencyManager
+from .segmenter import Segment, dims, plan_segments, split
 from .stats import OffloadStats
 
 CUDA_EP = "CUDAExecutionProvider"
 CPU_EP = "CPUExecutionProvider"
 _MAX_SIGNATURES = 4
+# The gpu_graph_ids that run() captures under, apart from the small ids (0 by default)
+# that callers pass to run_with_iobinding with their own buffers: a shared id would
+# replay the caller's graph on the caller's buffers.
+_FIRST_GRAPH_ID = 1 << 20
 _OUTSIDE_MEASURED_RUNS = 3
 
 
@@ -72,7 +76,7 @@ def ortvalue_at(ptr: int, shape: Sequence[int], dtype: np.dtype, on_cuda: bool, 
 def packed_cost(sizes: Sequence[int], granularity: int, vmm: bool) -> int:
     """Committed bytes of weights packed at 256-byte alignment from a granule boundary."""
     if not vmm:
-        return sum(plain_charge(n, granularity) for n in sizes)
+        return sum(_core.plain_charge(n, granularity) for n in sizes)
     end = 0
     for n in sizes:
         end = -(-end // 256) * 256 + n
@@ -86,7 +90,7 @@ class IOInfo:
         self.name = vi.name
         tt = vi.type.tensor_type
         self.type = f"tensor({onnx.helper.tensor_dtype_to_string(tt.elem_type).split('.')[-1].lower()})"
-        self.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        self.shape = dims(tt)
 
     def __repr__(self):
         return f"IOInfo(name={self.name!r}, type={self.type!r}, shape={self.shape!r})"
@@ -129,8 +133,7 @@ class OffloadSession:
         self._sessions: List[_SegmentRun] = []
         self._initializer_values: List[ort.OrtValue] = []
         self._plans: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
-        self._next_graph_id = 0
-        self._bound: Dict[tuple, tuple] = {}  # input shapes -> (IOBinding, device inputs), under capture
+        self._next_graph_id = _FIRST_GRAPH_ID
         self._residency = None
         self._store = None
         self._device = None
@@ -355,43 +358,18 @@ class OffloadSession:
 
     def run(self, output_names, input_feed: Dict[str, Any], run_options=None):
         self._check_open()
-        if not self._multi:
+        if not self._multi and not self._capture.enabled:
             mark = self._outside_mark() if self._runs < _OUTSIDE_MEASURED_RUNS else None
-            if self._capture.enabled:
-                out = self._run_bound(output_names, input_feed, run_options)
-            else:
-                out = self._sessions[0].session.run(output_names, input_feed, run_options)
+            out = self._sessions[0].session.run(output_names, input_feed, run_options)
             self._after_single_run(mark)
             return out
+        # Split graphs, and any graph under capture (ORT replays only through IOBinding with
+        # fixed buffers): the segment loop binds fixed buffers per input shape.
         values = self._run_segments(input_feed, run_options)
-        wanted = output_names or [o.name for o in self._graph_outputs]
-        # Copies: on the CPU, numpy() aliases the fixed buffer the next step overwrites.
-        return [np.array(values[n].numpy(), copy=True) for n in wanted]
-
-    def _run_bound(self, output_names, input_feed, run_options):
-        """run() under a captured graph: ORT replays only through IOBinding with fixed device
-        buffers, so feeds are copied into device inputs that stay put, per input shape."""
-        sess = self._sessions[0].session
-        feeds = {k: np.ascontiguousarray(v.numpy() if isinstance(v, ort.OrtValue) else v) for k, v in input_feed.items()}
-        sig = tuple(sorted((k, v.shape, v.dtype.str) for k, v in feeds.items()))
-        bound = self._bound.get(sig)
-        if bound is None:
-            io = sess.io_binding()
-            inputs = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", self.config.device_id) for k, v in feeds.items()}
-            for k, v in inputs.items():
-                io.bind_ortvalue_input(k, v)
-            for o in sess.get_outputs():
-                io.bind_output(o.name, "cuda", self.config.device_id)
-            bound = self._bound[sig] = (io, inputs)
-        else:
-            for k, v in feeds.items():
-                bound[1][k].update_inplace(v)
-        io = bound[0]
-        sess.run_with_iobinding(io, run_options)
-        outs = dict(zip([o.name for o in sess.get_outputs()], io.get_outputs()))
-        for o in sess.get_outputs():  # later replays write into what this run returned
-            io.bind_ortvalue_output(o.name, outs[o.name])
-        return [outs[n].numpy() for n in (output_names or list(outs))]
+        outs = [values[n].numpy() for n in (output_names or [o.name for o in self._graph_outputs])]
+        # On CUDA numpy() is already a host copy; on the CPU it aliases the fixed buffer
+        # that the next step overwrites.
+        return outs if self._on_cuda else [o.copy() for o in outs]
 
     def _after_single_run(self, mark) -> None:
         c = self._residency.counters
@@ -497,7 +475,7 @@ class OffloadSession:
         """Copies `value` into a fixed buffer, in order on the compute stream."""
         ptr, shape, dtype, target = entry
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if tuple(value.shape()) != tuple(shape) or _ort_dtype(value.data_type()) != np.dtype(dtype):
+        if tuple(value.shape()) != tuple(shape) or numpy_dtype(value.data_type()) != np.dtype(dtype):
             raise ValueError(f"a {value.data_type()} {value.shape()} value does not fit a {np.dtype(dtype)} "
                              f"{list(shape)} buffer")
         backend, stream = self._device.backend, self._device.compute_stream
@@ -520,7 +498,7 @@ class OffloadSession:
         """A copy of `value` in memory of its own, on the same device."""
         if value.device_name().lower() == "cpu":
             return ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
-        dtype = _ort_dtype(value.data_type())
+        dtype = numpy_dtype(value.data_type())
         out = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), dtype, "cuda", self.config.device_id)
         self._copy_into((out.data_ptr(), value.shape(), dtype, out), value)
         return out
@@ -542,7 +520,7 @@ class OffloadSession:
             for name in sorted(needed):
                 v = values[name] if name in values else feeds[name]
                 shape = list(v.shape())
-                dtype = _ort_dtype(v.data_type())
+                dtype = numpy_dtype(v.data_type())
                 nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
                 ptr = scratch.allocate(nbytes)
                 plan.buffers[name] = (ptr, shape, dtype, ortvalue_at(ptr, shape, dtype, self._on_cuda, self.config.device_id))
@@ -639,7 +617,6 @@ class OffloadSession:
             self._device.compute_stream.synchronize()
         self._sessions = []  # ORT sessions go first: they may still free scratch blocks
         self._initializer_values = []
-        self._bound.clear()
         for plan in self._plans.values():
             self._free_plan(plan)
         self._plans.clear()
@@ -677,7 +654,8 @@ _ORT_TO_NP = {
 }
 
 
-def _ort_dtype(type_str: str) -> np.dtype:
+def numpy_dtype(type_str: str) -> np.dtype:
+    """The numpy dtype of an ORT type string such as 'tensor(float16)'."""
     if type_str == "tensor(bfloat16)":
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
@@ -736,7 +714,7 @@ class OffloadIOBinding:
         for n in names:
             target = self._outputs.get(n)
             if target is not None:
-                self._session._copy_into((target.data_ptr(), target.shape(), _ort_dtype(target.data_type()), target),
+                self._session._copy_into((target.data_ptr(), target.shape(), numpy_dtype(target.data_type()), target),
                                          values[n])
                 self._results[n] = target
             else:

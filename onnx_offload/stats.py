@@ -12,7 +12,6 @@ def fmt_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def table(rows, headers=None) -> str:

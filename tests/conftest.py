@@ -3,6 +3,7 @@ import functools
 import pytest
 
 from onnx_offload import _core, cuda_available
+from onnx_offload.host_store import read_bytes
 from onnx_offload.stats import invariant_violations
 
 MiB = 1 << 20
@@ -47,11 +48,7 @@ class Rig:
         self.keep = []
 
     def read(self, va: int, n: int):
-        import numpy as np
-        out = np.empty(n, dtype=np.uint8)
-        self.backend.copy_d2h(out.ctypes.data, va, n, self.stream)
-        self.stream.synchronize()
-        return out
+        return read_bytes(self.backend, self.stream, va, n)
 
     def write(self, va: int, data):
         import numpy as np

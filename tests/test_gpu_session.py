@@ -64,6 +64,8 @@ def test_bitwise_equal_to_plain_cuda(name, capture):
         np.testing.assert_array_equal(got, want)
         if not capture:
             np.testing.assert_array_equal(s.run(None, {"x": x})[0], ref.run(None, {"x": x})[0])
+        for _ in range(3):  # run() under capture: buffers sized, bound, then captured
+            np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
 
 
 def test_update_inplace_then_replay():
@@ -178,10 +180,10 @@ def test_plain_baseline_declines_capture_and_matches():
 
 def add_model(n):
     from onnx import TensorProto, helper
-    g = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "add",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+    from onnx_offload.models.generators import build_model
+    return build_model([helper.make_node("Add", ["x", "x"], ["y"])],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])], [], "add").SerializeToString()
 
 
 def test_ort_runs_on_the_compute_stream_it_is_given():
