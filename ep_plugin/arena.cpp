@@ -1,19 +1,11 @@
 #include "arena.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <stdexcept>
 
 #include "errors.h"
 
 namespace offload {
-namespace {
-
-void warn(const std::string& what) noexcept {
-  std::fprintf(stderr, "onnx_offload: warning: %s\n", what.c_str());
-}
-
-}  // namespace
 
 uint64_t plain_charge(uint64_t bytes, uint64_t gran) {
   // What a plain device allocation really takes: whole pages once it is large.
@@ -109,6 +101,21 @@ uint64_t Arena::incremental_commit_bytes(const std::vector<ByteRange>& ranges) {
   return gmap_.incremental_commit_bytes(to_offsets_locked(ranges));
 }
 
+void Arena::release_handle_locked(uint64_t handle) {
+  handle_size_.erase(handle);
+  backend_->release(handle);
+  ++counters_.handles_released;
+}
+
+template <typename Over>
+void Arena::trim_pool_while_locked(uint64_t keep_limit, Over over) {
+  while (over()) {
+    auto victim = pool_.pop_for_trim(keep_limit);
+    if (!victim) break;
+    release_handle_locked(victim->second);
+  }
+}
+
 uint64_t Arena::acquire_handle_locked(uint64_t rem, uint64_t pending, bool* reused) {
   uint64_t ideal = classes_.front();
   for (uint64_t c : classes_)
@@ -124,13 +131,7 @@ uint64_t Arena::acquire_handle_locked(uint64_t rem, uint64_t pending, bool* reus
       auto h = pool_.take(*smaller);
       return *h;
     }
-    while (physical() + ideal > budget) {
-      auto victim = pool_.pop_for_trim(rem);
-      if (!victim) break;
-      handle_size_.erase(victim->second);
-      ++counters_.handles_released;
-      backend_->release(victim->second);
-    }
+    trim_pool_while_locked(rem, [&] { return physical() + ideal > budget; });
   }
   *reused = false;
   uint64_t h = backend_->create(ideal);
@@ -145,9 +146,7 @@ void Arena::return_handle_locked(uint64_t size, uint64_t handle) noexcept {
     return;
   }
   try {
-    backend_->release(handle);
-    handle_size_.erase(handle);
-    ++counters_.handles_released;
+    release_handle_locked(handle);
   } catch (const std::exception& e) {
     warn(concat("releasing a physical handle failed: ", e.what()));
   }
@@ -213,6 +212,7 @@ void Arena::commit(Zone charge, const std::vector<ByteRange>& ranges, uint64_t c
 }
 
 void Arena::wait_readers_locked(const std::vector<Extent>& freed) {
+  if (skip_reader_wait_) return;
   for (const Extent& e : freed) {
     auto it = readers_.find(e.first);
     if (it == readers_.end()) continue;
@@ -221,7 +221,17 @@ void Arena::wait_readers_locked(const std::vector<Extent>& freed) {
         ++counters_.reader_waits;
         ev->synchronize();
       }
-      if (!ev->query()) ++counters_.unmaps_before_reader;
+    }
+  }
+}
+
+void Arena::check_readers_done_locked(const Extent& e) {
+  auto it = readers_.find(e.first);
+  if (it == readers_.end()) return;
+  for (auto& ev : it->second) {
+    if (!ev->query()) {
+      ++counters_.unmaps_before_reader;
+      return;
     }
   }
 }
@@ -258,6 +268,7 @@ void Arena::decommit(Zone charge, const std::vector<ByteRange>& ranges, uint64_t
     while (j < freed.size() && freed[j - 1].first + freed[j - 1].count == freed[j].first) ++j;
     const uint64_t va = base_ + freed[i].first * gran_;
     const uint64_t bytes = (freed[j - 1].first + freed[j - 1].count - freed[i].first) * gran_;
+    for (std::size_t k = i; k < j; ++k) check_readers_done_locked(freed[k]);
     try {
       backend_->unmap(va, bytes);  // one call over the contiguous run
       unmapped.insert(unmapped.end(), freed.begin() + long(i), freed.begin() + long(j));
@@ -309,13 +320,7 @@ uint64_t Arena::plain_alloc(Zone charge, uint64_t bytes) {
   uint64_t ptr = 0;
   try {
     const uint64_t budget = ledger_->budget();
-    while (ledger_->committed_total() + pool_.bytes() > budget) {
-      auto victim = pool_.pop_for_trim(0);
-      if (!victim) break;
-      handle_size_.erase(victim->second);
-      ++counters_.handles_released;
-      backend_->release(victim->second);
-    }
+    trim_pool_while_locked(0, [&] { return ledger_->committed_total() + pool_.bytes() > budget; });
     ptr = backend_->plain_alloc(bytes);
   } catch (...) {
     ledger_->refund(charge, charged);
@@ -358,15 +363,9 @@ void Arena::unguard_capture(const Stream* s) {
 uint64_t Arena::trim_pool(uint64_t bytes) {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) return 0;
-  uint64_t freed = 0;
-  while (freed < bytes) {
-    auto victim = pool_.pop_for_trim(0);
-    if (!victim) break;
-    backend_->release(victim->second);
-    handle_size_.erase(victim->second);
-    ++counters_.handles_released;
-    freed += victim->first;
-  }
+  const uint64_t before = pool_.bytes();
+  trim_pool_while_locked(0, [&] { return before - pool_.bytes() < bytes; });
+  const uint64_t freed = before - pool_.bytes();
   ledger_->set_pooled(pool_.bytes());
   return freed;
 }
@@ -397,9 +396,9 @@ ArenaStats Arena::stats() {
   s.mapped_by_zone = mapped_by_zone_;
   s.plain_by_zone = plain_by_zone_;
   s.content_by_zone = content_by_zone_;
-  const DriverCounters& c = backend_->counters();
+  const DriverCounters c = backend_->counters();
   s.unmap_calls = c.unmaps;
-  s.set_access_calls = c.accesses;
+  s.set_access_calls = c.set_access;
   s.map_calls = c.maps;
   s.refcount_underflows = gmap_.underflows();
   s.uncovered_referenced = gmap_.uncovered_referenced();
@@ -414,24 +413,23 @@ void Arena::close() {
   wait_readers_locked(all);
   for (const Extent& e : all) {
     const uint64_t bytes = e.count * gran_;
+    check_readers_done_locked(e);
     try {
       backend_->unmap(base_ + e.first * gran_, bytes);
-      backend_->release(e.handle);
-      ++counters_.handles_released;
+      release_handle_locked(e.handle);
     } catch (const std::exception& ex) {
-      warn(concat("close could not unmap or release ", bytes, " bytes: ", ex.what()));
+      warn(concat("close could not unmap or release ", bytes, " bytes at ", hex(base_ + e.first * gran_), ": ",
+                  ex.what()));
+      handle_size_.erase(e.handle);
     }
-    handle_size_.erase(e.handle);
     ledger_->refund(e.zone, bytes);
   }
   for (auto& [size, h] : pool_.drain()) {
     try {
-      backend_->release(h);
-      ++counters_.handles_released;
+      release_handle_locked(h);
     } catch (const std::exception& ex) {
       warn(concat("close could not release a pooled handle: ", ex.what()));
     }
-    handle_size_.erase(h);
   }
   for (auto& [ptr, zc] : plain_) {
     try {
@@ -451,239 +449,6 @@ void Arena::close() {
   gmap_ = GranuleMap(gran_);
   backend_->free_reservation(base_, zone_va_ * kZoneCount);
   closed_ = true;
-}
-
-// ---------------------------------------------------------------- WeightSlot
-
-const char* slot_state_name(SlotState s) {
-  switch (s) {
-    case SlotState::Evicted: return "evicted";
-    case SlotState::PagingIn: return "paging_in";
-    case SlotState::Resident: return "resident";
-    case SlotState::Pinned: return "pinned";
-  }
-  return "?";
-}
-
-WeightSlot::WeightSlot(std::shared_ptr<Arena> arena, std::string key, uint64_t length, uint64_t alignment, Zone region)
-    : arena_(std::move(arena)), key_(std::move(key)), length_(length) {
-  if (length == 0) throw std::invalid_argument(concat("weight '", key_, "' has zero bytes"));
-  va_ = arena_->carve(region, length, alignment);
-}
-
-WeightSlot::~WeightSlot() {
-  if (arena_->closed()) return;
-  try {
-    if (state_ != SlotState::Evicted) {
-      pins_ = 0;
-      state_ = SlotState::Resident;
-      arena_->decommit(charge_, {range()}, length_);
-    }
-    arena_->release(va_);
-  } catch (const std::exception& e) {
-    warn(concat("dropping slot '", key_, "' failed: ", e.what()));
-  }
-}
-
-void WeightSlot::illegal(const char* op) {
-  throw StateError(concat("slot '", key_, "' at ", hex(va_), " cannot ", op, " while ", slot_state_name(state_)));
-}
-
-SlotState WeightSlot::state() {
-  if (state_ == SlotState::PagingIn && ready_ && ready_->query()) state_ = SlotState::Resident;
-  return state_;
-}
-
-void WeightSlot::set_source(const void* host, uint64_t bytes) {
-  if (bytes < length_) throw std::invalid_argument(concat("source of '", key_, "' has ", bytes, " bytes, the slot ", length_));
-  src_ = host;
-  src_bytes_ = bytes;
-}
-
-void WeightSlot::pin() {
-  SlotState s = state();
-  if (s != SlotState::Resident && s != SlotState::PagingIn && s != SlotState::Pinned) illegal("be pinned");
-  state_ = SlotState::Pinned;
-  ++pins_;
-}
-
-void WeightSlot::unpin() {
-  if (state_ != SlotState::Pinned) illegal("be unpinned");
-  if (--pins_ == 0) state_ = SlotState::Resident;
-}
-
-void WeightSlot::mark_read(std::shared_ptr<Event> e) {
-  if (state_ == SlotState::Evicted) illegal("be read");
-  arena_->note_reader({range()}, std::move(e));
-}
-
-WeightSlot::Group WeightSlot::gather(const std::vector<std::shared_ptr<WeightSlot>>& slots, const char* op,
-                                     bool (*allowed)(SlotState)) {
-  Group g{slots.front()->arena_.get(), {}, 0};
-  for (auto& s : slots) {
-    if (s->arena_.get() != g.arena) throw std::invalid_argument(concat("slots of one ", op, " must share an arena"));
-    if (!allowed(s->state())) s->illegal(concat("be ", op).c_str());
-    g.ranges.push_back(s->range());
-    g.content += s->length_;
-  }
-  return g;
-}
-
-std::shared_ptr<Event> WeightSlot::page_in(const std::vector<std::shared_ptr<WeightSlot>>& slots, Zone charge, Stream& stream) {
-  if (slots.empty()) return nullptr;
-  Group group = gather(slots, "paged in", [](SlotState st) { return st == SlotState::Evicted; });
-  for (auto& s : slots)
-    if (s->src_ == nullptr) throw StateError(concat("slot '", s->key_, "' has no host source to page in from"));
-  Arena& arena = *group.arena;
-  const std::vector<ByteRange>& ranges = group.ranges;
-  const uint64_t content = group.content;
-  arena.commit(charge, ranges, content);
-  std::shared_ptr<Event> ev;
-  try {
-    for (auto& s : slots) arena.backend().copy_h2d(s->va_, s->src_, s->length_, stream);
-    ev = arena.backend().create_event();
-    ev->record(stream);
-    arena.note_reader(ranges, ev);  // the copy writes: no unmap before it ends
-  } catch (...) {
-    stream.synchronize();
-    arena.decommit(charge, ranges, content);
-    throw;
-  }
-  for (auto& s : slots) {
-    s->state_ = SlotState::PagingIn;
-    s->ready_ = ev;
-    s->charge_ = charge;
-  }
-  return ev;
-}
-
-void WeightSlot::evict(const std::vector<std::shared_ptr<WeightSlot>>& slots) {
-  if (slots.empty()) return;
-  Group group = gather(slots, "evicted",
-                       [](SlotState st) { return st == SlotState::Resident || st == SlotState::PagingIn; });
-  const Zone charge = slots.front()->charge_;
-  for (auto& s : slots)
-    if (s->charge_ != charge) throw std::invalid_argument("slots of one eviction must be charged to one zone");
-  group.arena->decommit(charge, group.ranges, group.content);
-  for (auto& s : slots) {
-    s->state_ = SlotState::Evicted;
-    s->ready_.reset();
-  }
-}
-
-// ---------------------------------------------------------------- ScratchAllocator
-
-ScratchAllocator::ScratchAllocator(std::shared_ptr<Arena> arena, Zone zone, uint64_t alignment)
-    : arena_(std::move(arena)), zone_(zone), align_(alignment) {
-  if (!is_pow2(alignment)) throw std::invalid_argument("scratch alignment must be a power of two");
-}
-
-ScratchAllocator::~ScratchAllocator() {
-  try {
-    std::lock_guard<std::mutex> g(mu_);
-    for (auto& [ptr, size] : live_) cache_.insert({size, ptr});
-    live_.clear();
-    empty_cache_locked();
-  } catch (const std::exception& e) {
-    warn(concat("releasing scratch memory failed: ", e.what()));
-  }
-}
-
-uint64_t ScratchAllocator::allocate(uint64_t bytes) {
-  const uint64_t r = round_up(std::max<uint64_t>(bytes, 1), align_);
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = cache_.lower_bound(r);
-    if (it != cache_.end() && it->first <= r + r / 2) {
-      const uint64_t ptr = it->second, size = it->first;
-      cache_.erase(it);
-      live_[ptr] = size;
-      stats_.cached_bytes -= size;
-      stats_.live_bytes += size;
-      stats_.peak_live = std::max(stats_.peak_live, stats_.live_bytes);
-      ++stats_.allocs;
-      ++stats_.cache_hits;
-      return ptr;
-    }
-  }
-  const uint64_t va = arena_->carve(zone_, r, align_);
-  try {
-    try {
-      arena_->commit(zone_, {{va, r}}, r);
-    } catch (const BudgetExceeded&) {
-      // Free our own cache, then ask lower-priority zones to lend, then retry once.
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        empty_cache_locked();
-      }
-      arena_->ledger()->make_room(zone_, arena_->incremental_commit_bytes({{va, r}}));
-      arena_->commit(zone_, {{va, r}}, r);
-    }
-  } catch (...) {
-    arena_->release(va);
-    std::lock_guard<std::mutex> g(mu_);
-    ++stats_.failures;
-    throw;
-  }
-  std::lock_guard<std::mutex> g(mu_);
-  live_[va] = r;
-  stats_.live_bytes += r;
-  stats_.peak_live = std::max(stats_.peak_live, stats_.live_bytes);
-  ++stats_.allocs;
-  return va;
-}
-
-uint64_t ScratchAllocator::try_allocate(uint64_t bytes) noexcept {
-  try {
-    return allocate(bytes);
-  } catch (const std::exception& e) {
-    std::lock_guard<std::mutex> g(mu_);
-    last_error_ = e.what();
-    return 0;
-  }
-}
-
-std::string ScratchAllocator::last_error() {
-  std::lock_guard<std::mutex> g(mu_);
-  return last_error_;
-}
-
-void ScratchAllocator::deallocate(uint64_t ptr) {
-  std::lock_guard<std::mutex> g(mu_);
-  auto it = live_.find(ptr);
-  if (it == live_.end()) throw StateError(concat("scratch free of ", ptr, " which is not a live block"));
-  cache_.insert({it->second, ptr});
-  stats_.live_bytes -= it->second;
-  stats_.cached_bytes += it->second;
-  ++stats_.frees;
-  live_.erase(it);
-}
-
-uint64_t ScratchAllocator::empty_cache() {
-  std::lock_guard<std::mutex> g(mu_);
-  return empty_cache_locked();
-}
-
-uint64_t ScratchAllocator::empty_cache_locked() {
-  if (cache_.empty() || arena_->closed()) return 0;
-  std::vector<ByteRange> ranges;
-  uint64_t content = 0;
-  for (auto& [size, ptr] : cache_) {
-    ranges.push_back({ptr, size});
-    content += size;
-  }
-  const uint64_t before = arena_->ledger()->snapshot().zones[int(zone_)].committed.current;
-  arena_->decommit(zone_, ranges, content);
-  for (auto& r : ranges) arena_->release(r.offset);
-  cache_.clear();
-  stats_.cached_bytes = 0;
-  const uint64_t after = arena_->ledger()->snapshot().zones[int(zone_)].committed.current;
-  return before - after;
-}
-
-ScratchAllocator::Stats ScratchAllocator::stats() {
-  std::lock_guard<std::mutex> g(mu_);
-  return stats_;
 }
 
 }  // namespace offload

@@ -14,6 +14,8 @@
 // arena never calls the ledger's reclaimers, which run with no lock held.
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -35,22 +37,27 @@ struct ArenaConfig {
   uint64_t pool_limit = UINT64_MAX;      // idle bytes kept for reuse
 };
 
+// The scalar fields of ArenaStats, in order (the binding reads this list too).
+#define OFFLOAD_ARENA_STATS_FIELDS(_)                                                        \
+  _(granularity) _(va_base) _(va_bytes)                                                     \
+  _(live_handle_bytes) _(live_handles) _(pool_bytes) _(pool_handles)                        \
+  _(extents) _(mapped_bytes)                                                                \
+  _(commits) _(decommits) _(rollbacks)                                                      \
+  _(handles_created) _(handles_released) _(handles_reused)                                  \
+  _(unmap_calls) _(set_access_calls) _(map_calls)                                           \
+  _(reader_waits)                                                                           \
+  _(capture_refusals)     /* map/unmap refused because a guarded stream was capturing */    \
+  /* Invariants: all must read 0. */                                                        \
+  _(refcount_underflows)                                                                    \
+  _(unmaps_before_reader) /* extents unmapped while a recorded reader was still running */  \
+  _(unaccounted_bytes)    /* ledger vs arena disagreement */                                \
+  _(uncovered_referenced)
+
 struct ArenaStats {
-  uint64_t granularity = 0, va_base = 0, va_bytes = 0;
-  uint64_t live_handle_bytes = 0, live_handles = 0;
-  uint64_t pool_bytes = 0, pool_handles = 0;
-  uint64_t extents = 0, mapped_bytes = 0;
+#define OFFLOAD_FIELD(name) uint64_t name = 0;
+  OFFLOAD_ARENA_STATS_FIELDS(OFFLOAD_FIELD)
+#undef OFFLOAD_FIELD
   std::array<uint64_t, kZoneCount> mapped_by_zone{}, plain_by_zone{}, content_by_zone{};
-  uint64_t commits = 0, decommits = 0, rollbacks = 0;
-  uint64_t handles_created = 0, handles_released = 0, handles_reused = 0;
-  uint64_t unmap_calls = 0, set_access_calls = 0, map_calls = 0;
-  uint64_t reader_waits = 0;
-  uint64_t capture_refusals = 0;  // map/unmap attempts refused because a guarded stream was capturing
-  // Invariants: all must read 0.
-  uint64_t refcount_underflows = 0;
-  uint64_t unmaps_before_reader = 0;  // unmaps whose reader had not finished
-  uint64_t unaccounted_bytes = 0;     // ledger vs arena disagreement
-  uint64_t uncovered_referenced = 0;
 };
 
 class Arena {
@@ -94,6 +101,10 @@ class Arena {
   void close();
   bool closed() const { return closed_; }
 
+  // Test hook: skip the wait for readers before unmapping, to show that
+  // unmaps_before_reader detects it. Never set outside tests.
+  void debug_skip_reader_wait(bool skip) { skip_reader_wait_ = skip; }
+
  private:
   struct Mapped {
     uint64_t va, bytes, handle;
@@ -103,7 +114,16 @@ class Arena {
   std::vector<ByteRange> to_offsets_locked(const std::vector<ByteRange>& ranges) const;
   uint64_t acquire_handle_locked(uint64_t rem, uint64_t pending, bool* reused);
   void return_handle_locked(uint64_t size, uint64_t handle) noexcept;
+  // Releases a handle the arena neither maps nor pools; it is forgotten even when the
+  // release fails (nothing could retry it).
+  void release_handle_locked(uint64_t handle);
+  // Releases idle pooled handles while over(); keeps sizes <= keep_limit longest.
+  template <typename Over>
+  void trim_pool_while_locked(uint64_t keep_limit, Over over);
   void wait_readers_locked(const std::vector<Extent>& freed);
+  // Counts a freed extent whose recorded readers have not all finished; called right
+  // before it is unmapped.
+  void check_readers_done_locked(const Extent& e);
   uint64_t unaccounted_locked();
 
   std::shared_ptr<PhysicalBackend> backend_;
@@ -114,6 +134,7 @@ class Arena {
   uint64_t zone_va_;
   uint64_t base_ = 0;
   bool closed_ = false;
+  std::atomic<bool> skip_reader_wait_{false};
 
   std::mutex mu_;
   std::vector<SpanAllocator> regions_;
@@ -125,93 +146,6 @@ class Arena {
   std::vector<std::weak_ptr<Stream>> guarded_;
   std::array<uint64_t, kZoneCount> mapped_by_zone_{}, plain_by_zone_{}, content_by_zone_{};
   ArenaStats counters_;
-};
-
-// A weight's slot: one stable address for its whole life, backed only while resident.
-enum class SlotState { Evicted, PagingIn, Resident, Pinned };
-const char* slot_state_name(SlotState s);
-
-class WeightSlot {
- public:
-  WeightSlot(std::shared_ptr<Arena> arena, std::string key, uint64_t length, uint64_t alignment, Zone region);
-  ~WeightSlot();
-  WeightSlot(const WeightSlot&) = delete;
-  WeightSlot& operator=(const WeightSlot&) = delete;
-
-  const std::string& key() const { return key_; }
-  uint64_t va() const { return va_; }
-  uint64_t length() const { return length_; }
-  SlotState state();
-  Zone charged_zone() const { return charge_; }
-  std::shared_ptr<Event> ready_event() const { return ready_; }
-  std::shared_ptr<Arena> arena() const { return arena_; }
-
-  // Where page-in copies from; the memory must outlive the slot.
-  void set_source(const void* host, uint64_t bytes);
-  const void* source() const { return src_; }
-
-  void pin();
-  void unpin();
-  void mark_read(std::shared_ptr<Event> e);
-  ByteRange range() const { return {va_, length_}; }
-
-  // Group operations: one commit (or decommit) transaction for all slots.
-  // page_in commits in `charge`, enqueues the copies on `stream` and returns the event
-  // that marks them done; every slot must be Evicted and have a source.
-  static std::shared_ptr<Event> page_in(const std::vector<std::shared_ptr<WeightSlot>>& slots, Zone charge, Stream& stream);
-  // Every slot must be Resident or PagingIn (not Pinned) and charged to the same zone.
-  static void evict(const std::vector<std::shared_ptr<WeightSlot>>& slots);
-
- private:
-  struct Group {
-    Arena* arena;
-    std::vector<ByteRange> ranges;
-    uint64_t content;
-  };
-  // The ranges and content bytes of a group, checked: one arena, each slot in a state
-  // `allowed` accepts (else a StateError naming the slot, its address and `op`).
-  static Group gather(const std::vector<std::shared_ptr<WeightSlot>>& slots, const char* op, bool (*allowed)(SlotState));
-  [[noreturn]] void illegal(const char* op);
-  std::shared_ptr<Arena> arena_;
-  std::string key_;
-  uint64_t va_, length_;
-  const void* src_ = nullptr;
-  uint64_t src_bytes_ = 0;
-  SlotState state_ = SlotState::Evicted;
-  int pins_ = 0;
-  Zone charge_ = Zone::Weights;
-  std::shared_ptr<Event> ready_;
-};
-
-// A caching sub-allocator over the arena for one zone (ORT's scratch memory and
-// segment boundary buffers). Freed blocks stay committed and are reused by size;
-// empty_cache gives them back.
-class ScratchAllocator {
- public:
-  ScratchAllocator(std::shared_ptr<Arena> arena, Zone zone, uint64_t alignment = 256);
-  ~ScratchAllocator();
-  uint64_t allocate(uint64_t bytes);  // throws BudgetExceeded
-  void deallocate(uint64_t ptr);
-  uint64_t empty_cache();  // returns committed bytes freed
-  // The same, reporting failure through the return value (for callers across a C ABI).
-  uint64_t try_allocate(uint64_t bytes) noexcept;
-  std::string last_error();
-
-  struct Stats {
-    uint64_t live_bytes = 0, cached_bytes = 0, peak_live = 0, allocs = 0, frees = 0, cache_hits = 0, failures = 0;
-  };
-  Stats stats();
-
- private:
-  uint64_t empty_cache_locked();
-  std::shared_ptr<Arena> arena_;
-  Zone zone_;
-  uint64_t align_;
-  std::mutex mu_;
-  std::unordered_map<uint64_t, uint64_t> live_;  // ptr -> rounded bytes
-  std::multimap<uint64_t, uint64_t> cache_;      // rounded bytes -> ptr
-  Stats stats_;
-  std::string last_error_;
 };
 
 }  // namespace offload

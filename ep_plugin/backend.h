@@ -32,11 +32,17 @@ class Event {
   virtual float elapsed_ms(Event& start) = 0;
 };
 
-// Driver-call counters: how many calls and how long they took.
+// Driver-call counters: how many calls and how long they took (the binding reads this list too).
+#define OFFLOAD_DRIVER_COUNTER_FIELDS(_)                                                   \
+  _(creates) _(releases) _(maps) _(unmaps) _(set_access)                                  \
+  _(create_ns) _(release_ns) _(map_ns) _(unmap_ns) _(set_access_ns)                       \
+  _(plain_allocs) _(plain_frees) _(plain_alloc_ns) _(plain_free_ns)
+
+// A copy of the counters at one moment.
 struct DriverCounters {
-  std::atomic<uint64_t> creates{0}, releases{0}, maps{0}, unmaps{0}, accesses{0};
-  std::atomic<uint64_t> create_ns{0}, release_ns{0}, map_ns{0}, unmap_ns{0}, access_ns{0};
-  std::atomic<uint64_t> plain_allocs{0}, plain_frees{0}, plain_alloc_ns{0}, plain_free_ns{0};
+#define OFFLOAD_FIELD(name) uint64_t name = 0;
+  OFFLOAD_DRIVER_COUNTER_FIELDS(OFFLOAD_FIELD)
+#undef OFFLOAD_FIELD
 };
 
 class PhysicalBackend {
@@ -68,7 +74,7 @@ class PhysicalBackend {
     timed(counters_.maps, counters_.map_ns, [&] { do_map(va, bytes, handle); return 0; });
   }
   void set_access(uint64_t va, uint64_t bytes) {
-    timed(counters_.accesses, counters_.access_ns, [&] { do_set_access(va, bytes); return 0; });
+    timed(counters_.set_access, counters_.set_access_ns, [&] { do_set_access(va, bytes); return 0; });
   }
   void unmap(uint64_t va, uint64_t bytes) { timed(counters_.unmaps, counters_.unmap_ns, [&] { do_unmap(va, bytes); return 0; }); }
   // Plain allocations (the cudaMalloc-per-page-in baseline), counted the same way.
@@ -95,11 +101,14 @@ class PhysicalBackend {
   // (free, total) bytes of the device.
   virtual std::pair<uint64_t, uint64_t> mem_info() = 0;
 
-  const DriverCounters& counters() const { return counters_; }
+  DriverCounters counters() const;
 
   // Fault injection for rollback tests: the `after`-th next call of `op` ("create",
   // "map", "set_access", "unmap", "release", "plain_alloc") throws instead of running.
   void inject_failure(const std::string& op, uint64_t after);
+  // Test hook: the stream sleeps `ms` before its next work, so that events recorded
+  // after it stay pending for that long (a reader that is genuinely still running).
+  virtual void enqueue_delay(Stream& s, uint32_t ms) = 0;
 
  protected:
   virtual uint64_t do_create(uint64_t bytes) = 0;
@@ -111,8 +120,13 @@ class PhysicalBackend {
   virtual void do_plain_free(uint64_t ptr, uint64_t bytes) = 0;
 
  private:
+  struct AtomicCounters {
+#define OFFLOAD_FIELD(name) std::atomic<uint64_t> name{0};
+    OFFLOAD_DRIVER_COUNTER_FIELDS(OFFLOAD_FIELD)
+#undef OFFLOAD_FIELD
+  };
   void maybe_fail(const std::atomic<uint64_t>& calls);
-  DriverCounters counters_;
+  AtomicCounters counters_;
   std::atomic<const std::atomic<uint64_t>*> fail_op_{nullptr};
   std::atomic<uint64_t> fail_at_{0};
 };

@@ -119,11 +119,9 @@ const Extent* GranuleMap::covering(uint64_t g) const {
 
 std::vector<GranuleRun> GranuleMap::uncovered_runs(const std::vector<ByteRange>& ranges) const {
   std::vector<uint64_t> gs;
-  for (const ByteRange& r : ranges) {
-    GranuleRun run = granules_of(r);
-    for (uint64_t g = run.first; g < run.first + run.count; ++g)
-      if (covering(g) == nullptr) gs.push_back(g);
-  }
+  for_each_granule(ranges, [&](uint64_t g) {
+    if (covering(g) == nullptr) gs.push_back(g);
+  });
   std::sort(gs.begin(), gs.end());
   gs.erase(std::unique(gs.begin(), gs.end()), gs.end());
   std::vector<GranuleRun> runs;
@@ -151,24 +149,16 @@ void GranuleMap::add_extent(const Extent& e) {
 }
 
 void GranuleMap::acquire(Zone zone, const std::vector<ByteRange>& ranges) {
-  for (const ByteRange& r : ranges) {
-    GranuleRun run = granules_of(r);
-    for (uint64_t g = run.first; g < run.first + run.count; ++g)
-      if (covering(g) == nullptr) throw StateError(concat("granule ", g, " is referenced but not backed"));
-  }
-  for (const ByteRange& r : ranges) {
-    GranuleRun run = granules_of(r);
-    for (uint64_t g = run.first; g < run.first + run.count; ++g) ++refs_[g][int(zone)];
-  }
+  for_each_granule(ranges, [&](uint64_t g) {
+    if (covering(g) == nullptr) throw StateError(concat("granule ", g, " is referenced but not backed"));
+  });
+  for_each_granule(ranges, [&](uint64_t g) { ++refs_[g][int(zone)]; });
 }
 
 GranuleMap::ReleaseResult GranuleMap::release(Zone zone, const std::vector<ByteRange>& ranges) {
   // Check first so that an underflow changes nothing.
   std::unordered_map<uint64_t, uint32_t> drop;
-  for (const ByteRange& r : ranges) {
-    GranuleRun run = granules_of(r);
-    for (uint64_t g = run.first; g < run.first + run.count; ++g) ++drop[g];
-  }
+  for_each_granule(ranges, [&](uint64_t g) { ++drop[g]; });
   for (auto& [g, n] : drop) {
     auto it = refs_.find(g);
     uint32_t have = it == refs_.end() ? 0 : it->second[int(zone)];
@@ -221,28 +211,18 @@ void GranuleMap::restore(Zone zone, const std::vector<ByteRange>& ranges, const 
     extents_[e.first] = e;
     mapped_granules_ += e.count;
   }
-  for (const ByteRange& range : ranges) {
-    GranuleRun run = granules_of(range);
-    for (uint64_t g = run.first; g < run.first + run.count; ++g) ++refs_[g][int(zone)];
-  }
+  for_each_granule(ranges, [&](uint64_t g) { ++refs_[g][int(zone)]; });
 }
 
 void GranuleMap::set_extent_zone(uint64_t first, Zone z) { extents_.at(first).zone = z; }
 
 std::vector<uint64_t> GranuleMap::extents_touching(const std::vector<ByteRange>& ranges) const {
   std::vector<uint64_t> out;
-  for (const ByteRange& r : ranges) {
-    GranuleRun run = granules_of(r);
-    for (uint64_t g = run.first; g < run.first + run.count;) {
-      const Extent* e = covering(g);
-      if (e == nullptr) {
-        ++g;
-        continue;
-      }
-      out.push_back(e->first);
-      g = e->first + e->count;
+  for_each_granule(ranges, [&](uint64_t g) {
+    if (const Extent* e = covering(g)) {
+      if (out.empty() || out.back() != e->first) out.push_back(e->first);
     }
-  }
+  });
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;

@@ -18,6 +18,16 @@ enum class Zone : int { Weights = 0, KV = 1, Scratch = 2, Transient = 3 };
 const char* zone_name(Zone z);
 Zone zone_from_name(const std::string& name);
 
+// Reclaim order: a zone may take bytes from zones of lower priority. Weights give
+// way first, then scratch caches, then KV; transient headroom never lends.
+constexpr int zone_priority(Zone z) {
+  constexpr int table[kZoneCount] = {/*weights*/ 0, /*kv*/ 2, /*scratch*/ 1, /*transient*/ 3};
+  return table[int(z)];
+}
+
+// Alignment of slot and scratch carvings unless the caller asks for another.
+constexpr uint64_t kDefaultAlignment = 256;
+
 // A byte range [offset, offset + length).
 struct ByteRange {
   uint64_t offset = 0;
@@ -113,6 +123,14 @@ class GranuleMap {
 
  private:
   const Extent* covering(uint64_t g) const;
+  // Calls fn(g) for every granule of every range, in range order (repeats included).
+  template <typename F>
+  void for_each_granule(const std::vector<ByteRange>& ranges, F&& fn) const {
+    for (const ByteRange& r : ranges) {
+      const GranuleRun run = granules_of(r);
+      for (uint64_t g = run.first; g < run.first + run.count; ++g) fn(g);
+    }
+  }
   uint64_t granule_;
   std::unordered_map<uint64_t, std::array<uint32_t, kZoneCount>> refs_;
   std::map<uint64_t, Extent> extents_;  // keyed by first granule

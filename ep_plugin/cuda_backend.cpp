@@ -2,7 +2,9 @@
 // device is retained explicitly for the backend's life and made current on the
 // calling thread before each driver call, since ORT and Python call in from
 // threads of their own.
+#include <chrono>
 #include <stdexcept>
+#include <thread>
 
 #include "backend.h"
 #include "bookkeeping.h"
@@ -105,6 +107,8 @@ class CudaEvent : public Event {
   CUevent e_ = nullptr;
 };
 
+void CUDA_CB sleep_ms(void* ms) { std::this_thread::sleep_for(std::chrono::milliseconds(uintptr_t(ms))); }
+
 class CudaBackend : public PhysicalBackend {
  public:
   explicit CudaBackend(int device) : device_(device) {
@@ -166,6 +170,11 @@ class CudaBackend : public PhysicalBackend {
   void fill(uint64_t dst, uint8_t value, uint64_t n, Stream& s) override {
     current();
     CU_CHECK(DRV(cuMemsetD8Async)(CUdeviceptr(dst), value, n, raw(s)));
+  }
+  void enqueue_delay(Stream& s, uint32_t ms) override {
+    current();
+    // A host function on the stream: the work queued after it waits until it returns.
+    CU_CHECK(DRV(cuLaunchHostFunc)(raw(s), &sleep_ms, reinterpret_cast<void*>(uintptr_t(ms))));
   }
   void host_register(void* p, uint64_t n) override {
     current();

@@ -2,7 +2,6 @@
 
 #include <dlfcn.h>
 
-#include <cstdio>
 #include <memory>
 
 namespace offload {
@@ -43,7 +42,7 @@ std::unique_ptr<Loaded> load() {
   {                                                                                        \
     void* fn = nullptr;                                                                    \
     CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;          \
-    CUresult r = get_proc(#name, &fn, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &status);        \
+    CUresult r = get_proc(#name, &fn, version, CU_GET_PROC_ADDRESS_DEFAULT, &status);      \
     if (r != CUDA_SUCCESS || fn == nullptr || status != CU_GET_PROC_ADDRESS_SUCCESS) {     \
       out->error = concat("the NVIDIA driver has no usable " #name " (CUresult ", int(r),   \
                           ", status ", int(status), ")");                                 \
@@ -61,7 +60,6 @@ std::unique_ptr<Loaded> load() {
   api.cuDriverGetVersion_(&api.driver_version);
   return out;
 }
-
 
 const Loaded& loaded() {
   static const std::unique_ptr<Loaded> instance = load();
@@ -103,8 +101,7 @@ void throw_driver_error(CUresult r, const char* expr, const char* file, int line
 
 void warn_driver_error(CUresult r, const char* expr, const char* file, int line) noexcept {
   try {
-    std::fprintf(stderr, "onnx_offload: warning: %s failed: %s at %s:%d\n", expr,
-                 cu_error_name(r).c_str(), file, line);
+    warn(concat(expr, " failed: ", cu_error_name(r), " at ", file, ":", line));
   } catch (...) {
   }
 }

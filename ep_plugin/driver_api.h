@@ -14,7 +14,8 @@
 
 namespace offload {
 
-// name, ABI version passed to cuGetProcAddress.
+// name, and the ABI version of the entry that cuda.h declares under that name: each
+// entry is loaded at its own version, so a `_v2` entry gets its `_v2` ABI.
 #define OFFLOAD_DRIVER_FUNCS(_)            \
   _(cuInit, 2000)                          \
   _(cuDriverGetVersion, 2020)              \
@@ -49,12 +50,13 @@ namespace offload {
   _(cuStreamSynchronize, 2000)             \
   _(cuStreamWaitEvent, 3020)               \
   _(cuStreamIsCapturing, 10000)            \
+  _(cuLaunchHostFunc, 10000)               \
   _(cuEventCreate, 2000)                   \
   _(cuEventDestroy, 4000)                  \
   _(cuEventRecord, 2000)                   \
   _(cuEventQuery, 2000)                    \
   _(cuEventSynchronize, 2000)              \
-  _(cuEventElapsedTime, 2000)              \
+  _(cuEventElapsedTime, 12080)             \
   _(cuGetErrorName, 6000)                  \
   _(cuGetErrorString, 6000)
 

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace offload {
 
@@ -73,6 +74,17 @@ std::string concat(const Args&... args) {
   (append_to(out, args), ...);
   return out;
 }
+
+// The one warning path of the core, for cleanup failures that must not throw
+// (destructors, rollback, close). The message is queued, never printed and never
+// handed to Python here: callers may hold the arena lock, and the lock order is the
+// GIL first. The binding emits the queue as onnx_offload.errors.OffloadWarning
+// whenever it holds the GIL after a bound call. Thread-safe; never throws.
+void warn(const std::string& message) noexcept;
+// Takes every queued message, oldest first.
+std::vector<std::string> take_warnings();
+// Puts messages back at the front of the queue (ones that could not be emitted yet).
+void requeue_warnings(std::vector<std::string> messages) noexcept;
 
 inline std::string hex(uint64_t v) {
   char buf[24];

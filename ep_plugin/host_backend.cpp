@@ -232,6 +232,9 @@ class HostBackend : public PhysicalBackend {
   void fill(uint64_t dst, uint8_t value, uint64_t n, Stream& s) override {
     as_host(s).enqueue([=] { std::memset(reinterpret_cast<void*>(dst), value, n); });
   }
+  void enqueue_delay(Stream& s, uint32_t ms) override {
+    as_host(s).enqueue([ms] { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); });
+  }
   void host_register(void*, uint64_t) override {}
   void host_unregister(void*) noexcept override {}
   std::pair<uint64_t, uint64_t> mem_info() override {

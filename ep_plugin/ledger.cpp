@@ -9,12 +9,10 @@
 namespace offload {
 
 BudgetOwner::BudgetOwner(uint64_t budget) : budget_(budget) {
-  for (int i = 0; i < kZoneCount; ++i) zones_[i].allowance = budget;
-  // Weights give way first, then scratch caches, then KV; transient headroom never lends.
-  zones_[int(Zone::Weights)].priority = 0;
-  zones_[int(Zone::Scratch)].priority = 1;
-  zones_[int(Zone::KV)].priority = 2;
-  zones_[int(Zone::Transient)].priority = 3;
+  for (int i = 0; i < kZoneCount; ++i) {
+    zones_[i].allowance = budget;
+    zones_[i].priority = zone_priority(Zone(i));
+  }
 }
 
 uint64_t BudgetOwner::budget() const {
@@ -22,7 +20,7 @@ uint64_t BudgetOwner::budget() const {
   return budget_;
 }
 
-void BudgetOwner::set_zone(Zone z, uint64_t allowance, uint64_t reserve, int priority) {
+void BudgetOwner::set_zone(Zone z, uint64_t allowance, uint64_t reserve, std::optional<int> priority) {
   std::lock_guard<std::mutex> g(mu_);
   if (reserve > allowance)
     throw std::invalid_argument(concat("zone ", zone_name(z), ": reserve ", reserve,
@@ -36,7 +34,7 @@ void BudgetOwner::set_zone(Zone z, uint64_t allowance, uint64_t reserve, int pri
   ZoneSnapshot& zs = zones_[int(z)];
   zs.allowance = allowance;
   zs.reserve = reserve;
-  zs.priority = priority;
+  zs.priority = priority.value_or(zone_priority(z));
 }
 
 uint64_t BudgetOwner::held_locked(Zone z) const {

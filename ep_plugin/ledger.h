@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "bookkeeping.h"
@@ -61,7 +62,8 @@ class BudgetOwner {
   explicit BudgetOwner(uint64_t budget);
 
   uint64_t budget() const;
-  void set_zone(Zone z, uint64_t allowance, uint64_t reserve, int priority);
+  // priority defaults to zone_priority(z).
+  void set_zone(Zone z, uint64_t allowance, uint64_t reserve = 0, std::optional<int> priority = std::nullopt);
 
   // Admits `bytes` into zone z or throws BudgetExceeded; never calls out.
   // The arena charges before it backs the bytes (possibly with pooled handles), so it

@@ -1,7 +1,6 @@
 #include "ort_allocator.h"
 
 #include <atomic>
-#include <cstdio>
 #include <mutex>
 #include <utility>
 
@@ -36,7 +35,7 @@ void ext_free(void* p) {
   try {
     a->deallocate(reinterpret_cast<uint64_t>(p));
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "onnx_offload: warning: %s\n", e.what());
+    warn(concat("ORT's external allocator: ", e.what()));
   }
 }
 
@@ -47,7 +46,7 @@ void ext_empty_cache() {
   try {
     a->empty_cache();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "onnx_offload: warning: %s\n", e.what());
+    warn(concat("ORT's external allocator: ", e.what()));
   }
 }
 

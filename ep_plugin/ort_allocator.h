@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "arena.h"
+#include "scratch_allocator.h"
 
 namespace offload {
 

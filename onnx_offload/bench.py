@@ -65,8 +65,8 @@ def h2d_bandwidth(backend, stream, pinned: PinnedBuffer, nbytes: int, reps: int 
     return nbytes / (statistics.median(ms) / 1e3)
 
 
-def _delta(after: dict, before: dict, *keys) -> int:
-    return sum(after[k] - before[k] for k in keys)
+def _delta(after: _core.DriverCounters, before: _core.DriverCounters, *keys) -> int:
+    return sum(getattr(after, k) - getattr(before, k) for k in keys)
 
 
 def bench_arena(kind: str, sizes_mib=(2, 8, 32, 128, 512), reps: int = 7) -> Dict:
@@ -123,7 +123,7 @@ def granule_overhead(g: int, layers: int = 32) -> List[Dict]:
     content = sum(sizes)
     spans = _core.SpanAllocator(1 << 44)
     gm = _core.GranuleMap(g)
-    ranges = [(spans.carve(n, 256), n) for n in sizes]
+    ranges = [(spans.carve(n, _core.DEFAULT_ALIGNMENT), n) for n in sizes]
     packed = gm.incremental_commit_bytes(ranges)
     per_slot = sum(-(-n // g) * g for n in sizes)
     return [dict(layout=name, content=content, committed=c, overhead_pct=100 * (c - content) / content)
@@ -257,11 +257,11 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
                            hit_rate=last.hit_rate, byte_hit_rate=last.byte_hit_rate,
                            evictions=last.evictions, page_ins=last.page_ins, segments=st.segments,
                            capture=s.graph_capture.enabled,
-                           peak_committed=st.peak_committed, budget=st.ledger["budget"],
+                           peak_committed=st.peak_committed, budget=st.ledger.budget,
                            vram_alloc_ms=per_step(st.vram_alloc_ms, before.vram_alloc_ms),
                            vram_free_ms=per_step(st.vram_free_ms, before.vram_free_ms),
-                           steady_creates=st.driver["creates"] - before.driver["creates"],
-                           steady_releases=st.driver["releases"] - before.driver["releases"]), out
+                           steady_creates=st.driver.creates - before.driver.creates,
+                           steady_releases=st.driver.releases - before.driver.releases), out
         except BaseException:
             s.close()
             raise

@@ -33,3 +33,11 @@ class BudgetExceeded(MemoryError, OffloadError):
 
 class CorruptModel(OffloadError, ValueError):
     """The model file cannot be parsed or does not validate."""
+
+
+class OffloadWarning(RuntimeWarning):
+    """A cleanup step failed and was skipped (the core reports it instead of raising)."""
+
+
+class OffloadWarning(RuntimeWarning):
+    """A cleanup step failed (an unmap, a release, a slot dropped): the core kept going."""

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
+from ._core import ArenaStats, DriverCounters, LedgerSnapshot, ScratchStats
 from .residency import Counters
 
 
@@ -34,12 +36,12 @@ class OffloadStats:
     weights: int
     weight_bytes: int
     capture: str
-    ledger: dict
-    arena: dict
-    driver: dict
+    ledger: LedgerSnapshot
+    arena: ArenaStats
+    driver: DriverCounters
     counters: Counters
     last_step: Counters
-    scratch: dict
+    scratch: Optional[ScratchStats]
     ort_owned_bytes: int
     outside_bytes: int
     notes: tuple = ()
@@ -47,29 +49,32 @@ class OffloadStats:
     @property
     def vram_alloc_ms(self) -> float:
         d = self.driver
-        return (d["create_ns"] + d["map_ns"] + d["set_access_ns"] + d["plain_alloc_ns"]) / 1e6
+        return (d.create_ns + d.map_ns + d.set_access_ns + d.plain_alloc_ns) / 1e6
 
     @property
     def vram_free_ms(self) -> float:
         d = self.driver
-        return (d["unmap_ns"] + d["release_ns"] + d["plain_free_ns"]) / 1e6
+        return (d.unmap_ns + d.release_ns + d.plain_free_ns) / 1e6
 
     @property
     def peak_committed(self) -> int:
-        return self.ledger["peak_committed"]
+        return self.ledger.peak_committed
 
     @property
     def peak_content(self) -> int:
-        return self.ledger["peak_content"]
+        return self.ledger.peak_content
 
     @property
     def granule_overhead(self) -> int:
-        return self.ledger["peak_committed"] - self.ledger["peak_content"]
+        return self.ledger.peak_committed - self.ledger.peak_content
 
     def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["counters"] = self.counters.as_dict()
-        d["last_step"] = self.last_step.as_dict()
+        """Plain, JSON-ready data: the core's snapshots become nested dicts."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("ledger", "arena", "driver", "counters", "last_step"):
+            d[name] = d[name].as_dict()
+        d["scratch"] = self.scratch.as_dict() if self.scratch is not None else None
+        d["notes"] = list(self.notes)
         d.update(vram_alloc_ms=self.vram_alloc_ms, vram_free_ms=self.vram_free_ms,
                  peak_committed=self.peak_committed, peak_content=self.peak_content,
                  granule_overhead=self.granule_overhead)
@@ -91,17 +96,17 @@ class OffloadStats:
             ("bypassed page-ins", f"{c.bypassed} ({fmt_bytes(c.bypassed_bytes)})"),
             ("htod", f"{fmt_bytes(c.htod_bytes)} in {c.htod_ms:.2f} ms"),
             ("vram_alloc / vram_free", f"{self.vram_alloc_ms:.2f} ms / {self.vram_free_ms:.2f} ms"),
-            ("driver creates / releases", f"{self.driver['creates']} / {self.driver['releases']}"),
-            ("budget", fmt_bytes(self.ledger["budget"])),
+            ("driver creates / releases", f"{self.driver.creates} / {self.driver.releases}"),
+            ("budget", fmt_bytes(self.ledger.budget)),
             ("peak committed", fmt_bytes(self.peak_committed)),
             ("peak content", fmt_bytes(self.peak_content)),
             ("granule overhead", fmt_bytes(self.granule_overhead)),
             ("ORT-owned initializers", fmt_bytes(self.ort_owned_bytes)),
             ("outside bytes (cuBLAS, ORT arena)", fmt_bytes(self.outside_bytes)),
         ]
-        zones = [(z, fmt_bytes(v["committed"]["current"]), fmt_bytes(v["committed"]["peak"]),
-                  fmt_bytes(v["allowance"]), fmt_bytes(v["reserve"]))
-                 for z, v in self.ledger["zones"].items()]
+        zones = [(z, fmt_bytes(v.committed.current), fmt_bytes(v.committed.peak),
+                  fmt_bytes(v.allowance), fmt_bytes(v.reserve))
+                 for z, v in self.ledger.zones.items()]
         text = table(rows) + "\n\n" + table(zones, ("zone", "committed", "peak", "allowance", "reserve"))
         if self.notes:
             text += "\n\n" + "\n".join(f"note: {n}" for n in self.notes)
@@ -110,7 +115,9 @@ class OffloadStats:
     __str__ = table
 
 
-def invariant_violations(arena: dict) -> dict:
+INVARIANTS = ("refcount_underflows", "unmaps_before_reader", "unaccounted_bytes", "uncovered_referenced")
+
+
+def invariant_violations(arena: ArenaStats) -> dict:
     """The arena's invariant counters that do not read 0, with their values."""
-    keys = ("refcount_underflows", "unmaps_before_reader", "unaccounted_bytes", "uncovered_referenced")
-    return {k: arena[k] for k in keys if arena[k]}
+    return {k: getattr(arena, k) for k in INVARIANTS if getattr(arena, k)}

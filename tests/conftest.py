@@ -1,8 +1,9 @@
 import functools
 
+import numpy as np
 import pytest
 
-from onnx_offload import _core, cuda_available
+from onnx_offload import WeightSlot, _core, cuda_available
 from onnx_offload.host_store import read_bytes
 from onnx_offload.stats import invariant_violations
 
@@ -51,7 +52,6 @@ class Rig:
         return read_bytes(self.backend, self.stream, va, n)
 
     def write(self, va: int, data):
-        import numpy as np
         data = np.ascontiguousarray(data)
         self.backend.copy_h2d(va, data.ctypes.data, data.nbytes, self.stream)
         self.stream.synchronize()
@@ -59,6 +59,22 @@ class Rig:
     def invariants(self) -> dict:
         """The invariant counters that are not 0 (must be empty)."""
         return invariant_violations(self.arena.stats())
+
+
+def make_slot(rig, key, nbytes, fill, align=_core.DEFAULT_ALIGNMENT):
+    """A slot of `nbytes` whose host source is filled with `fill` (a byte or an array)."""
+    slot = WeightSlot(rig.arena, key, nbytes, align)
+    data = np.full(nbytes, fill, dtype=np.uint8) if np.isscalar(fill) else fill
+    slot.set_source(data.ctypes.data, data.nbytes)
+    rig.keep.append(data)  # the source must outlive the slot's page-ins
+    return slot
+
+
+def page_in(rig, slots, zone="weights"):
+    """Pages the slots in on the rig's stream and waits for the copies."""
+    ev = WeightSlot.page_in(slots, zone, rig.stream)
+    ev.synchronize()
+    return ev
 
 
 @pytest.fixture(params=BACKENDS)

@@ -3,22 +3,8 @@ CI) and on the CUDA backend (marked gpu)."""
 import numpy as np
 import pytest
 
-from conftest import MiB
+from conftest import MiB, make_slot, page_in
 from onnx_offload import BudgetExceeded, OffloadError, ScratchAllocator, StateError, WeightSlot
-
-
-def make_slot(rig, key, nbytes, fill, align=256):
-    slot = WeightSlot(rig.arena, key, nbytes, align)
-    data = np.full(nbytes, fill, dtype=np.uint8) if np.isscalar(fill) else fill
-    slot.set_source(data.ctypes.data, data.nbytes)
-    rig.keep.append(data)  # the source must outlive the slot's page-ins
-    return slot
-
-
-def page_in(rig, slots, zone="weights"):
-    ev = WeightSlot.page_in(slots, zone, rig.stream)
-    ev.synchronize()
-    return ev
 
 
 def test_address_is_stable_and_readback_correct_after_remap(rig_factory):
@@ -34,9 +20,9 @@ def test_address_is_stable_and_readback_correct_after_remap(rig_factory):
     WeightSlot.evict([a])
     assert a.state == "evicted"
     page_in(rig, [b])  # takes a's pooled handles
-    created = rig.backend.counters()["creates"]
+    created = rig.backend.counters().creates
     page_in(rig, [a])  # so a is backed by different physical memory now
-    assert rig.backend.counters()["creates"] > created
+    assert rig.backend.counters().creates > created
     assert a.va == va
     assert np.array_equal(rig.read(a.va, 3 * g), a_data)
     assert np.all(rig.read(b.va, 3 * g) == 0xBB)
@@ -51,8 +37,8 @@ def test_committed_bytes_return_to_zero_on_close(rig_factory):
     assert rig.ledger.committed > 0
     rig.arena.close()
     s = rig.ledger.snapshot()
-    assert s["committed"] == 0 and s["pooled"] == 0
-    assert all(z["content"]["current"] == 0 for z in s["zones"].values())
+    assert s.committed == 0 and s.pooled == 0
+    assert all(z.content.current == 0 for z in s.zones.values())
     del slots  # slots of a closed arena are inert
 
 
@@ -79,10 +65,10 @@ def test_large_ranges_map_with_large_handles_and_one_access_call(rig_factory):
     before = rig.backend.counters()
     rig.arena.commit("weights", [(va, 300 * g)], 300 * g)
     after = rig.backend.counters()
-    assert after["maps"] - before["maps"] == 1 + 2 + 12  # 256 + 2 * 16 + 12 * 1 granules
-    assert after["set_access"] - before["set_access"] == 1
+    assert after.maps - before.maps == 1 + 2 + 12  # 256 + 2 * 16 + 12 * 1 granules
+    assert after.set_access - before.set_access == 1
     rig.arena.decommit("weights", [(va, 300 * g)], 300 * g)
-    assert rig.backend.counters()["unmaps"] - after["unmaps"] == 1
+    assert rig.backend.counters().unmaps - after.unmaps == 1
 
 
 def test_steady_state_page_ins_create_and_release_nothing(rig_factory):
@@ -96,8 +82,8 @@ def test_steady_state_page_ins_create_and_release_nothing(rig_factory):
             page_in(rig, [s], zone="transient")
             WeightSlot.evict([s])
     now = rig.backend.counters()
-    assert now["creates"] == warm["creates"] and now["releases"] == warm["releases"]
-    assert rig.arena.stats()["handles_reused"] >= 12
+    assert now.creates == warm.creates and now.releases == warm.releases
+    assert rig.arena.stats().handles_reused >= 12
 
 
 @pytest.mark.parametrize("op", ["map", "set_access", "create"])
@@ -108,15 +94,15 @@ def test_commit_rolls_back_on_injected_failure(rig_factory, op):
     page_in(rig, [keep])
     va = rig.arena.carve("weights", 20 * g, g)
     ledger_before = rig.ledger.snapshot()
-    mapped_before = rig.arena.stats()["mapped_bytes"]
+    mapped_before = rig.arena.stats().mapped_bytes
     rig.backend.inject_failure(op, 2 if op != "set_access" else 1)
     with pytest.raises(OffloadError, match="injected failure"):
         rig.arena.commit("weights", [(va, 20 * g)], 20 * g)
     after = rig.ledger.snapshot()
-    assert after["zones"]["weights"]["committed"]["current"] == ledger_before["zones"]["weights"]["committed"]["current"]
-    assert after["zones"]["weights"]["content"]["current"] == ledger_before["zones"]["weights"]["content"]["current"]
+    assert after.zones["weights"].committed.current == ledger_before.zones["weights"].committed.current
+    assert after.zones["weights"].content.current == ledger_before.zones["weights"].content.current
     stats = rig.arena.stats()
-    assert stats["mapped_bytes"] == mapped_before and stats["rollbacks"] == 1
+    assert stats.mapped_bytes == mapped_before and stats.rollbacks == 1
     assert rig.invariants() == {}
     rig.arena.commit("weights", [(va, 20 * g)], 20 * g)  # and the arena still works
     assert np.all(rig.read(keep.va, g) == 7)
@@ -143,20 +129,56 @@ def test_decommit_waits_for_the_last_reader(rig_factory):
     page_in(rig, [slot])
     reader = rig.backend.create_stream()
     outs = [np.empty(n, dtype=np.uint8) for _ in range(4)]
-    for out in outs:  # keep the reader busy for a while
-        rig.backend.copy_d2h(out.ctypes.data, slot.va, n, reader)
-    ev = rig.backend.create_event()
-    ev.record(reader)
-    slot.mark_read(ev)
-    busy = not ev.query()
-    WeightSlot.evict([slot])  # must wait: the copies still read the range
-    assert ev.query()
-    for out in outs:
-        assert np.array_equal(out, data)
+    for out in outs:  # page-locked, so that CUDA copies them asynchronously too
+        rig.backend.host_register(out.ctypes.data, n)
+    try:
+        rig.backend.enqueue_delay(reader, 200)  # the copies start only after the evict below began
+        for out in outs:
+            rig.backend.copy_d2h(out.ctypes.data, slot.va, n, reader)
+        ev = rig.backend.create_event()
+        ev.record(reader)
+        slot.mark_read(ev)
+        assert not ev.query()  # the reader is busy
+        WeightSlot.evict([slot])  # must wait: the copies still read the range
+        assert ev.query()
+        for out in outs:
+            assert np.array_equal(out, data)
+    finally:
+        reader.synchronize()
+        for out in outs:
+            rig.backend.host_unregister(out.ctypes.data)
     stats = rig.arena.stats()
-    assert stats["unmaps_before_reader"] == 0
-    if busy:
-        assert stats["reader_waits"] >= 1
+    assert stats.reader_waits >= 1
+    assert stats.unmaps_before_reader == 0
+
+
+def test_unmap_before_a_running_reader_is_counted(rig_factory):
+    """unmaps_before_reader is a real check: skipping the reader wait (a test hook) makes
+    it count. The reader's event only follows a delay, so nothing reads the unmapped memory."""
+    rig = rig_factory()
+    slot = make_slot(rig, "w", rig.g, 5, align=rig.g)  # one extent
+    reader = rig.backend.create_stream()
+
+    def evict_under_a_running_reader(skip_wait: bool):
+        page_in(rig, [slot])
+        rig.backend.enqueue_delay(reader, 300)
+        ev = rig.backend.create_event()
+        ev.record(reader)
+        slot.mark_read(ev)
+        rig.arena.debug_skip_reader_wait(skip_wait)
+        try:
+            WeightSlot.evict([slot])
+            return not ev.query()
+        finally:
+            rig.arena.debug_skip_reader_wait(False)
+            ev.synchronize()
+
+    assert not evict_under_a_running_reader(skip_wait=False)
+    assert rig.arena.stats().unmaps_before_reader == 0
+    assert evict_under_a_running_reader(skip_wait=True)  # the reader was still running after the unmap
+    stats = rig.arena.stats()
+    assert stats.unmaps_before_reader == 1
+    assert rig.invariants() == {"unmaps_before_reader": 1}
 
 
 def test_slot_state_machine_rejects_illegal_transitions(rig_factory):
@@ -183,20 +205,20 @@ def test_slot_state_machine_rejects_illegal_transitions(rig_factory):
 
 def test_scratch_allocator_caches_and_gives_back(rig_factory):
     rig = rig_factory(budget=64 * (2 << 20))
-    rig.ledger.set_zone("scratch", allowance=8 * rig.g, reserve=0, priority=1)
+    rig.ledger.set_zone("scratch", allowance=8 * rig.g)
     sa = ScratchAllocator(rig.arena, "scratch")
     p = sa.allocate(1000)
     q = sa.allocate(3000)
     rig.write(q, np.full(3000, 9, np.uint8))
     sa.deallocate(p)
     assert sa.allocate(900) == p  # same size class, reused from the cache
-    assert sa.stats()["cache_hits"] == 1
+    assert sa.stats().cache_hits == 1
     with pytest.raises(BudgetExceeded):
         sa.allocate(9 * rig.g)
     assert np.all(rig.read(q, 3000) == 9)
     sa.deallocate(q)
     sa.deallocate(p)
     assert sa.empty_cache() == rig.g
-    assert rig.ledger.snapshot()["zones"]["scratch"]["committed"]["current"] == 0
+    assert rig.ledger.snapshot().zones["scratch"].committed.current == 0
     with pytest.raises(StateError):
         sa.deallocate(12345)

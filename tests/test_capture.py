@@ -4,9 +4,8 @@ host graphs; the CUDA backend is driven through cuda-python."""
 import numpy as np
 import pytest
 
-from conftest import MiB, Rig
+from conftest import MiB, Rig, make_slot, page_in
 from onnx_offload import StateError, WeightSlot, _core
-from test_arena import make_slot, page_in
 
 
 @pytest.fixture
@@ -32,7 +31,7 @@ def test_host_map_inside_capture_is_refused(host_rig):
         WeightSlot.page_in([s], "weights", rig.stream)
     _core.host_end_capture(rig.stream)
     assert s.state == "evicted" and rig.ledger.committed == 0
-    assert rig.arena.stats()["capture_refusals"] == 1
+    assert rig.arena.stats().capture_refusals == 1
     page_in(rig, [s])  # outside the captured region it maps
 
 
@@ -81,7 +80,7 @@ def test_cuda_map_inside_capture_is_refused(cuda_rig):
         WeightSlot.page_in([s], "weights", rig.stream)
     graph = _check(cu.cuStreamEndCapture(stream))
     _check(cu.cuGraphDestroy(graph))
-    assert rig.arena.stats()["capture_refusals"] == 1 and rig.ledger.committed == 0
+    assert rig.arena.stats().capture_refusals == 1 and rig.ledger.committed == 0
     page_in(rig, [s])
 
 
@@ -136,7 +135,7 @@ def test_cuda_steady_state_creates_nothing_cross_checked_by_the_driver():
                 WeightSlot.evict([s])
         free_after, _ = _check(cu.cuMemGetInfo())
         now = rig.backend.counters()
-        assert now["creates"] == counters["creates"] and now["releases"] == counters["releases"]
+        assert now.creates == counters.creates and now.releases == counters.releases
         assert int(free_after) == int(free_before)  # the driver saw no new physical memory either
     finally:
         rig.arena.close()

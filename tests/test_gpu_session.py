@@ -131,13 +131,13 @@ def test_ledger_matches_the_driver_and_returns_to_zero(capture):
         s.run(None, {"x": x})
     used = free0 - driver_free()
     snap = s.stats().ledger
-    ours = snap["committed"] + snap["pooled"]
-    assert snap["zones"]["weights"]["content"]["current"] == weight_bytes(model)
+    ours = snap.committed + snap.pooled
+    assert snap.zones["weights"].content.current == weight_bytes(model)
     # What the driver lost is what the ledger holds, within two granules of slack for
     # allocations the driver rounds on its own.
     assert abs(used - ours) <= 4 * MiB, (used, ours, snap)
     final = s.close()
-    assert final["committed"] == 0 and final["pooled"] == 0
+    assert final.committed == 0 and final.pooled == 0
 
 
 @pytest.mark.parametrize("policy", ["planned", "lru"])
@@ -161,7 +161,7 @@ def test_offload_on_cuda_matches_plain_and_keeps_addresses(policy):
         st = s.stats()
         assert {n: sl.va for n, sl in s.residency.slots.items()} == addresses
         assert st.counters.page_ins > 0 and (policy != "lru" or st.counters.evictions > 0)
-        assert st.driver["creates"] == warm["creates"] and st.driver["releases"] == warm["releases"]
+        assert st.driver.creates == warm.creates and st.driver.releases == warm.releases
         assert st.peak_committed <= budget
         assert invariant_violations(st.arena) == {}
 
@@ -175,7 +175,7 @@ def test_plain_baseline_declines_capture_and_matches():
         assert not s.graph_capture.enabled and "stable addresses" in s.graph_capture.reason
         for _ in range(2):
             np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain(model).run(None, {"x": x})[0])
-        assert s.stats().driver["plain_allocs"] > 0
+        assert s.stats().driver.plain_allocs > 0
 
 
 def add_model(n):
@@ -272,8 +272,8 @@ def test_segments_are_captured_once_and_replayed_while_weights_page(policy, capf
     # Weights paged in and out between replays (at the fixed addresses checked above), with no
     # new handles and no map attempted while a segment was capturing.
     assert st.counters.page_ins > warm.counters.page_ins
-    assert st.driver["creates"] == warm.driver["creates"]
-    assert st.arena["capture_refusals"] == 0
+    assert st.driver.creates == warm.driver.creates
+    assert st.arena.capture_refusals == 0
     assert invariant_violations(st.arena) == {}
 
 

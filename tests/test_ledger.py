@@ -11,8 +11,8 @@ def test_charge_refund_and_counters():
     b.charge("weights", 30 * MiB)
     b.charge("weights", 10 * MiB)
     b.refund("weights", 25 * MiB)
-    w = b.snapshot()["zones"]["weights"]["committed"]
-    assert (w["current"], w["peak"], w["total"]) == (15 * MiB, 40 * MiB, 40 * MiB)
+    w = b.snapshot().zones["weights"].committed
+    assert (w.current, w.peak, w.total) == (15 * MiB, 40 * MiB, 40 * MiB)
     with pytest.raises(StateError):
         b.refund("weights", 16 * MiB)
 
@@ -28,7 +28,7 @@ def test_refusal_names_request_and_every_zone():
     assert err.zone == "weights" and err.requested == 4 * MiB
     for text in ("4194304", "weights 31457280/33554432", "kv 0/", "scratch 0/", "transient 0/"):
         assert text in str(err)
-    assert b.snapshot()["refusals"] == 1
+    assert b.snapshot().refusals == 1
     assert b.committed == 30 * MiB  # the refusal changed nothing
 
 
@@ -58,7 +58,7 @@ def test_growth_lends_from_lower_priority_zones():
     b.charge("kv", 25 * MiB)
     assert asked == [15 * MiB]
     s = b.snapshot()
-    assert s["zones"]["weights"]["lent"] == 20 * MiB and s["reclaims"] == 1
+    assert s.zones["weights"].lent == 20 * MiB and s.reclaims == 1
     b.clear_reclaimer("weights")
 
 
@@ -81,7 +81,7 @@ def test_no_lending_upwards_and_refusal_when_lenders_are_empty():
 def test_outside_bytes_are_tracked_separately():
     b = BudgetOwner(100 * MiB)
     b.charge("scratch", 8 * MiB, outside=True)
-    assert b.snapshot()["zones"]["scratch"]["outside"] == 8 * MiB
+    assert b.snapshot().zones["scratch"].outside == 8 * MiB
     with pytest.raises(StateError):
         b.refund("scratch", 9 * MiB, outside=True)
     b.refund("scratch", 8 * MiB, outside=True)

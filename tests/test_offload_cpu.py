@@ -48,7 +48,7 @@ def test_weights_four_times_the_budget(policy, vmm):
         assert not s.graph_capture.enabled
     check_invariants(s)
     final = s.close()
-    assert final["committed"] == 0 and final["pooled"] == 0
+    assert final.committed == 0 and final.pooled == 0
 
 
 def test_returned_outputs_are_not_overwritten_by_later_steps():
@@ -101,7 +101,7 @@ def test_dynamic_batch_gets_a_plan_per_shape():
         for batch in (1, 5, 1, 5, 3):
             x = np.random.default_rng(batch).standard_normal((batch, 128)).astype(np.float32)
             np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
-        assert len(s._plans) == 3
+        assert s._runner.plan_count == 3
 
 
 def test_iobinding_on_a_split_session():
@@ -156,7 +156,7 @@ def test_budget_exhausted_mid_run_is_typed_and_leaves_the_ledger_consistent():
     s.run(None, {"x": x})
     ledger = s.device.ledger
     # The KV cache grows and borrows every resident weight's budget...
-    kv = ledger.headroom("kv") + ledger.snapshot()["zones"]["weights"]["committed"]["current"]
+    kv = ledger.headroom("kv") + ledger.snapshot().zones["weights"].committed.current
     assert ledger.make_room("kv", kv)
     ledger.charge("kv", kv, outside=True)
     # ...and prefetches in flight hold the transient headroom: nothing is left to lend.
@@ -171,7 +171,7 @@ def test_budget_exhausted_mid_run_is_typed_and_leaves_the_ledger_consistent():
     ledger.refund("kv", kv, outside=True)
     np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
     final = s.close()
-    assert final["committed"] == 0
+    assert final.committed == 0
 
 
 def test_kv_growth_borrows_from_resident_weights():
@@ -180,12 +180,12 @@ def test_kv_growth_borrows_from_resident_weights():
     with offloaded(model, weight_bytes(model) // 2, policy="planned") as s:
         s.run(None, {"x": x})
         ledger = s.device.ledger
-        before = ledger.snapshot()["zones"]["weights"]["committed"]["current"]
+        before = ledger.snapshot().zones["weights"].committed.current
         want = ledger.headroom("kv") + 4 * G
         assert ledger.make_room("kv", want)  # the residency manager gives up weights
         ledger.charge("kv", want, outside=True)
-        after = ledger.snapshot()["zones"]["weights"]
-        assert after["committed"]["current"] < before and after["lent"] > 0
+        after = ledger.snapshot().zones["weights"]
+        assert after.committed.current < before and after.lent > 0
         np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
         ledger.refund("kv", want, outside=True)
         check_invariants(s)

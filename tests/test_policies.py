@@ -21,7 +21,7 @@ def build(sizes_in_granules, allowance_granules, policy):
     store = HostStore(dev.backend, weights)
     for i, w in enumerate(weights):
         store.view(w.name)[:] = i + 1
-    dev.set_transient_reserve(max(sizes_in_granules) * G)
+    dev.ledger.set_zone("transient", allowance=dev.budget, reserve=max(sizes_in_granules) * G)
     mgr = ResidencyManager(dev, store, weights, [[w.name] for w in weights], policy, vmm=True)
     return dev, store, mgr
 
@@ -51,7 +51,7 @@ def finish(dev, store, mgr):
     mgr.close()
     snap = dev.close()
     store.close()
-    assert snap["committed"] == 0
+    assert snap.committed == 0
     return snap
 
 
@@ -96,7 +96,7 @@ def test_counters_add_up_and_invariants_hold(policy):
     assert c.hit_bytes <= c.access_bytes and 0 <= c.byte_hit_rate <= 1
     assert invariant_violations(dev.arena.stats()) == {}
     snap = dev.ledger.snapshot()
-    assert snap["zones"]["weights"]["committed"]["peak"] <= 9 * G
+    assert snap.zones["weights"].committed.peak <= 9 * G
     finish(dev, store, mgr)
 
 

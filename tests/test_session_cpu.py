@@ -62,14 +62,14 @@ def test_ledger_matches_the_weights_and_returns_to_zero(mlp, x):
     s = session(mlp)
     s.run(None, {"x": x})
     st = s.stats()
-    w = st.ledger["zones"]["weights"]
-    assert w["content"]["current"] == weight_bytes(mlp)
-    assert w["committed"]["current"] >= w["content"]["current"]
-    assert w["committed"]["current"] - w["content"]["current"] < G
+    w = st.ledger.zones["weights"]
+    assert w.content.current == weight_bytes(mlp)
+    assert w.committed.current >= w.content.current
+    assert w.committed.current - w.content.current < G
     assert st.counters.accesses == st.counters.hits == 4 and st.counters.page_ins == 0
     assert "weights" in str(st) and "hit rate" in str(st)
     final = s.close()
-    assert final["committed"] == 0 and final["pooled"] == 0
+    assert final.committed == 0 and final.pooled == 0
     with pytest.raises(StateError, match="closed"):
         s.run(None, {"x": x})
 
