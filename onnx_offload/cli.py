@@ -16,9 +16,11 @@ import time
 
 import numpy as np
 
-from .config import POLICIES, parse_bytes
+from .config import (ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_OFFLOAD, ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT,
+                     env_is_set)
 from .device import cuda_available
 from .errors import OffloadError
+from .policies import NAMES as POLICIES
 
 
 def _kind(args) -> str:
@@ -55,7 +57,7 @@ class Progress:
 
 def make_feeds(inputs, seed: int = 0):
     """Random feeds from the model's input shapes; dynamic dimensions become 1."""
-    from .session import numpy_dtype
+    from .ortvalues import numpy_dtype
     rng = np.random.default_rng(seed)
     feeds = {}
     for i in inputs:
@@ -71,15 +73,36 @@ def make_feeds(inputs, seed: int = 0):
     return feeds
 
 
+# (flag attribute, OffloadConfig field, the variable the flag overrides, the command's
+# default where neither the flag nor the variable is given)
+_CONFIG_FLAGS = (
+    ("vram_limit", "vram_limit", ENV_VRAM_LIMIT, None),
+    ("weight_bytes", "weight_bytes", ENV_DEVICE_BYTES, None),
+    ("policy", "policy", ENV_POLICY, None),
+    ("offload", "offload", ENV_OFFLOAD, True),
+    ("vmm", "vmm", ENV_VMM, True),
+    ("cuda_graph", "cuda_graph", ENV_CUDA_GRAPH, None),
+)
+
+
+def config_kwargs(args) -> dict:
+    """The configuration the user asked for: the flags given win, then the environment,
+    then the command's own defaults (offload with stable addresses)."""
+    kw = {}
+    for attr, field, env, default in _CONFIG_FLAGS:
+        value = getattr(args, attr, None)
+        if value is not None:
+            kw[field] = value
+        elif default is not None and not env_is_set(env):
+            kw[field] = default
+    return kw
+
+
 def cmd_run(args) -> int:
     from .session import OffloadSession
     kind = _kind(args)
-    kw = dict(offload=not args.no_offload, vmm=not args.no_vmm, policy=args.policy,
-              record_timeline=bool(args.timeline))
-    if args.vram_limit:
-        kw["vram_limit"] = args.vram_limit
-    if args.weight_bytes:
-        kw["weight_bytes"] = parse_bytes(args.weight_bytes, "--weight-bytes")
+    kw = config_kwargs(args)
+    kw["record_timeline"] = bool(args.timeline)
     with OffloadSession(args.model, providers=[_provider(kind)], progress=Progress("loading weights"), **kw) as s:
         if args.inputs:
             with np.load(args.inputs) as data:
@@ -158,15 +181,20 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a model under a VRAM budget and print the offload counters")
     r.add_argument("model")
-    r.add_argument("--vram-limit", help="6GiB, 6000000000, 0.9 or auto (ONNX_GENAI_VRAM_LIMIT)")
-    r.add_argument("--weight-bytes", help="allowance of the weights zone (ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES)")
-    r.add_argument("--policy", choices=POLICIES, default="planned")
+    r.add_argument("--vram-limit", help=f"6GiB, 6000000000, 0.9 or auto (overrides {ENV_VRAM_LIMIT})")
+    r.add_argument("--weight-bytes", help=f"allowance of the weights zone (overrides {ENV_DEVICE_BYTES})")
+    r.add_argument("--policy", choices=POLICIES, help=f"residency policy (overrides {ENV_POLICY}; default planned)")
     r.add_argument("--steps", type=int, default=3)
     r.add_argument("--inputs", help=".npz file of feeds; default: random feeds from the input shapes")
     r.add_argument("--profile", action="store_true", help="print step times and the segment plan")
     r.add_argument("--timeline", help="write the residency timeline to this PNG")
-    r.add_argument("--no-offload", action="store_true", help="refuse models whose weights exceed the budget")
-    r.add_argument("--no-vmm", action="store_true", help="the plain baseline: cudaMalloc per page-in")
+    r.add_argument("--offload", action=argparse.BooleanOptionalAction,
+                   help=f"stream weights that exceed their allowance (overrides {ENV_OFFLOAD}; default on)")
+    r.add_argument("--vmm", action=argparse.BooleanOptionalAction,
+                   help=f"stable VMM addresses; --no-vmm is the plain baseline, cudaMalloc per page-in "
+                        f"(overrides {ENV_VMM}; default on)")
+    r.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
+                   help=f"capture CUDA graphs (overrides {ENV_CUDA_GRAPH}; default: when the graph is safe)")
     r.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     r.set_defaults(fn=cmd_run)
     d = sub.add_parser("demo", help="a small model under a budget below its weights (GPU if present, else CPU)")

@@ -18,6 +18,8 @@ import os
 import re
 from typing import Mapping, Optional, Union
 
+from .policies import DEFAULT_POLICY, NAMES as POLICIES
+
 ENV_OFFLOAD = "ONNX_GENAI_WEIGHT_OFFLOAD"
 ENV_VMM = "ONNX_GENAI_WEIGHT_OFFLOAD_VMM"
 ENV_DEVICE_BYTES = "ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES"
@@ -25,7 +27,6 @@ ENV_POLICY = "ONNX_GENAI_WEIGHT_OFFLOAD_POLICY"
 ENV_VRAM_LIMIT = "ONNX_GENAI_VRAM_LIMIT"
 ENV_CUDA_GRAPH = "ONNX_GENAI_CUDA_GRAPH"
 
-POLICIES = ("planned", "stable", "lru", "mru")
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -104,6 +105,12 @@ def parse_policy(value: str, name: str = ENV_POLICY) -> str:
     return text
 
 
+def env_is_set(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the variable holds a value (an empty one counts as unset)."""
+    value = (os.environ if env is None else env).get(name)
+    return value is not None and value.strip() != ""
+
+
 _ENV_FIELDS = (
     (ENV_OFFLOAD, "offload", parse_flag),
     (ENV_VMM, "vmm", parse_flag),
@@ -124,7 +131,7 @@ class OffloadConfig:
     vram_limit: Union[None, int, float] = None  # bytes, fraction, or None (auto)
     cuda_graph: Optional[bool] = None  # explicit env value; None: auto
     graph_override: Optional[bool] = None  # programmatic override (kwarg cuda_graph=)
-    policy: str = "planned"
+    policy: str = DEFAULT_POLICY
     device_id: int = 0
     min_weight_bytes: int = 4096  # smaller initializers stay inside the model
     kv_bytes: int = 0  # reserve of the KV zone
@@ -159,13 +166,9 @@ class OffloadConfig:
         env = os.environ if env is None else env
         values = {}
 
-        def get(name):
-            v = env.get(name)
-            return None if v is None or v.strip() == "" else v
-
         for var, field, parse in _ENV_FIELDS:
-            if get(var) is not None:
-                values[field] = parse(get(var), var)
+            if env_is_set(var, env):
+                values[field] = parse(env[var], var)
         if "cuda_graph" in overrides:
             values["graph_override"] = parse_flag(overrides.pop("cuda_graph"), "cuda_graph")
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}

@@ -6,8 +6,11 @@ the whole stack.
 """
 from __future__ import annotations
 
+from typing import Dict
+
 from . import _core
-from .config import GiB, MiB, OffloadConfig
+from .budget import BudgetPlan, ZonePlan, base_zones, device_budget
+from .config import GiB, OffloadConfig
 from .errors import CudaUnavailable
 
 
@@ -37,26 +40,9 @@ class Device:
         self.backend = make_backend(kind, config)
         free, total = self.backend.mem_info()
         self.device_free, self.device_total = free, total
-        requested = config.resolve_budget(free, total)
-        # A budget beyond what the device has free cannot be honoured.
-        self.budget = min(requested, free)
-        self.budget_note = "" if requested <= free else (
-            f"the requested budget of {requested} bytes exceeds the {free} bytes free; using {free}")
+        self.budget, self.budget_note = device_budget(config, free, total)
         self.ledger = _core.BudgetOwner(self.budget)
-        weights = min(config.weight_bytes or self.budget, self.budget)
-        kv_reserve = min(config.kv_bytes, self.budget)
-        if config.scratch_bytes is None:
-            scratch_reserve = min(256 * MiB, (self.budget - kv_reserve) // 8)
-        else:
-            scratch_reserve = config.scratch_bytes
-        # At least one granule when there is any: less cannot back a single buffer.
-        if scratch_reserve:
-            g = self.backend.granularity
-            scratch_reserve = min(-(-scratch_reserve // g) * g, self.budget - kv_reserve)
-        self.ledger.set_zone("weights", allowance=weights, reserve=0, priority=0)
-        self.ledger.set_zone("kv", allowance=self.budget, reserve=kv_reserve, priority=2)
-        self.ledger.set_zone("scratch", allowance=self.budget, reserve=scratch_reserve, priority=1)
-        self.ledger.set_zone("transient", allowance=self.budget, reserve=0, priority=3)
+        self._set_zones(base_zones(config, self.budget, self.backend.granularity))
         zone_va = config.zone_va_bytes or max(64 * GiB, 2 * total)
         self.arena = _core.Arena(self.backend, self.ledger, zone_va_bytes=zone_va,
                                  handle_classes=list(config.handle_classes))
@@ -67,6 +53,16 @@ class Device:
         self.ledger.set_reclaimer("scratch", lambda n: self.scratch.empty_cache())
         self.closed = False
 
+    def _set_zones(self, zones: Dict[str, ZonePlan]) -> None:
+        for name, z in zones.items():
+            self.ledger.set_zone(name, allowance=z.allowance, reserve=z.reserve)
+
+    def apply(self, plan: BudgetPlan) -> None:
+        """Sets every zone as the budget plan says."""
+        if plan.budget != self.budget:
+            raise ValueError(f"a plan for a budget of {plan.budget} bytes applied to a device of {self.budget}")
+        self._set_zones(plan.zones)
+
     @property
     def granularity(self) -> int:
         return self.backend.granularity
@@ -75,13 +71,7 @@ class Device:
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
 
-    def set_transient_reserve(self, reserve: int) -> None:
-        self.ledger.set_zone("transient", allowance=self.budget, reserve=reserve, priority=3)
-
-    def set_weights_allowance(self, allowance: int) -> None:
-        self.ledger.set_zone("weights", allowance=allowance, reserve=0, priority=0)
-
-    def close(self) -> dict:
+    def close(self):
         """Gives back every byte; returns the final ledger snapshot."""
         if self.closed:
             return self.ledger.snapshot()

@@ -53,6 +53,12 @@ def plan_segments(model: onnx.ModelProto, weight_cost: Callable[[Sequence[str]],
     return groups
 
 
+def segment_weights(model: onnx.ModelProto, group: Sequence[int], is_weight: Callable[[str], bool]) -> List[str]:
+    """The weights a group of nodes reads, in first-use order."""
+    read = dict.fromkeys(n for i in group for n in node_inputs(model.graph.node[i]))
+    return [n for n in read if is_weight(n)]
+
+
 def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
     """Types of every value: ONNX shape inference, then, for ops it does not know (ORT's
     fused contrib ops), the element type of the node's first typed input."""
@@ -105,7 +111,7 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
         read = list(dict.fromkeys(n for node in nodes for n in node_inputs(node)))
         produced = {o for node in nodes for o in node.output if o}
         inputs = [n for n in read if n not in produced and n not in initializers and not is_weight(n)]
-        weights = [n for n in read if is_weight(n)]
+        weights = segment_weights(model, group, is_weight)
         constants = [initializers[n] for n in read if n in initializers and not is_weight(n)]
         # Weights arrive as initializers (stable slots) or, in the plain baseline, as inputs.
         weight_inputs = [n for n in weights if n not in initializers]

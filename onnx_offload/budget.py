@@ -1,0 +1,129 @@
+"""How one device budget is split: every zone's allowance and reserve, whether the
+weights stream, the segment target and the cap on ORT's own memory.
+
+``plan_budget`` is the one place that decides it, as a pure function of the
+configuration, the device's memory, the weights' committed cost and the segment plan.
+``Device`` and the session only apply the ``BudgetPlan`` it returns.
+
+The split:
+- ``kv`` reserves ``config.kv_bytes``; ``scratch`` reserves ``config.scratch_bytes``, by
+  default 256 MiB or an eighth of what the KV reserve leaves, whichever is less, in
+  whole granules. What is left after both reserves is usable by the weights.
+- When every weight fits the weights allowance (``config.weight_bytes``, default the
+  whole budget) and the usable budget, all stay resident in one segment.
+- Otherwise, with offload on, the graph is split into segments of at most
+  ``segment_target`` committed bytes of weights (``config.segment_bytes``, default a
+  quarter of the allowance). The transient zone reserves the largest segment, plus one
+  granule (a segment's pack may start inside one), so the misses of any segment can
+  stream; the weights zone keeps the rest of the usable budget for resident weights.
+- ORT's own memory (its arena, capped through ``gpu_mem_limit``, and its workspaces)
+  is measured and charged to ``scratch``; its cap is what the other zones leave.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Sequence, Tuple
+
+from .config import MiB, OffloadConfig
+from .errors import BudgetExceeded
+
+ZONES = ("weights", "kv", "scratch", "transient")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZonePlan:
+    allowance: int
+    reserve: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    budget: int
+    zones: Dict[str, ZonePlan]
+    streaming: bool  # the weights exceed their allowance and stream through segments
+    segment_target: int  # committed weight bytes per segment; 0 when not streaming
+    segments: List[Sequence[str]]  # the weights of each segment, as the segmenter planned them
+    ort_memory_cap: int  # ORT's arena limit (gpu_mem_limit)
+    note: str = ""  # why the budget differs from what was asked, if it does
+
+
+def device_budget(config: OffloadConfig, free: int, total: int) -> Tuple[int, str]:
+    """The budget in bytes, and a note when the request exceeds the memory free."""
+    requested = config.resolve_budget(free, total)
+    if requested <= free:
+        return requested, ""
+    return free, f"the requested budget of {requested} bytes exceeds the {free} bytes free; using {free}"
+
+
+def base_zones(config: OffloadConfig, budget: int, granularity: int) -> Dict[str, ZonePlan]:
+    """The zones before the weights are known: allowances and the KV and scratch reserves."""
+    kv_reserve = min(config.kv_bytes, budget)
+    if config.scratch_bytes is None:
+        scratch_reserve = min(256 * MiB, (budget - kv_reserve) // 8)
+    else:
+        scratch_reserve = config.scratch_bytes
+    if scratch_reserve:  # at least one granule when there is any: less backs no buffer
+        scratch_reserve = min(-(-scratch_reserve // granularity) * granularity, budget - kv_reserve)
+    return {
+        "weights": ZonePlan(min(config.weight_bytes or budget, budget), 0),
+        "kv": ZonePlan(budget, kv_reserve),
+        "scratch": ZonePlan(budget, scratch_reserve),
+        "transient": ZonePlan(budget, 0),
+    }
+
+
+def plan_budget(config: OffloadConfig, *, free: int, total: int, granularity: int,
+                weight_costs: Dict[str, int], cost: Callable[[Sequence[str]], int],
+                plan_segments: Callable[[int], List[Sequence[str]]]) -> BudgetPlan:
+    """Splits the device budget for one model.
+
+    `weight_costs` is each weight's committed cost on its own; `cost(names)` the
+    committed cost of a set of weights packed together; `plan_segments(target)` the
+    weights of each segment when segments hold at most `target` committed bytes (a
+    single node over the target gets a segment of its own). A budget that cannot run
+    the model raises ``BudgetExceeded`` saying why.
+    """
+    budget, note = device_budget(config, free, total)
+    zones = base_zones(config, budget, granularity)
+    usable = budget - zones["scratch"].reserve - zones["kv"].reserve
+    allowance = zones["weights"].allowance
+    names = list(weight_costs)
+    if names:
+        largest = max(names, key=lambda n: weight_costs[n])
+        if weight_costs[largest] > usable:
+            raise BudgetExceeded(
+                f"the budget of {budget} bytes ({usable} after the scratch and KV reserves) cannot hold "
+                f"the largest weight {largest!r} ({weight_costs[largest]} committed bytes)")
+    total_cost = cost(names)
+    if total_cost <= min(allowance, usable):
+        return BudgetPlan(budget, zones, False, 0, [names],
+                          _ort_cap(budget, zones, total_cost, granularity), note)
+    if not config.offload:
+        raise BudgetExceeded(
+            f"the weights need {total_cost} committed bytes but the weights zone allows "
+            f"{min(allowance, usable)}: set ONNX_GENAI_WEIGHT_OFFLOAD=1 (offload=True) to stream them, "
+            f"or raise the budget")
+    target = config.segment_bytes or max(weight_costs[largest], min(allowance, usable) // 4)
+    segments = plan_segments(target)
+    if len(segments) < 2:
+        # Nothing to stream between: the one segment must fit like an unsplit model.
+        return BudgetPlan(budget, zones, False, target, segments,
+                          _ort_cap(budget, zones, total_cost, granularity), note)
+    # A segment's pack may start inside a granule: one more than its packed cost, where
+    # slots share granules.
+    pad = granularity if config.vmm else 0
+    streamed = max(cost(s) for s in segments) + pad
+    if streamed > usable:
+        raise BudgetExceeded(f"a segment needs {streamed} committed bytes, more than the usable budget {usable}")
+    zones["transient"] = ZonePlan(budget, streamed)
+    zones["weights"] = ZonePlan(max(0, min(allowance, usable - streamed)), 0)
+    resident = zones["weights"].allowance
+    return BudgetPlan(budget, zones, True, target, segments,
+                      _ort_cap(budget, zones, resident, granularity), note)
+
+
+def _ort_cap(budget: int, zones: Dict[str, ZonePlan], weights: int, granularity: int) -> int:
+    """What ORT's arena may take: the budget less the weights and the other reserves."""
+    others = zones["kv"].reserve + zones["transient"].reserve
+    return max(granularity, budget - weights - others)
+

@@ -1,0 +1,80 @@
+"""IOBinding for a split session: the inputs and outputs of the whole graph, routed
+to the segments that consume and produce them.
+
+Inputs are copied into the runner's fixed buffers; outputs bound by the caller are
+filled by a copy from the fixed buffers, and outputs bound to no memory are returned
+as copies of their own, as ORT returns them (the fixed buffers are overwritten by the
+next step).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import onnxruntime as ort
+
+from .ortvalues import FixedBuffer, copy_into, detached, numpy_dtype, ortvalue_at
+
+
+class OffloadIOBinding:
+    def __init__(self, runner, graph_outputs: List[str], device_id: int):
+        self._runner = runner
+        self._device = runner.device
+        self._graph_outputs = graph_outputs
+        self._device_id = device_id
+        self._inputs: Dict[str, ort.OrtValue] = {}
+        self._outputs: Dict[str, Optional[ort.OrtValue]] = {}
+        self._results: Dict[str, ort.OrtValue] = {}
+
+    def bind_cpu_input(self, name, arr):
+        self._inputs[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
+
+    def bind_ortvalue_input(self, name, value):
+        self._inputs[name] = value
+
+    def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr):
+        on_cuda = str(device_type).lower() == "cuda"
+        self._inputs[name] = ortvalue_at(buffer_ptr, shape, np.dtype(element_type), on_cuda, device_id)
+
+    def bind_output(self, name, device_type="cpu", device_id=0, element_type=None, shape=None, buffer_ptr=None):
+        if buffer_ptr is not None:
+            on_cuda = str(device_type).lower() == "cuda"
+            self._outputs[name] = ortvalue_at(buffer_ptr, shape, np.dtype(element_type), on_cuda, device_id)
+        else:
+            self._outputs[name] = None
+
+    def bind_ortvalue_output(self, name, value):
+        self._outputs[name] = value
+
+    def clear_binding_inputs(self):
+        self._inputs.clear()
+
+    def clear_binding_outputs(self):
+        self._outputs.clear()
+        self._results.clear()
+
+    def synchronize_inputs(self):
+        pass
+
+    def synchronize_outputs(self):
+        self._device.compute_stream.synchronize()
+
+    def run(self, run_options) -> None:
+        values = self._runner.run_segments(self._inputs, run_options)
+        names = list(self._outputs) or self._graph_outputs
+        self._results = {}
+        for n in names:
+            target = self._outputs.get(n)
+            if target is not None:
+                buf = FixedBuffer(target.data_ptr(), target.shape(), numpy_dtype(target.data_type()), target)
+                copy_into(self._device, buf, values[n])
+                self._results[n] = target
+            else:
+                self._results[n] = detached(self._device, values[n], self._device_id)
+        self._device.compute_stream.synchronize()
+
+    def get_outputs(self):
+        return list(self._results.values())
+
+    def copy_outputs_to_cpu(self):
+        return [np.array(v.numpy(), copy=True) for v in self._results.values()]

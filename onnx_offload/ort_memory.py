@@ -1,0 +1,51 @@
+"""ORT's own device memory, measured and charged to the scratch zone.
+
+ORT commits device memory outside the arena: its own arena (capped through
+``gpu_mem_limit``), initializers it copies, and cuBLAS/cuDNN workspaces. The meter
+reads the device's free memory before and after ORT may have taken some, subtracts
+what the arena itself committed meanwhile, and charges the difference, in whole
+granules, to the scratch zone as outside bytes. Nothing is measured on the host
+backend, where ORT's memory is ordinary process memory.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+
+class OrtMemoryMeter:
+    def __init__(self, device):
+        self._device = device
+        self.charged = 0  # outside bytes charged so far
+        self.at_creation = 0  # of those, what ORT took while creating sessions
+
+    def mark(self) -> Optional[Tuple[int, int]]:
+        """The device's free bytes and the arena's physical bytes now (None: not measured)."""
+        if not self._device.is_cuda:
+            return None
+        free, _ = self._device.backend.mem_info()
+        snap = self._device.ledger.snapshot()
+        return free, snap.committed + snap.pooled
+
+    def charge_since(self, mark, creating: bool = False) -> int:
+        """Charges what appeared outside the arena since `mark`; returns the bytes charged."""
+        if mark is None:
+            return 0
+        free0, ours0 = mark
+        free1, _ = self._device.backend.mem_info()
+        snap = self._device.ledger.snapshot()
+        grown = (free0 - free1) - (snap.committed + snap.pooled - ours0)
+        g = self._device.granularity
+        grown = (grown // g) * g
+        if grown <= 0:
+            return 0
+        self._device.ledger.charge("scratch", grown, outside=True)
+        self.charged += grown
+        if creating:
+            self.at_creation += grown
+        return grown
+
+    def refund(self) -> None:
+        """Gives the charge back (the sessions that held the memory are gone)."""
+        if self.charged:
+            self._device.ledger.refund("scratch", self.charged, outside=True)
+            self.charged = 0

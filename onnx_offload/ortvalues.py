@@ -1,0 +1,105 @@
+"""OrtValues over memory the package owns, and copies between them.
+
+Fixed buffers, weights and bound outputs are non-owning OrtValues over arena memory,
+made through DLPack so that ORT reads and writes them in place. Copies run on the
+device's compute stream, in order with the segments that read and write them.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnxruntime.capi import _pybind_state as C
+
+from . import _core
+from .errors import OffloadError
+from .segmenter import dims
+
+
+def ortvalue_at(ptr: int, shape: Sequence[int], dtype: np.dtype, on_cuda: bool, device_id: int) -> ort.OrtValue:
+    """A non-owning OrtValue over memory the arena owns (DLPack, zero-copy)."""
+    cap = _core.make_dlpack(ptr, [int(d) for d in shape], np.dtype(dtype).name, 2 if on_cuda else 1, device_id)
+    return ort.OrtValue(C.OrtValue.from_dlpack(cap, False))
+
+
+_ORT_TO_NP = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int8)": np.int8, "tensor(int16)": np.int16, "tensor(int32)": np.int32, "tensor(int64)": np.int64,
+    "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64,
+    "tensor(bool)": np.bool_,
+}
+
+
+def numpy_dtype(type_str: str) -> np.dtype:
+    """The numpy dtype of an ORT type string such as 'tensor(float16)'."""
+    if type_str == "tensor(bfloat16)":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    if type_str not in _ORT_TO_NP:
+        raise OffloadError(f"boundary tensors of type {type_str} are not supported")
+    return np.dtype(_ORT_TO_NP[type_str])
+
+
+def nbytes_of(shape: Sequence[int], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def as_ortvalue(value) -> ort.OrtValue:
+    if isinstance(value, ort.OrtValue):
+        return value
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))
+
+
+class IOInfo:
+    """What get_inputs()/get_outputs() return for a split model (like ORT's NodeArg)."""
+
+    def __init__(self, vi: onnx.ValueInfoProto):
+        self.name = vi.name
+        tt = vi.type.tensor_type
+        self.type = f"tensor({onnx.helper.tensor_dtype_to_string(tt.elem_type).split('.')[-1].lower()})"
+        self.shape = dims(tt)
+
+    def __repr__(self):
+        return f"IOInfo(name={self.name!r}, type={self.type!r}, shape={self.shape!r})"
+
+
+class FixedBuffer:
+    """A buffer of one shape and dtype at a fixed address, and its OrtValue."""
+
+    __slots__ = ("ptr", "shape", "dtype", "value")
+
+    def __init__(self, ptr: int, shape: Sequence[int], dtype: np.dtype, value: ort.OrtValue):
+        self.ptr, self.shape, self.dtype, self.value = ptr, list(shape), np.dtype(dtype), value
+
+
+def copy_into(device, target: FixedBuffer, value: ort.OrtValue) -> None:
+    """Copies `value` into `target`, in order on the compute stream. Returns once the
+    copy no longer needs host memory (a host source or destination is waited for)."""
+    if tuple(value.shape()) != tuple(target.shape) or numpy_dtype(value.data_type()) != target.dtype:
+        raise ValueError(f"a {value.data_type()} {value.shape()} value does not fit a {target.dtype} "
+                         f"{list(target.shape)} buffer")
+    nbytes = nbytes_of(target.shape, target.dtype)
+    backend, stream = device.backend, device.compute_stream
+    src_host = value.device_name().lower() == "cpu"
+    dst_host = target.value.device_name().lower() == "cpu"
+    if not device.is_cuda or src_host:
+        # The host backend's device memory is host memory; a host source is the caller's.
+        backend.copy_h2d(target.ptr, value.data_ptr(), nbytes, stream)
+        stream.synchronize()
+    elif dst_host:
+        backend.copy_d2h(target.ptr, value.data_ptr(), nbytes, stream)
+        stream.synchronize()
+    else:
+        backend.copy_d2d(target.ptr, value.data_ptr(), nbytes, stream)
+
+
+def detached(device, value: ort.OrtValue, device_id: int) -> ort.OrtValue:
+    """A copy of `value` in memory of its own, on the same device."""
+    if value.device_name().lower() == "cpu":
+        return ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
+    dtype = numpy_dtype(value.data_type())
+    out = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), dtype, "cuda", device_id)
+    copy_into(device, FixedBuffer(out.data_ptr(), value.shape(), dtype, out), value)
+    return out

@@ -1,0 +1,279 @@
+"""The segment runner: one ORT session per segment, fixed boundary buffers, and the
+run loop that pages each segment's weights in before it runs.
+
+A step runs the segments in order. Before segment k runs, the residency manager makes
+its weights resident (``acquire``); on CUDA the segment waits for the page-in with a
+stream wait on its event, since ORT runs it on the same compute stream; afterwards an
+event on that stream marks the end of its reads (``release``), and nothing it read is
+unmapped before that event.
+
+Boundary tensors live in fixed buffers, one set per input-shape signature (a
+``_Plan``): the first step of a signature passes ORT's own outputs along and sizes the
+buffers from them; later steps bind the same addresses, which is what a captured
+segment replays. Under capture each segment is captured once per signature, under the
+plan's ``gpu_graph_id``.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import os
+from typing import Dict, List, Optional
+
+import onnxruntime as ort
+
+from .errors import StateError
+from .graph_capture import GraphCaptureDecision
+from .model import save_model
+from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at
+from .residency import Counters
+from .segmenter import Segment
+
+MAX_SIGNATURES = 4
+# The gpu_graph_ids that run() captures under, apart from the small ids (0 by default)
+# that callers pass to run_with_iobinding with their own buffers: a shared id would
+# replay the caller's graph on the caller's buffers.
+FIRST_GRAPH_ID = 1 << 20
+# ORT takes its memory (arena growth, workspaces, capture) on the first steps: the
+# meter measures these and trusts the figure after them.
+MEASURED_RUNS = 3
+
+
+class _SegmentRun:
+    def __init__(self, seg: Segment, session: ort.InferenceSession, captured: bool):
+        self.seg = seg
+        self.session = session
+        self.captured = captured  # created with enable_cuda_graph
+
+
+class _Plan:
+    """Fixed buffers for one set of input shapes: every segment input and output."""
+
+    def __init__(self, graph_id: int):
+        self.buffers: Dict[str, FixedBuffer] = {}
+        self.graph_id = graph_id  # ORT's gpu_graph_id for captured segments; -1: not captured
+        self.runs = 0
+
+
+class SegmentRunner:
+    def __init__(self, device, residency, factory, meter, segments: List[Segment], workdir: str, *,
+                 streaming: bool, stable: bool, capture: GraphCaptureDecision, device_id: int):
+        self.device = device
+        self.residency = residency
+        self._factory = factory
+        self._meter = meter
+        self._workdir = workdir
+        self.streaming = streaming
+        self._stable = stable
+        self.capture = capture
+        self._device_id = device_id
+        self.runs: List[_SegmentRun] = []
+        self._initializer_values: List[ort.OrtValue] = []
+        self._plans: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
+        self._next_graph_id = FIRST_GRAPH_ID
+        self.steps = 0
+        self.last_step = Counters()  # the counters of the last segmented step
+        self.notes: List[str] = []
+        for seg in segments:
+            self.runs.append(self._create(seg))
+        if self.capture.enabled and self.streaming:
+            n = sum(r.captured for r in self.runs)
+            self.capture = GraphCaptureDecision(
+                n > 0, f"{self.capture.reason}; per segment: {n} of {len(self.runs)} captured, once per "
+                       f"input-shape signature, and replayed while their weights page behind fixed addresses")
+
+    # ------------------------------------------------------------------ construction
+    def _create(self, seg: Segment) -> _SegmentRun:
+        res = self.residency
+        path = save_model(seg.model, os.path.join(self._workdir, f"segment{seg.index}.onnx"))
+        so = self._factory.session_options()
+        acquired = False
+        try:
+            if self._stable:
+                if self.streaming:
+                    ready = res.acquire(seg.index)
+                    acquired = True
+                    if ready is not None:
+                        ready.synchronize()
+                for name in seg.weights:
+                    info = res.info[name]
+                    value = ortvalue_at(res.slots[name].va, info.shape, info.dtype, self.device.is_cuda,
+                                        self._device_id)
+                    so.add_initializer(name, value)
+                    self._initializer_values.append(value)
+            mark = self._meter.mark()
+            session, captured, why = self._factory.create(path, so, self.capture.enabled)
+        finally:
+            if acquired:
+                res.release(seg.index, None)
+        if why:
+            if self.streaming:
+                self.notes.append(f"segment {seg.index} runs without capture: {why}")
+            else:
+                self.capture = GraphCaptureDecision(False, why)
+        # What ORT committed while creating the session: its own initializers (small
+        # constants, any copy it makes) and its workspaces.
+        self._meter.charge_since(mark, creating=True)
+        return _SegmentRun(seg, session, captured)
+
+    @property
+    def single(self) -> ort.InferenceSession:
+        """The one ORT session of a model that runs unsplit."""
+        return self.runs[0].session
+
+    @property
+    def plan_count(self) -> int:
+        return len(self._plans)
+
+    # ------------------------------------------------------------------ running
+    def run(self, output_names, input_feed, run_options, graph_outputs: List[str]):
+        if not self.streaming and not self.capture.enabled:
+            mark = self._meter.mark() if self.steps < MEASURED_RUNS else None
+            out = self.single.run(output_names, input_feed, run_options)
+            self._after_single_run(mark)
+            return out
+        # Split graphs, and any graph under capture (ORT replays only through IOBinding with
+        # fixed buffers): the segment loop binds fixed buffers per input shape.
+        values = self.run_segments(input_feed, run_options)
+        outs = [values[n].numpy() for n in (output_names or graph_outputs)]
+        # On CUDA numpy() is already a host copy; on the CPU it aliases the fixed buffer
+        # that the next step overwrites.
+        return outs if self.device.is_cuda else [o.copy() for o in outs]
+
+    def run_single_with_iobinding(self, iobinding, run_options) -> None:
+        mark = self._meter.mark() if self.steps < MEASURED_RUNS else None
+        self.single.run_with_iobinding(iobinding, run_options)
+        self._after_single_run(mark)
+
+    def _after_single_run(self, mark) -> None:
+        self.residency.count_resident_step()
+        self.steps += 1
+        self._meter.charge_since(mark)
+
+    def run_segments(self, input_feed, run_options=None) -> Dict[str, ort.OrtValue]:
+        """One step through every segment; returns every boundary and output value."""
+        dev, res = self.device, self.residency
+        feeds = {k: as_ortvalue(v) for k, v in input_feed.items()}
+        sig = tuple(sorted((k, tuple(v.shape()), v.data_type()) for k, v in feeds.items()))
+        plan = self._plans.get(sig)
+        if plan is not None:
+            self._plans.move_to_end(sig)
+            for name, v in feeds.items():
+                if name in plan.buffers:
+                    copy_into(dev, plan.buffers[name], v)
+        measured = plan is None or plan.runs < MEASURED_RUNS  # capture happens on an early run
+        mark = self._meter.mark() if measured else None
+        graph_options = self._graph_run_options(plan, run_options)
+        values: Dict[str, ort.OrtValue] = {}
+        before = copy.copy(res.counters)
+        for run in self.runs:
+            seg = run.seg
+            ready = res.acquire(seg.index)
+            try:
+                if ready is not None:
+                    if dev.is_cuda:
+                        # ORT runs the segment on the compute stream: a stream wait orders
+                        # its reads after the copy without blocking the host.
+                        ready.wait_on(dev.compute_stream)
+                    else:
+                        ready.synchronize()  # the CPU EP reads on this thread
+                io = run.session.io_binding()
+                self._bind(io, run.seg, plan, values, feeds)
+                run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
+                for name, v in zip(seg.outputs, io.get_outputs()):
+                    if plan is not None and v.data_ptr() != plan.buffers[name].ptr:
+                        raise StateError(f"ORT wrote boundary tensor {name!r} outside its fixed buffer")
+                    values[name] = v
+                # The segment's reads end here: ORT synchronizes its stream before returning,
+                # and this event, on that stream, orders every later unmap after it.
+                reader = dev.backend.create_event()
+                reader.record(dev.compute_stream)
+            except BaseException:
+                res.release(seg.index, None)
+                raise
+            res.release(seg.index, reader)
+        res.end_step()
+        self.last_step = res.counters.minus(before)
+        self.steps += 1
+        self._meter.charge_since(mark)
+        if plan is None:
+            self._make_plan(sig, feeds, values)
+        else:
+            plan.runs += 1
+        return values
+
+    def _bind(self, io, seg: Segment, plan: Optional[_Plan], values, feeds) -> None:
+        device_name = "cuda" if self.device.is_cuda else "cpu"
+        for name in seg.inputs:
+            if plan is not None:
+                io.bind_ortvalue_input(name, plan.buffers[name].value)
+            else:
+                io.bind_ortvalue_input(name, values[name] if name in values else feeds[name])
+        if not self._stable:
+            for name in seg.weights:
+                slot, info = self.residency.slots[name], self.residency.info[name]
+                io.bind_input(name, device_name, self._device_id, info.dtype, list(info.shape), slot.va)
+        for name in seg.outputs:
+            if plan is not None:
+                io.bind_ortvalue_output(name, plan.buffers[name].value)
+            else:
+                io.bind_output(name, device_name, self._device_id)
+
+    def _graph_run_options(self, plan: Optional[_Plan], user: Optional[ort.RunOptions]) -> Optional[ort.RunOptions]:
+        """Run options for captured segments: the plan's gpu_graph_id, or -1 (neither
+        capture nor replay) while a signature has no fixed buffers yet."""
+        if not self.capture.enabled:
+            return user
+        ro = ort.RunOptions()
+        if user is not None:
+            for attr in ("log_severity_level", "log_verbosity_level", "logid", "only_execute_path_to_fetches"):
+                setattr(ro, attr, getattr(user, attr))
+        ro.add_run_config_entry("gpu_graph_id", str(plan.graph_id if plan is not None else -1))
+        return ro
+
+    def _make_plan(self, sig, feeds, values) -> None:
+        """Fixed buffers for these input shapes, so later steps bind the same addresses.
+        Under capture a plan lives as long as the session (its captured graphs point at
+        it), so at most MAX_SIGNATURES shapes are captured; others run uncaptured."""
+        capturing = self.capture.enabled
+        if capturing and len(self._plans) >= MAX_SIGNATURES:
+            return
+        plan = _Plan(self._next_graph_id if capturing else -1)
+        scratch = self.device.scratch
+        needed = set()
+        for run in self.runs:
+            needed.update(run.seg.inputs)
+            needed.update(run.seg.outputs)
+        try:
+            for name in sorted(needed):
+                v = values[name] if name in values else feeds[name]
+                shape = list(v.shape())
+                dtype = numpy_dtype(v.data_type())
+                ptr = scratch.allocate(max(1, nbytes_of(shape, dtype)))
+                plan.buffers[name] = FixedBuffer(ptr, shape, dtype,
+                                                 ortvalue_at(ptr, shape, dtype, self.device.is_cuda, self._device_id))
+        except BaseException:
+            self._free_plan(plan)
+            raise
+        if capturing:
+            self._next_graph_id += 1
+        self._plans[sig] = plan
+        while len(self._plans) > MAX_SIGNATURES:
+            _, old = self._plans.popitem(last=False)
+            self._free_plan(old)
+
+    def _free_plan(self, plan: _Plan) -> None:
+        if self.device.scratch is None:
+            return
+        for buf in plan.buffers.values():
+            self.device.scratch.deallocate(buf.ptr)
+        plan.buffers.clear()
+
+    # ------------------------------------------------------------------ closing
+    def close(self) -> None:
+        """Drops the ORT sessions first (they may still free scratch), then the plans."""
+        self.runs = []
+        self._initializer_values = []
+        for plan in self._plans.values():
+            self._free_plan(plan)
+        self._plans.clear()
