@@ -1,0 +1,54 @@
+"""The command line: the environment decides what the user did not say."""
+import pytest
+
+from onnx_offload import cli
+from onnx_offload.models import mlp_stack, save, weight_bytes
+
+
+@pytest.fixture
+def model_path(tmp_path):
+    model = mlp_stack(layers=4, hidden=1024, batch=4)
+    return save(model, str(tmp_path / "m.onnx")), weight_bytes(model)
+
+
+def run(argv, capsys):
+    rc = cli.main(argv)
+    return rc, capsys.readouterr()
+
+
+def test_the_environment_wins_where_no_flag_is_given(model_path, capsys, monkeypatch):
+    path, weights = model_path
+    monkeypatch.setenv("ONNX_GENAI_WEIGHT_OFFLOAD_POLICY", "lru")
+    monkeypatch.setenv("ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES", str(weights // 2))
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB"], capsys)
+    assert rc == 0, out.err
+    assert "/ lru (vmm)" in out.out, out.out
+
+
+def test_a_flag_wins_over_the_environment(model_path, capsys, monkeypatch):
+    path, weights = model_path
+    monkeypatch.setenv("ONNX_GENAI_WEIGHT_OFFLOAD_POLICY", "lru")
+    monkeypatch.setenv("ONNX_GENAI_WEIGHT_OFFLOAD_VMM", "0")
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB", "--policy", "mru",
+                   "--weight-bytes", str(weights // 2)], capsys)
+    assert rc == 0, out.err
+    assert "/ mru (plain)" in out.out, out.out
+
+
+def test_the_commands_own_defaults_apply_without_flag_or_environment(model_path, capsys, monkeypatch):
+    path, weights = model_path
+    for var in ("ONNX_GENAI_WEIGHT_OFFLOAD", "ONNX_GENAI_WEIGHT_OFFLOAD_VMM", "ONNX_GENAI_WEIGHT_OFFLOAD_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB",
+                   "--weight-bytes", str(weights // 2)], capsys)
+    assert rc == 0, out.err
+    assert "/ planned (vmm)" in out.out, out.out
+
+
+def test_help_names_the_variable_each_flag_overrides(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for var in ("ONNX_GENAI_VRAM_LIMIT", "ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES", "ONNX_GENAI_WEIGHT_OFFLOAD_POLICY",
+                "ONNX_GENAI_WEIGHT_OFFLOAD", "ONNX_GENAI_WEIGHT_OFFLOAD_VMM", "ONNX_GENAI_CUDA_GRAPH"):
+        assert f"overrides {var}" in text, var
