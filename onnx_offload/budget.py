@@ -40,7 +40,7 @@ class ZonePlan:
 class BudgetPlan:
     budget: int
     zones: Dict[str, ZonePlan]
-    streaming: bool  # the weights exceed their allowance and stream through segments
+    streaming: bool  # the weights exceed their allowance and stream, segment by segment (one or more)
     segment_target: int  # committed weight bytes per segment; 0 when not streaming
     segments: List[Sequence[str]]  # the weights of each segment, as the segmenter planned them
     ort_memory_cap: int  # ORT's arena limit (gpu_mem_limit)
@@ -105,10 +105,6 @@ def plan_budget(config: OffloadConfig, *, free: int, total: int, granularity: in
             f"or raise the budget")
     target = config.segment_bytes or max(weight_costs[largest], min(allowance, usable) // 4)
     segments = plan_segments(target)
-    if len(segments) < 2:
-        # Nothing to stream between: the one segment must fit like an unsplit model.
-        return BudgetPlan(budget, zones, False, target, segments,
-                          _ort_cap(budget, zones, total_cost, granularity), note)
     # A segment's pack may start inside a granule: one more than its packed cost, where
     # slots share granules.
     pad = granularity if config.vmm else 0

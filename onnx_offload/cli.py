@@ -2,7 +2,7 @@
 
     onnx-offload run MODEL --vram-limit 2GiB [--policy planned] [--profile] [--steps N] [--inputs f.npz]
     onnx-offload demo [--cpu]
-    onnx-offload bench arena|session|offload [--out DIR] [--json FILE]
+    onnx-offload bench arena|session|offload|reliability [--out DIR] [--json FILE]
 """
 from __future__ import annotations
 
@@ -98,15 +98,88 @@ def config_kwargs(args) -> dict:
     return kw
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return n
+
+
+def load_feeds(path: str) -> dict:
+    """The arrays of an .npz file of feeds, read before the session loads any weight."""
+    import zipfile
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--inputs {path!r}: no such file")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"--inputs {path!r} is a folder, not an .npz file of feeds")
+    bad = f"--inputs {path!r} is not an .npz file of feeds (np.savez)"
+    with open(path, "rb") as f:  # np.load leaves a path it opened unclosed where the zip is bad
+        magic = f.read(6)
+        f.seek(0)
+        if magic.startswith(b"\x93NUMPY"):
+            raise ValueError(f"{bad}: it is an .npy file of one array; save the feeds by name with "
+                             f"np.savez(path, name=array)")
+        if not magic.startswith(b"PK"):
+            raise ValueError(f"{bad}: it is not a zip archive" + ("" if magic else " (the file is empty)"))
+        try:
+            data = np.load(f, allow_pickle=False)
+            with data:
+                return {k: data[k] for k in data.files}
+        except (EOFError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{bad}: {e or type(e).__name__}") from None
+        except ValueError as e:
+            raise ValueError(f"{bad}: {e}") from None
+
+
+def check_feeds(feeds: dict, inputs, source: str = "--inputs") -> None:
+    """Refuses feeds that do not match the model's inputs by name, dtype or static shape;
+    nothing is converted."""
+    from .ortvalues import numpy_dtype
+    wanted = {i.name: i for i in inputs}
+    missing = [n for n in wanted if n not in feeds]
+    unknown = [n for n in feeds if n not in wanted]
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"missing feeds for the model inputs {missing}")
+        if unknown:
+            parts.append(f"unknown names {unknown}")
+        raise ValueError(f"{source}: {'; '.join(parts)}; the model's inputs are {list(wanted)}")
+    for name, i in wanted.items():
+        value = np.asarray(feeds[name])
+        try:
+            expected = numpy_dtype(i.type)
+        except OffloadError:
+            expected = None
+        if expected is not None and value.dtype != expected:
+            raise ValueError(f"{source}: input {name!r} is {value.dtype}, the model expects {expected} ({i.type}); "
+                             f"convert it before saving (nothing is converted silently)")
+        shape = list(i.shape) if i.shape is not None else None
+        if shape is not None and (len(shape) != value.ndim or any(
+                isinstance(d, int) and d > 0 and d != v for d, v in zip(shape, value.shape))):
+            want = "(" + ", ".join(str(d) if isinstance(d, int) and d > 0 else str(d or "?") for d in shape) + ")"
+            raise ValueError(f"{source}: input {name!r} has shape {tuple(value.shape)}, the model expects {want}")
+
+
 def cmd_run(args) -> int:
+    from .config import parse_bytes, parse_vram_limit
     from .session import OffloadSession
+    # everything the arguments allow is checked before any weight loads
+    if args.vram_limit is not None:
+        parse_vram_limit(args.vram_limit, "--vram-limit")
+    if args.weight_bytes is not None:
+        parse_bytes(args.weight_bytes, "--weight-bytes")
+    feeds = load_feeds(args.inputs) if args.inputs else None
     kind = _kind(args)
     kw = config_kwargs(args)
     kw["record_timeline"] = bool(args.timeline)
     with OffloadSession(args.model, providers=[_provider(kind)], progress=Progress("loading weights"), **kw) as s:
-        if args.inputs:
-            with np.load(args.inputs) as data:
-                feeds = {k: data[k] for k in data.files}
+        if feeds is not None:
+            check_feeds(feeds, s.get_inputs())
         else:
             feeds = make_feeds(s.get_inputs())
         times = []
@@ -156,6 +229,14 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.what == "reliability":
+        from . import reliability
+        res = reliability.run_all()
+        print(reliability.print_table(res))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        return 0
     from . import bench
     kind = _kind(args)
     out = args.out
@@ -176,15 +257,22 @@ def cmd_bench(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad argument on one line of stderr, with exit code 2 (subcommands too)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="onnx-offload", description=__doc__.split("\n")[0])
+    p = _Parser(prog="onnx-offload", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a model under a VRAM budget and print the offload counters")
     r.add_argument("model")
     r.add_argument("--vram-limit", help=f"6GiB, 6000000000, 0.9 or auto (overrides {ENV_VRAM_LIMIT})")
     r.add_argument("--weight-bytes", help=f"allowance of the weights zone (overrides {ENV_DEVICE_BYTES})")
     r.add_argument("--policy", choices=POLICIES, help=f"residency policy (overrides {ENV_POLICY}; default planned)")
-    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--steps", type=positive_int, default=3, help="steps to run, at least 1 (default 3)")
     r.add_argument("--inputs", help=".npz file of feeds; default: random feeds from the input shapes")
     r.add_argument("--profile", action="store_true", help="print step times and the segment plan")
     r.add_argument("--timeline", help="write the residency timeline to this PNG")
@@ -201,7 +289,7 @@ def main(argv=None) -> int:
     d.add_argument("--cpu", action="store_true")
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="benchmarks: arena page-in costs, session overhead, offloaded step time")
-    b.add_argument("what", choices=("arena", "session", "offload"))
+    b.add_argument("what", choices=("arena", "session", "offload", "reliability"))
     b.add_argument("--out", default="onnx-offload-bench")
     b.add_argument("--json")
     b.add_argument("--weight-gb", type=float, default=8.0)
@@ -210,8 +298,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (OffloadError, MemoryError, ValueError, FileNotFoundError) as e:
-        print(f"onnx-offload: {type(e).__name__}: {e}", file=sys.stderr)
+    except (OffloadError, MemoryError, ValueError, OSError) as e:  # OSError: FileNotFoundError, PermissionError, ...
+        print(f"onnx-offload: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

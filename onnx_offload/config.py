@@ -64,8 +64,36 @@ def parse_bytes(value: Union[str, int], name: str = "value") -> int:
     return n
 
 
-def parse_vram_limit(value: Union[str, int, float, None], name: str = ENV_VRAM_LIMIT):
-    """Returns ``None`` (auto), a fraction (float in (0, 1]) or a byte count (int)."""
+GRANULE = 2 * MiB  # the GPU's allocation granule; no budget can be smaller
+
+
+def _size_text(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} byte" + ("" if n == 1 else "s")
+
+
+def parse_vram_limit(value: Union[str, int, float, None], name: str = ENV_VRAM_LIMIT, granule: int = GRANULE):
+    """Returns ``None`` (auto), a fraction (float in (0, 1]) or a byte count (int).
+
+    A byte count below one granule is refused: ``1`` is one byte, not the whole device
+    (that is ``1.0``). ``granule`` is 2 MiB, the GPU's; a host backend configured with
+    smaller granules (``host_granularity``) passes its own."""
+    n = _parse_vram_limit(value, name)
+    if isinstance(n, int) and n < granule:
+        raise ValueError(f"{name}={value!r} is {n} byte{'' if n == 1 else 's'}, less than one {_size_text(granule)} "
+                         f"granule: write 1.0 for the whole device, or a size such as 1GiB")
+    return n
+
+
+def smallest_budget(host_granularity=None) -> int:
+    """One GPU granule, or one host granule where a host backend is given smaller ones."""
+    g = host_granularity
+    return min(GRANULE, g) if isinstance(g, int) and not isinstance(g, bool) and g > 0 else GRANULE
+
+
+def _parse_vram_limit(value, name):
     if value is None:
         return None
     if isinstance(value, float):
@@ -145,7 +173,7 @@ class OffloadConfig:
     cache_dir: Optional[str] = None  # keeps optimized models between sessions
 
     def __post_init__(self):
-        self.vram_limit = parse_vram_limit(self.vram_limit, "vram_limit")
+        self.vram_limit = parse_vram_limit(self.vram_limit, "vram_limit", smallest_budget(self.host_granularity))
         self.policy = parse_policy(self.policy, "policy")
         if self.weight_bytes is not None:
             self.weight_bytes = parse_bytes(self.weight_bytes, "weight_bytes")
@@ -166,9 +194,10 @@ class OffloadConfig:
         env = os.environ if env is None else env
         values = {}
 
+        granule = smallest_budget(overrides.get("host_granularity"))
         for var, field, parse in _ENV_FIELDS:
             if env_is_set(var, env):
-                values[field] = parse(env[var], var)
+                values[field] = parse(env[var], var, granule) if parse is parse_vram_limit else parse(env[var], var)
         if "cuda_graph" in overrides:
             values["graph_override"] = parse_flag(overrides.pop("cuda_graph"), "cuda_graph")
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}

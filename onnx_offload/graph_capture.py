@@ -4,7 +4,8 @@ Precedence, first match wins:
 
 1. Offload without stable addresses: off. Weights move between runs, so a captured
    graph would read freed memory.
-2. The programmatic override (``OffloadSession(..., cuda_graph=True)``).
+2. The caller's explicit request: ``OffloadSession(..., cuda_graph=True)``, or
+   ``enable_cuda_graph`` in the CUDA provider options, as plain ORT takes it.
 3. An explicit ``ONNX_GENAI_CUDA_GRAPH`` value.
 4. Auto: on only on the CUDA EP when the graph is structurally safe: no control flow,
    and fixed input shapes (bound through IOBinding). ORT itself refuses capture when it
@@ -50,6 +51,7 @@ def resolve_graph_capture_enabled(
     offload: bool,
     stable_addresses: bool,
     override: Optional[bool] = None,
+    override_source: str = "",
     env_value: Optional[bool] = None,
     structurally_safe: bool = False,
     safety_reason: str = "",
@@ -63,7 +65,7 @@ def resolve_graph_capture_enabled(
             "weight offload without stable addresses (ONNX_GENAI_WEIGHT_OFFLOAD_VMM is not 1) "
             "reallocates weights on every page-in, so captured pointers would go stale")
     if override is not None:
-        return GraphCaptureDecision(override, f"set by the caller (cuda_graph={override})")
+        return GraphCaptureDecision(override, f"set by the caller ({override_source or f'cuda_graph={override}'})")
     if env_value is not None:
         return GraphCaptureDecision(env_value, f"ONNX_GENAI_CUDA_GRAPH={int(env_value)}")
     if structurally_safe:

@@ -38,6 +38,8 @@ class HostStore:
     def fill_from_file(self, path: str, weights: Iterable[WeightInfo],
                        progress: Optional[Callable[[int, int], None]] = None) -> None:
         weights = list(weights)
+        if not weights:
+            return  # no initializer reached the threshold: ORT wrote no data file
         done = 0
         with open(path, "rb", buffering=0) as f:
             for w in weights:

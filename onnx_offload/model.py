@@ -15,10 +15,10 @@ the CPU, and the session says so in its notes.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import hashlib
 import os
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -77,12 +77,27 @@ def materialize(path_or_bytes, workdir: str) -> str:
     return path
 
 
-def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int) -> str:
-    """Identifies an optimized model: the source file, the provider, the level, the threshold."""
-    st = os.stat(src)
-    text = "|".join(str(v) for v in (os.path.realpath(src), st.st_size, st.st_mtime_ns, on_cuda, int(level),
-                                      min_weight_bytes, ort.__version__))
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+def all_tensors(graph: onnx.GraphProto):
+    """Every tensor a graph holds: initializers, sparse ones, constant attributes, and
+    those of its subgraphs."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("sparse_tensor"):
+                yield attr.sparse_tensor.values
+                yield attr.sparse_tensor.indices
+            for g in _subgraphs(attr):
+                yield from all_tensors(g)
+
+
+def _subgraphs(attr) -> list:
+    return ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
 
 
 def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes: int,
@@ -120,7 +135,21 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
 
 
 def _optimized_exists(out: str) -> bool:
-    return os.path.exists(out) and os.path.exists(os.path.join(os.path.dirname(out), OPTIMIZED_DATA))
+    """An optimized model, and the data file when it names one: ORT writes none when no
+    initializer reaches the threshold."""
+    if not os.path.exists(out):
+        return False
+    try:
+        model = onnx.load(out, load_external_data=False)
+    except Exception:  # noqa: BLE001 - a partial write; protobuf raises its own types
+        return False
+    base = os.path.dirname(out)
+    return all(os.path.exists(os.path.join(base, loc)) for loc in _locations(model))
+
+
+def _locations(model: onnx.ModelProto) -> set:
+    return {{e.key: e.value for e in t.external_data}.get("location", "")
+            for t in all_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL}
 
 
 def _optimize(src: str, out: str, level, min_weight_bytes: int, providers) -> None:
@@ -139,12 +168,125 @@ def _optimize(src: str, out: str, level, min_weight_bytes: int, providers) -> No
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         error = e
     if _optimized_exists(out):
-        return  # a failure after the save (placing initializers) does not matter
+        # A failure after the save (placing initializers) does not matter.
+        model = onnx.load(out, load_external_data=False)
+        if lift_subgraph_weights(model):
+            onnx.save(model, out)
+        return
     msg = str(error) if error else "ORT wrote no optimized model"
     if any(t in msg for t in ("INVALID_GRAPH", "INVALID_PROTOBUF", "ValidateGraph", "Protobuf parsing failed",
                               "Load model", "NOT_IMPLEMENTED")):
         raise CorruptModel(f"ONNX Runtime cannot load the model: {msg}") from error
     raise OffloadError(f"optimizing the model failed: {msg}") from error
+
+
+def lift_subgraph_weights(model: onnx.ModelProto) -> int:
+    """Moves the weights of subgraphs (the initializers of If/Loop/Scan bodies that ORT
+    stored in the data file) into the main graph; returns how many moved.
+
+    A subgraph reads them as outer-scope values, which ONNX allows at any depth, so
+    they become ordinary weights: a slot each, charged to the ledger, paged in with the
+    segment of the node that holds the subgraph, and given to ORT through
+    add_initializer (which matches the main graph's names). A name defined more than
+    once in the model (two branches each with a `W`, or a shadowing inner value) is
+    renamed to a fresh one inside its own scope; one that is also the subgraph's output
+    is copied out by an Identity node.
+    """
+    defined: Dict[str, int] = collections.Counter()
+    taken = set()
+    _collect_names(model.graph, defined, taken)
+    moved = 0
+
+    def visit(graph):
+        nonlocal moved
+        for node in graph.node:
+            for attr in node.attribute:
+                for g in _subgraphs(attr):
+                    visit(g)
+                    external = [i for i, t in enumerate(g.initializer)
+                                if t.data_location == onnx.TensorProto.EXTERNAL]
+                    outputs = {o.name for o in g.output}
+                    for i in external:
+                        t = g.initializer[i]
+                        lifted = model.graph.initializer.add()
+                        lifted.CopyFrom(t)
+                        if t.name in outputs:
+                            # ORT rejects a subgraph output that is an outer-scope value
+                            # (constant folding makes these): the branch copies it out.
+                            lifted.name = _fresh(t.name, taken)
+                            g.node.insert(0, helper.make_node("Identity", [lifted.name], [t.name]))
+                        elif defined[t.name] > 1:
+                            lifted.name = _fresh(t.name, taken)
+                            _rename_in_scope(g, t.name, lifted.name)
+                    for i in reversed(external):
+                        del g.initializer[i]
+                    moved += len(external)
+
+    visit(model.graph)
+    return moved
+
+
+def _collect_names(graph, defined, taken) -> None:
+    """Counts each value's definitions (inputs, initializers, node outputs) in every graph."""
+    for name in ([v.name for v in graph.input] + [t.name for t in graph.initializer]
+                 + [t.values.name for t in graph.sparse_initializer] + [o for n in graph.node for o in n.output if o]):
+        defined[name] += 1
+        taken.add(name)
+    taken.update(n for node in graph.node for n in node.input)
+    for node in graph.node:
+        for attr in node.attribute:
+            for g in _subgraphs(attr):
+                _collect_names(g, defined, taken)
+
+
+def _fresh(name: str, taken: set) -> str:
+    i = 0
+    while f"{name}__w{i}" in taken:
+        i += 1
+    taken.add(f"{name}__w{i}")
+    return f"{name}__w{i}"
+
+
+def _rename_in_scope(graph, old: str, new: str) -> None:
+    """Renames the uses of `old` in `graph` and the subgraphs that do not define their own."""
+    for node in graph.node:
+        for i, n in enumerate(node.input):
+            if n == old:
+                node.input[i] = new
+        for attr in node.attribute:
+            for g in _subgraphs(attr):
+                local = ({v.name for v in g.input} | {t.name for t in g.initializer}
+                         | {o for n in g.node for o in n.output})
+                if old not in local:
+                    _rename_in_scope(g, old, new)
+    for v in list(graph.output) + list(graph.value_info):
+        if v.name == old:
+            v.name = new
+
+
+def keep_in_model(model: onnx.ModelProto, data_path: str, shareable) -> list[str]:
+    """Moves the data of initializers whose element type ORT cannot take zero-copy
+    (`shareable(np.dtype)` is false: float8, int4, ...) from the data file into the model,
+    so that ORT owns them like any small constant; returns their names."""
+    kept = []
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        try:
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+        except (KeyError, TypeError):
+            dtype = None
+        if dtype is None or not shareable(dtype):
+            kept.append(t)
+    if kept:
+        with open(data_path, "rb") as f:
+            for t in kept:
+                info = {e.key: e.value for e in t.external_data}
+                f.seek(int(info.get("offset", 0)))
+                t.raw_data = f.read(int(info["length"]))
+                del t.external_data[:]
+                t.data_location = onnx.TensorProto.DEFAULT
+    return [t.name for t in kept]
 
 
 def read_weights(model: onnx.ModelProto) -> list[WeightInfo]:
@@ -153,6 +295,11 @@ def read_weights(model: onnx.ModelProto) -> list[WeightInfo]:
     for i, node in enumerate(model.graph.node):
         for name in node_inputs(node):
             first_use.setdefault(name, i)
+    for g in _nested_graphs(model.graph):
+        for t in g.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                raise OffloadError(f"initializer {t.name!r} of subgraph {g.name!r} lives in the data file: the "
+                                   "optimized model predates lift_subgraph_weights (clear the cache entry)")
     weights = []
     for t in model.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL:
@@ -169,12 +316,19 @@ def read_weights(model: onnx.ModelProto) -> list[WeightInfo]:
     return weights
 
 
+def _nested_graphs(graph):
+    for node in graph.node:
+        for attr in node.attribute:
+            for g in _subgraphs(attr):
+                yield g
+                yield from _nested_graphs(g)
+
+
 def node_inputs(node) -> list[str]:
     """Every value a node reads, including outer-scope names used by its subgraphs."""
     names = [n for n in node.input if n]
     for attr in node.attribute:
-        graphs = list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
-        for g in graphs:
+        for g in _subgraphs(attr):
             local = {t.name for t in g.initializer} | {i.name for i in g.input}
             for sub in g.node:
                 local.update(sub.output)

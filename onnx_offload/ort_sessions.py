@@ -20,7 +20,7 @@ _COPIED_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads", "execution_mo
 
 
 def normalize_providers(providers, provider_options) -> Tuple[List[str], List[dict]]:
-    if providers is None:
+    if not providers:  # None or []: the CPU, as ORT's CPU build defaults
         providers = [CPU_EP]
     names, options = [], []
     for i, p in enumerate(providers):

@@ -17,11 +17,19 @@ from . import _core
 from .errors import OffloadError
 from .segmenter import dims
 
+try:  # the type ORT itself raises for a bad input or output name
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+except ImportError:  # pragma: no cover - a build without it
+    InvalidArgument = ValueError
+
 
 def ortvalue_at(ptr: int, shape: Sequence[int], dtype: np.dtype, on_cuda: bool, device_id: int) -> ort.OrtValue:
-    """A non-owning OrtValue over memory the arena owns (DLPack, zero-copy)."""
-    cap = _core.make_dlpack(ptr, [int(d) for d in shape], np.dtype(dtype).name, 2 if on_cuda else 1, device_id)
-    return ort.OrtValue(C.OrtValue.from_dlpack(cap, False))
+    """A non-owning OrtValue over memory the arena owns (DLPack, zero-copy). A bool
+    tensor crosses as uint8 with ORT's bool flag: ORT rejects DLPack's bool code."""
+    is_bool = np.dtype(dtype) == np.bool_
+    name = "uint8" if is_bool else np.dtype(dtype).name
+    cap = _core.make_dlpack(ptr, [int(d) for d in shape], name, 2 if on_cuda else 1, device_id)
+    return ort.OrtValue(C.OrtValue.from_dlpack(cap, is_bool))
 
 
 _ORT_TO_NP = {
@@ -30,6 +38,15 @@ _ORT_TO_NP = {
     "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64,
     "tensor(bool)": np.bool_,
 }
+
+
+# Element types a weight can be handed to ORT in place as (DLPack, bool as flagged uint8).
+_SHAREABLE = frozenset(("float32", "float16", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8",
+                        "uint16", "uint32", "uint64", "bool"))
+
+
+def shareable(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).name in _SHAREABLE
 
 
 def numpy_dtype(type_str: str) -> np.dtype:
@@ -103,3 +120,17 @@ def detached(device, value: ort.OrtValue, device_id: int) -> ort.OrtValue:
     out = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), dtype, "cuda", device_id)
     copy_into(device, FixedBuffer(out.data_ptr(), value.shape(), dtype, out), value)
     return out
+
+
+def check_feeds(required: Sequence[str], known_inputs: Sequence[str], known_outputs: Sequence[str], feeds,
+                output_names) -> None:
+    """Raises what ORT raises for feeds or output names that do not match the graph."""
+    unknown = [n for n in feeds if n not in known_inputs]
+    if unknown:
+        raise InvalidArgument(f"Invalid input name: {unknown[0]} (the model's inputs are {list(known_inputs)})")
+    missing = [n for n in required if n not in feeds]
+    if missing:
+        raise ValueError(f"Required inputs ({missing}) are missing from input feed ({list(feeds)}).")
+    for n in output_names or ():
+        if n not in known_outputs:
+            raise InvalidArgument(f"Invalid output name: {n} (the model's outputs are {list(known_outputs)})")

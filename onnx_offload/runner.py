@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 import onnxruntime as ort
 
-from .errors import StateError
+from .errors import OffloadError, StateError
 from .graph_capture import GraphCaptureDecision
 from .model import save_model
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at
@@ -56,13 +56,15 @@ class _Plan:
 
 
 class SegmentRunner:
-    def __init__(self, device, residency, factory, meter, segments: List[Segment], workdir: str, *,
-                 streaming: bool, stable: bool, capture: GraphCaptureDecision, device_id: int):
+    def __init__(self, device, residency, factory, meter, segments: List[Segment], workdir: str,
+                 graph_outputs: List[str], *, streaming: bool, stable: bool, capture: GraphCaptureDecision,
+                 device_id: int):
         self.device = device
         self.residency = residency
         self._factory = factory
         self._meter = meter
         self._workdir = workdir
+        self._graph_outputs = graph_outputs
         self.streaming = streaming
         self._stable = stable
         self.capture = capture
@@ -70,6 +72,8 @@ class SegmentRunner:
         self.runs: List[_SegmentRun] = []
         self._initializer_values: List[ort.OrtValue] = []
         self._plans: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
+        # Signatures whose boundary shapes depend on input values: no fixed buffers fit them.
+        self._dynamic: set = set()
         self._next_graph_id = FIRST_GRAPH_ID
         self.steps = 0
         self.last_step = Counters()  # the counters of the last segmented step
@@ -126,7 +130,7 @@ class SegmentRunner:
         return len(self._plans)
 
     # ------------------------------------------------------------------ running
-    def run(self, output_names, input_feed, run_options, graph_outputs: List[str]):
+    def run(self, output_names, input_feed, run_options):
         if not self.streaming and not self.capture.enabled:
             mark = self._meter.mark() if self.steps < MEASURED_RUNS else None
             out = self.single.run(output_names, input_feed, run_options)
@@ -135,7 +139,7 @@ class SegmentRunner:
         # Split graphs, and any graph under capture (ORT replays only through IOBinding with
         # fixed buffers): the segment loop binds fixed buffers per input shape.
         values = self.run_segments(input_feed, run_options)
-        outs = [values[n].numpy() for n in (output_names or graph_outputs)]
+        outs = [values[n].numpy() for n in (output_names or self._graph_outputs)]
         # On CUDA numpy() is already a host copy; on the CPU it aliases the fixed buffer
         # that the next step overwrites.
         return outs if self.device.is_cuda else [o.copy() for o in outs]
@@ -143,6 +147,9 @@ class SegmentRunner:
     def run_single_with_iobinding(self, iobinding, run_options) -> None:
         mark = self._meter.mark() if self.steps < MEASURED_RUNS else None
         self.single.run_with_iobinding(iobinding, run_options)
+        # The outputs are complete when this returns, as plain ORT's are: the caller may
+        # read them from any stream, or from the host, at once.
+        self.device.compute_stream.synchronize()
         self._after_single_run(mark)
 
     def _after_single_run(self, mark) -> None:
@@ -152,10 +159,25 @@ class SegmentRunner:
 
     def run_segments(self, input_feed, run_options=None) -> Dict[str, ort.OrtValue]:
         """One step through every segment; returns every boundary and output value."""
-        dev, res = self.device, self.residency
         feeds = {k: as_ortvalue(v) for k, v in input_feed.items()}
         sig = tuple(sorted((k, tuple(v.shape()), v.data_type()) for k, v in feeds.items()))
         plan = self._plans.get(sig)
+        if plan is None:
+            return self._step(sig, plan, feeds, run_options)
+        try:
+            return self._step(sig, plan, feeds, run_options)
+        except RuntimeError as e:  # ORT's errors, and StateError
+            if isinstance(e, OffloadError) and not isinstance(e, StateError):
+                raise  # a budget or driver error: the same again without fixed buffers
+            # A boundary came out in another shape than the buffers of its signature: its
+            # shape depends on input values. The step runs again without fixed buffers,
+            # and so does every later step of this signature.
+            self._dynamic.add(sig)
+            self._free_plan(self._plans.pop(sig))
+            return self._step(sig, None, feeds, run_options)
+
+    def _step(self, sig, plan: Optional[_Plan], feeds, run_options) -> Dict[str, ort.OrtValue]:
+        dev, res = self.device, self.residency
         if plan is not None:
             self._plans.move_to_end(sig)
             for name, v in feeds.items():
@@ -181,7 +203,8 @@ class SegmentRunner:
                 self._bind(io, run.seg, plan, values, feeds)
                 run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
                 for name, v in zip(seg.outputs, io.get_outputs()):
-                    if plan is not None and v.data_ptr() != plan.buffers[name].ptr:
+                    written = plan is not None and nbytes_of(v.shape(), plan.buffers[name].dtype) > 0
+                    if written and v.data_ptr() != plan.buffers[name].ptr:
                         raise StateError(f"ORT wrote boundary tensor {name!r} outside its fixed buffer")
                     values[name] = v
                 # The segment's reads end here: ORT synchronizes its stream before returning,
@@ -194,6 +217,7 @@ class SegmentRunner:
             res.release(seg.index, reader)
         res.end_step()
         self.last_step = res.counters.minus(before)
+        self._pass_through(values, feeds)
         self.steps += 1
         self._meter.charge_since(mark)
         if plan is None:
@@ -201,6 +225,18 @@ class SegmentRunner:
         else:
             plan.runs += 1
         return values
+
+    def _pass_through(self, values, feeds) -> None:
+        """Graph outputs that no node produces: a graph input or a weight, returned as is."""
+        for name in self._graph_outputs:
+            if name in values:
+                continue
+            if name in feeds:
+                values[name] = feeds[name]
+            elif name in self.residency.info:
+                info = self.residency.info[name]
+                data = self.residency.store.view(name).view(info.dtype).reshape(info.shape)
+                values[name] = as_ortvalue(data.copy())
 
     def _bind(self, io, seg: Segment, plan: Optional[_Plan], values, feeds) -> None:
         device_name = "cuda" if self.device.is_cuda else "cpu"
@@ -236,7 +272,7 @@ class SegmentRunner:
         Under capture a plan lives as long as the session (its captured graphs point at
         it), so at most MAX_SIGNATURES shapes are captured; others run uncaptured."""
         capturing = self.capture.enabled
-        if capturing and len(self._plans) >= MAX_SIGNATURES:
+        if sig in self._dynamic or (capturing and len(self._plans) >= MAX_SIGNATURES):
             return
         plan = _Plan(self._next_graph_id if capturing else -1)
         scratch = self.device.scratch

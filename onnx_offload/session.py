@@ -17,9 +17,11 @@ scratch zone by the meter (``ort_memory.py``); a split model's IOBinding is
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from typing import List, Optional
 
@@ -27,22 +29,25 @@ import onnx
 import onnxruntime as ort
 
 from .budget import plan_budget
-from .config import OffloadConfig
+from .config import OffloadConfig, parse_flag
 from .device import Device
 from .errors import CudaUnavailable, OffloadWarning, StateError
 from .graph_capture import GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
 from .host_store import HostStore
+from .interrupts import deferred_interrupts
 from .iobinding import OffloadIOBinding
-from .model import (OPTIMIZED_DATA, cache_key, materialize, optimization_level, optimize_once,
+from .model import (OPTIMIZED_DATA, keep_in_model, materialize, optimization_level, optimize_once,
                     point_weights_at_placeholder, read_weights, weights_as_inputs)
+from .model_cache import cache_key
 from .ort_memory import OrtMemoryMeter
 from .ort_sessions import CPU_EP, CUDA_EP, SessionFactory, normalize_providers
-from .ortvalues import IOInfo
+from .ortvalues import IOInfo, check_feeds, shareable
 from .residency import Counters, ResidencyManager
 from .runner import SegmentRunner
 from .segmenter import Segment, plan_segments, segment_weights, split
 from .slots import slot_kind
 from .stats import OffloadStats
+from .workdir import make_workdir, remove_workdir
 
 
 class OffloadSession:
@@ -61,8 +66,14 @@ class OffloadSession:
         if self._on_cuda and CUDA_EP not in ort.get_available_providers():
             raise CudaUnavailable("this onnxruntime has no CUDA execution provider: install onnxruntime-gpu")
         self._cuda_options = options[0] if self._on_cuda else {}
+        # enable_cuda_graph in the provider options is the caller's explicit request, as
+        # plain ORT takes it; the runner sets it on the sessions that capture.
+        self._graph_request = parse_flag(self._cuda_options.pop("enable_cuda_graph", None),
+                                         "enable_cuda_graph (CUDA provider option)")
+        self._pid = os.getpid()
+        self._lock = threading.RLock()  # one step at a time: slots, pins and fixed buffers are shared
         self._user_options = sess_options
-        self._workdir = tempfile.mkdtemp(prefix="onnx-offload-")
+        self._workdir = make_workdir()
         self._runner: Optional[SegmentRunner] = None
         self._residency: Optional[ResidencyManager] = None
         self._store: Optional[HostStore] = None
@@ -70,6 +81,7 @@ class OffloadSession:
         self._meter: Optional[OrtMemoryMeter] = None
         self._final_ledger = None
         self._weights = []
+        self._required_inputs = []
         self._stable = True
         self._notes: List[str] = []
         try:
@@ -107,7 +119,13 @@ class OffloadSession:
         opt_dir = self._optimized_dir(src, level)
         opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)
         model = onnx.load(opt_path, load_external_data=False)
+        inside = keep_in_model(model, os.path.join(opt_dir, OPTIMIZED_DATA), shareable)
+        if inside:
+            self._notes.append(f"{len(inside)} initializers of types ORT cannot take in place (such as "
+                               f"{inside[0]!r}) stay inside the model: ORT owns their memory")
         self._weights = weights = read_weights(model)
+        initializers = {t.name for t in model.graph.initializer}
+        self._required_inputs = [v.name for v in model.graph.input if v.name not in initializers]
         self._graph_inputs = [IOInfo(v) for v in model.graph.input]
         self._graph_outputs = [IOInfo(v) for v in model.graph.output]
         names = {w.name for w in weights}
@@ -140,9 +158,13 @@ class OffloadSession:
                                 [v.name for v in self._graph_outputs], model)]
 
         safe, why = structural_safety(model)
+        override, source = cfg.graph_override, ""
+        if override is None and self._graph_request is not None:
+            override = self._graph_request
+            source = f"enable_cuda_graph={int(override)} in the CUDA provider options"
         capture = resolve_graph_capture_enabled(
-            on_cuda=self._on_cuda, offload=cfg.offload, stable_addresses=stable,
-            override=cfg.graph_override, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why)
+            on_cuda=self._on_cuda, offload=cfg.offload, stable_addresses=stable, override=override,
+            override_source=source, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why)
 
         self._store = HostStore(dev.backend, weights)
         self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, progress)
@@ -153,19 +175,33 @@ class OffloadSession:
         self._meter = OrtMemoryMeter(dev)
         factory = SessionFactory(dev, self._user_options, self._cuda_options, cfg.device_id, plan.ort_memory_cap)
         self._runner = SegmentRunner(dev, self._residency, factory, self._meter, segments, self._workdir,
-                                     streaming=plan.streaming, stable=stable, capture=capture,
-                                     device_id=cfg.device_id)
+                                     [o.name for o in self._graph_outputs], streaming=plan.streaming,
+                                     stable=stable, capture=capture, device_id=cfg.device_id)
         self._notes.extend(self._runner.notes)
         self._residency.reset_counters()  # count runs, not the page-ins of construction
 
     # ------------------------------------------------------------------ running
     def _check_open(self):
+        if self._pid != os.getpid():
+            raise StateError(f"this session was created in process {self._pid}; a forked child cannot use its "
+                             f"device streams or memory: create a new OffloadSession in the child")
         if self._closed:
             raise StateError("the session is closed")
 
-    def run(self, output_names, input_feed, run_options=None):
+    @contextlib.contextmanager
+    def _step(self):
+        """One call at a time, and no Ctrl-C half way through a state change."""
         self._check_open()
-        return self._runner.run(output_names, input_feed, run_options, [o.name for o in self._graph_outputs])
+        with self._lock, deferred_interrupts():
+            self._check_open()
+            yield
+
+    def run(self, output_names, input_feed, run_options=None):
+        with self._step():
+            if self._runner.streaming or self._runner.capture.enabled:  # else ORT checks them itself
+                check_feeds(self._required_inputs, [i.name for i in self._graph_inputs],
+                            [o.name for o in self._graph_outputs], input_feed, output_names)
+            return self._runner.run(output_names, input_feed, run_options)
 
     def io_binding(self):
         self._check_open()
@@ -174,25 +210,29 @@ class OffloadSession:
         return OffloadIOBinding(self._runner, [o.name for o in self._graph_outputs], self.config.device_id)
 
     def run_with_iobinding(self, iobinding, run_options=None):
-        self._check_open()
-        if not self._runner.streaming:
-            self._runner.run_single_with_iobinding(iobinding, run_options)
-            return
-        if not isinstance(iobinding, OffloadIOBinding):
-            raise TypeError("a split OffloadSession takes the binding from its own io_binding()")
-        iobinding.run(run_options)
+        with self._step():
+            if not self._runner.streaming:
+                self._runner.run_single_with_iobinding(iobinding, run_options)
+                return
+            if not isinstance(iobinding, OffloadIOBinding):
+                raise TypeError("a split OffloadSession takes the binding from its own io_binding()")
+            iobinding.run(run_options)
 
     # ------------------------------------------------------------------ introspection
     def get_inputs(self):
+        self._check_open()
         return self._runner.single.get_inputs() if not self._runner.streaming else list(self._graph_inputs)
 
     def get_outputs(self):
+        self._check_open()
         return self._runner.single.get_outputs() if not self._runner.streaming else list(self._graph_outputs)
 
     def get_providers(self):
+        self._check_open()
         return self._runner.single.get_providers()
 
     def get_session_options(self):
+        self._check_open()
         return self._runner.single.get_session_options()
 
     @property
@@ -231,8 +271,14 @@ class OffloadSession:
         """Releases every byte; returns the final ledger snapshot (all zones at 0)."""
         if self._closed:
             return self._final_ledger
-        self._teardown()
-        self._closed = True
+        if self._pid != os.getpid():
+            # A forked child: the device memory, streams and folder are the parent's.
+            self._closed = True
+            return self._final_ledger
+        with self._lock, deferred_interrupts():
+            if not self._closed:
+                self._teardown()
+                self._closed = True
         return self._final_ledger
 
     def _teardown(self) -> None:
@@ -249,7 +295,7 @@ class OffloadSession:
         if self._store is not None:
             self._store.close()
             self._store = None
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        remove_workdir(self._workdir)
 
     def __enter__(self):
         return self
@@ -258,7 +304,7 @@ class OffloadSession:
         self.close()
 
     def __del__(self):
-        if not getattr(self, "_closed", True):
+        if not getattr(self, "_closed", True) and getattr(self, "_pid", None) == os.getpid():
             try:
                 self.close()
             except Exception as e:  # noqa: BLE001 - never raise from a finalizer

@@ -305,3 +305,47 @@ def test_compute_sanitizer_memcheck_is_clean_on_an_offload_run(tmp_path):
                         str(script)], capture_output=True, text=True, timeout=540, env=dict(os.environ))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("weights_fit", [False, True])
+def test_callers_own_iobinding_with_enable_cuda_graph_and_a_dynamic_batch(weights_fit):
+    # ORT's own CUDA-graph pattern: the caller binds X and Y on the device and runs the same
+    # binding again and again, with enable_cuda_graph=1 in the provider options.
+    model = mlp_stack(layers=6, hidden=1024, batch=None)  # 6 weights of 4 MiB
+    x = np.random.default_rng(11).standard_normal((4, 1024)).astype(np.float32)
+    want = plain(model).run(None, {"x": x})[0]
+    allowance = 64 * MiB if weights_fit else 10 * MiB
+    with OffloadSession(model.SerializeToString(), providers=[(CUDA, {"enable_cuda_graph": "1"})], offload=True,
+                        vmm=True, vram_limit="1GiB", weight_bytes=allowance, scratch_bytes=256 * MiB) as s:
+        assert (len(s.segments) > 1) != weights_fit
+        assert s.graph_capture.enabled and "enable_cuda_graph=1" in s.graph_capture.reason, s.graph_capture.reason
+        io = s.io_binding()
+        X = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
+        Y = ort.OrtValue.ortvalue_from_shape_and_type([4, 1024], np.float32, "cuda", 0)
+        io.bind_ortvalue_input("x", X)
+        io.bind_ortvalue_output("y", Y)
+        for i in range(4):
+            s.run_with_iobinding(io)
+            np.testing.assert_array_equal(Y.numpy(), want, err_msg=f"call {i}")
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_outputs_are_complete_when_run_with_iobinding_returns(split):
+    model = mlp_stack(layers=4, hidden=1024, batch=4)
+    rng = np.random.default_rng(12)
+    xs = [rng.standard_normal((4, 1024)).astype(np.float32) for _ in range(2)]
+    ref = plain(model)
+    with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True, vram_limit="1GiB",
+                        weight_bytes=(weight_bytes(model) // 2) if split else None, scratch_bytes=256 * MiB,
+                        cuda_graph=False) as s:
+        assert (len(s.segments) > 1) == split
+        out = ort.OrtValue.ortvalue_from_shape_and_type([4, 1024], np.float32, "cuda", 0)
+        for step, x in enumerate(xs * 2):
+            io = s.io_binding()
+            io.bind_cpu_input("x", x)
+            io.bind_ortvalue_output("y", out)
+            # The compute stream is held for 300 ms: a run that returned before its work
+            # was done would leave the previous step's values (or zeros) in `out`.
+            s.device.backend.enqueue_delay(s.device.compute_stream, 300)
+            s.run_with_iobinding(io)
+            np.testing.assert_array_equal(out.numpy(), ref.run(None, {"x": x})[0], err_msg=f"step {step}")

@@ -1,0 +1,82 @@
+"""The key of an optimized model in the cache: the content of every file it reads.
+
+A cache entry is valid for one model as its files are now (the .onnx and every external
+data file any tensor names, subgraphs included), one execution provider, one
+optimization level, one weight threshold and one ORT version.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import onnx
+import onnxruntime as ort
+
+from .errors import CorruptModel
+from .model import all_tensors
+
+# Files up to this size are hashed in full (sha256 runs at 1.5-2 GB/s, so at most about
+# 0.5 s each). Larger ones, the weight files whose full hash would add seconds to every
+# load, are identified by their stat fingerprint plus sampled blocks (see _fingerprint).
+FULL_HASH_BYTES = 1 << 30
+_SAMPLE_BYTES = 1 << 20
+_SAMPLES = 64
+# Bumped when the layout of the optimized model changes, so older cache entries are not reused.
+_CACHE_FORMAT = 2
+
+
+def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int) -> str:
+    """Identifies an optimized model: the content of every file the model reads (the
+    .onnx and each external data file, main graph and subgraphs), the provider, the
+    level, the threshold and the ORT version."""
+    h = hashlib.sha256()
+    for v in (_CACHE_FORMAT, on_cuda, int(level), min_weight_bytes, ort.__version__):
+        h.update(f"{v}|".encode())
+    for path in model_files(src):  # the .onnx names the others, so their names are covered
+        try:
+            h.update(_fingerprint(path))
+        except FileNotFoundError:
+            raise CorruptModel(f"{src!r} keeps tensor data in {path!r}, which does not exist") from None
+    return h.hexdigest()[:24]
+
+
+def model_files(src: str) -> list[str]:
+    """The .onnx file and every external data file its tensors name, each once."""
+    model = onnx.load(src, load_external_data=False)
+    base = os.path.dirname(os.path.abspath(src))
+    files = [os.path.abspath(src)]
+    for t in all_tensors(model.graph):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            location = {e.key: e.value for e in t.external_data}.get("location", "")
+            path = os.path.normpath(os.path.join(base, location))
+            if path not in files:
+                files.append(path)
+    return files
+
+
+def _fingerprint(path: str) -> bytes:
+    """What identifies a file's content.
+
+    Up to FULL_HASH_BYTES: a sha256 of all of it, exact whatever happened to the file.
+    Above: size, mtime_ns, ctime_ns, inode and device, and a sha256 of 64 evenly spaced
+    1 MiB blocks plus the last one. Any write, rename-over or copy moves ctime (which no
+    user call can set back) or the inode, so only a same-size rewrite inside one timestamp
+    tick (a few ms) of the previous write could go unseen, and the samples catch most of
+    those. A full hash there would cost about 0.6 s per GB on every load, on top of the
+    read that fills the host store.
+    """
+    st = os.stat(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if st.st_size <= FULL_HASH_BYTES:
+            h.update(b"full|")
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            return h.digest()
+        h.update("|".join(str(v) for v in ("sampled", st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                                            st.st_dev)).encode())
+        step = (st.st_size - _SAMPLE_BYTES) // _SAMPLES
+        for offset in [i * step for i in range(_SAMPLES)] + [st.st_size - _SAMPLE_BYTES]:
+            f.seek(offset)
+            h.update(f.read(_SAMPLE_BYTES))
+    return h.digest()

@@ -1,0 +1,401 @@
+"""Loading models: graphs with no weights, external data and the optimized-model cache,
+initializers local to subgraphs, and the session's temporary folder."""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_offload import OffloadSession
+
+CPU = ["CPUExecutionProvider"]
+MiB = 1 << 20
+F = TensorProto.FLOAT
+
+
+def make_model(nodes, inputs, outputs, initializers=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    # IR 9 / opset 17: what ORT 1.31 loads (onnx's default IR version is newer).
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def tensor(name, shape, dtype=F):
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def offloaded(model, **kw):
+    kw.setdefault("vram_limit", 256 * MiB)
+    src = model if isinstance(model, str) else model.SerializeToString()
+    kw.setdefault("host_granularity", 64 << 10)
+    return OffloadSession(src, providers=CPU, offload=True, vmm=True, **kw)
+
+
+def reference(model, feeds):
+    src = model if isinstance(model, str) else model.SerializeToString()
+    return ort.InferenceSession(src, providers=CPU).run(None, feeds)
+
+
+def assert_same(model, feeds, **kw):
+    want = reference(model, feeds)
+    s = offloaded(model, **kw)
+    try:
+        got = s.run(None, feeds)
+        stats = s.stats()
+    finally:
+        s.close()
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    return stats
+
+
+# ---------------------------------------------------------------- 1. no weight crosses the threshold
+def relu_only():
+    return make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor("x", [2, 3])], [tensor("y", [2, 3])]), \
+        {"x": np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)}
+
+
+def tiny_mlp():
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("w1", (8, 16)), ("b1", (16,)), ("w2", (16, 4)), ("b2", (4,)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h0"]), helper.make_node("Add", ["h0", "b1"], ["h1"]),
+             helper.make_node("Relu", ["h1"], ["h2"]), helper.make_node("MatMul", ["h2", "w2"], ["h3"]),
+             helper.make_node("Add", ["h3", "b2"], ["y"])]
+    return make_model(nodes, [tensor("x", [3, 8])], [tensor("y", [3, 4])], inits), \
+        {"x": rng.standard_normal((3, 8)).astype(np.float32)}
+
+
+def many_small_initializers():
+    n = 5000
+    inits = [numpy_helper.from_array(np.full(4, i * 1e-3, np.float32), f"c{i}") for i in range(n)]
+    nodes = [helper.make_node("Add", ["x" if i == 0 else f"a{i - 1}", f"c{i}"], ["y" if i == n - 1 else f"a{i}"])
+             for i in range(n)]
+    return make_model(nodes, [tensor("x", [4])], [tensor("y", [4])], inits), \
+        {"x": np.random.default_rng(2).standard_normal(4).astype(np.float32)}
+
+
+def ort_cuda_graph_test_model():
+    # onnxruntime's CUDA-graph test model: Y = MatMul(X, W), W float [2, 1].
+    w = numpy_helper.from_array(np.array([[2.0], [3.0]], np.float32), "W")
+    return make_model([helper.make_node("MatMul", ["X", "W"], ["Y"])], [tensor("X", [3, 2])], [tensor("Y", [3, 1])],
+                      [w]), {"X": np.array([[1, 2], [3, 4], [5, 6]], np.float32)}
+
+
+@pytest.mark.parametrize("build", [relu_only, tiny_mlp, many_small_initializers, ort_cuda_graph_test_model])
+def test_model_without_weights_loads(build, tmp_path):
+    model, feeds = build()
+    stats = assert_same(model, feeds)
+    assert stats.weights == 0 and stats.weight_bytes == 0
+    # Twice through the cache: optimized, then reused.
+    for _ in range(2):
+        assert_same(model, feeds, cache_dir=str(tmp_path / "cache"))
+    assert len(os.listdir(tmp_path / "cache")) == 1
+
+
+# ---------------------------------------------------------------- 2. the cache sees every file the model reads
+def external(t: onnx.TensorProto, path: str, location: str) -> onnx.TensorProto:
+    """Moves `t`'s data to the end of the file `location` beside the model."""
+    data = numpy_helper.to_array(t).tobytes()
+    full = os.path.join(path, location)
+    offset = os.path.getsize(full) if os.path.exists(full) else 0
+    with open(full, "ab") as f:
+        f.write(data)
+    onnx.external_data_helper.set_external_data(t, location, offset, len(data))
+    t.ClearField("raw_data")
+    t.ClearField("float_data")
+    t.data_location = TensorProto.EXTERNAL
+    return t
+
+
+def if_model(rng, outer_name="W_outer", then_name="W_then", else_name="W_else", store=None, bool_input=True):
+    """y = If(c, x0 @ W_outer @ W_then, x0 @ W_outer @ W_else): each weight 16 KiB.
+    With `store=(dir, {name: location})`, those weights are written to external files.
+    With bool_input=False: y = If(s > 0, x0 @ W_then, x0 @ W_else) @ W_outer, where s is
+    a float input (a streamed split gives every segment input a DLPack buffer, and ORT
+    1.31 takes no bool DLPack tensors)."""
+    arrays = {n: rng.standard_normal((64, 64)).astype(np.float32) for n in (outer_name, then_name, else_name)}
+    tensors = {n: numpy_helper.from_array(a, n) for n, a in arrays.items()}
+    if store is not None:
+        where, locations = store
+        for n, loc in locations.items():
+            external(tensors[n], where, loc)
+    x = "x" if bool_input else "x0"
+
+    def branch(tag, w):
+        out = f"{tag}_y"
+        return helper.make_graph([helper.make_node("MatMul", [x, w], [out])], tag, [], [tensor(out, [4, 64])],
+                                 initializer=[tensors[w]])
+
+    outer = helper.make_node("MatMul", ["x0", outer_name], ["x"]) if bool_input else \
+        helper.make_node("MatMul", ["z", outer_name], ["y"])
+    if_node = helper.make_node("If", ["c"], ["y" if bool_input else "z"], then_branch=branch("then", then_name),
+                               else_branch=branch("else", else_name))
+    if bool_input:
+        nodes, cond = [outer, if_node], tensor("c", [], TensorProto.BOOL)
+    else:
+        zero = numpy_helper.from_array(np.array(0.0, np.float32), "zero")
+        nodes = [helper.make_node("Greater", ["s", "zero"], ["c"]), if_node, outer]
+        cond = tensor("s", [])
+    inits = [tensors[outer_name]] + ([] if bool_input else [zero])
+    return make_model(nodes, [tensor("x0", [4, 64]), cond], [tensor("y", [4, 64])], inits)
+
+
+def replace_keeping_stat(path: str, data: bytes) -> None:
+    """Rewrites `path` in place with same-size content and restores its mtime, as a
+    replacement within the file system's timestamp granularity would look."""
+    st = os.stat(path)
+    assert len(data) == st.st_size
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("location", ["main", "subgraph"])
+def test_cache_sees_replaced_external_data(location, tmp_path):
+    """The cache key covers the external data files, including one read only by a
+    subgraph initializer, not just the .onnx file."""
+    where = tmp_path / "model"
+    where.mkdir()
+    if location == "main":
+        names = {"W": "main.data"}
+        w = external(numpy_helper.from_array(np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32),
+                                             "W"), str(where), "main.data")
+        model = make_model([helper.make_node("MatMul", ["x0", "W"], ["y"])], [tensor("x0", [4, 64])],
+                           [tensor("y", [4, 64])], [w])
+    else:
+        names = {"W_then": "branch.data", "W_else": "branch.data"}
+        model = if_model(np.random.default_rng(3), store=(str(where), names))
+    path = str(where / "model.onnx")
+    onnx.save(model, path)
+    feeds = {"x0": np.random.default_rng(4).standard_normal((4, 64)).astype(np.float32)}
+    if location == "subgraph":
+        feeds["c"] = np.array(True)
+    cache = str(tmp_path / "cache")
+    first = reference(path, feeds)[0]
+    assert_same(path, feeds, cache_dir=cache)
+
+    data_file = str(where / names[next(iter(names))])
+    old = np.fromfile(data_file, dtype=np.float32)
+    replace_keeping_stat(data_file, (old * -2.0 + 1.0).astype(np.float32).tobytes())
+    second = reference(path, feeds)[0]
+    assert not np.array_equal(first, second)
+    assert_same(path, feeds, cache_dir=cache)
+    assert len(os.listdir(cache)) == 2
+
+
+def test_cache_key_ignores_unrelated_stat_changes(tmp_path):
+    """Touching the model without changing it still hits the cache."""
+    model, feeds = tiny_mlp()
+    path = str(tmp_path / "m.onnx")
+    onnx.save(model, path)
+    cache = str(tmp_path / "cache")
+    assert_same(path, feeds, cache_dir=cache)
+    os.utime(path, ns=(0, 10**18))
+    assert_same(path, feeds, cache_dir=cache)
+    assert len(os.listdir(cache)) == 1
+
+
+# ---------------------------------------------------------------- 3. initializers local to a subgraph
+@pytest.mark.parametrize("cond", [True, False])
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("same_names", [False, True])
+def test_subgraph_initializers_are_weights(cond, cached, same_names, tmp_path):
+    names = dict(then_name="W", else_name="W") if same_names else {}
+    model = if_model(np.random.default_rng(5), **names)
+    feeds = {"x0": np.random.default_rng(6).standard_normal((4, 64)).astype(np.float32), "c": np.array(cond)}
+    kw = {"cache_dir": str(tmp_path / "cache")} if cached else {}
+    stats = assert_same(model, feeds, **kw)
+    # All three 16 KiB weights have slots under the ledger, not only the main graph's.
+    assert stats.weights == 3
+    assert stats.weight_bytes == 3 * 64 * 64 * 4
+
+
+def test_subgraph_weights_stream(tmp_path):
+    """Under a budget that splits the graph, the If node's segment pages in its branch
+    weights."""
+    model = if_model(np.random.default_rng(7), bool_input=False)
+    for s in (1.0, -1.0):
+        feeds = {"x0": np.random.default_rng(8).standard_normal((4, 64)).astype(np.float32),
+                 "s": np.array(s, np.float32)}
+        stats = assert_same(model, feeds, host_granularity=4096, weight_bytes=32 << 10, segment_bytes=32 << 10,
+                            cache_dir=str(tmp_path / "cache"))
+        assert stats.weights == 3 and stats.segments == 2
+
+
+def branch_returns_a_weight(rng):
+    """Both branches return a 16 KiB weight; ORT's constant folding turns else's Neg(W)
+    into an initializer that is the branch's output, and both are named W."""
+    w = lambda: numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "W")  # noqa: E731
+    then = helper.make_graph([], "then", [], [tensor("W", [64, 64])], initializer=[w()])
+    other = helper.make_graph([helper.make_node("Neg", ["W"], ["e"])], "else", [], [tensor("e", [64, 64])],
+                              initializer=[w()])
+    nodes = [helper.make_node("If", ["c"], ["w"], then_branch=then, else_branch=other),
+             helper.make_node("MatMul", ["x", "w"], ["y"])]
+    return make_model(nodes, [tensor("x", [4, 64]), tensor("c", [], TensorProto.BOOL)], [tensor("y", [4, 64])]), \
+        {"c2": [None]}
+
+
+def nested_ifs(rng):
+    """An If inside an If branch, with weights named V at two depths."""
+    def w(n):
+        return numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), n)
+
+    def matmul_branch(tag, name):
+        return helper.make_graph([helper.make_node("MatMul", ["x", name], [tag])], tag, [], [tensor(tag, [4, 64])],
+                                 initializer=[w(name)])
+
+    outer_then = helper.make_graph([helper.make_node("If", ["c2"], ["ot"], then_branch=matmul_branch("it", "V"),
+                                                     else_branch=matmul_branch("ie", "U"))],
+                                   "ot", [], [tensor("ot", [4, 64])])
+    nodes = [helper.make_node("If", ["c"], ["y"], then_branch=outer_then, else_branch=matmul_branch("oe", "V"))]
+    inputs = [tensor("x", [4, 64]), tensor("c", [], TensorProto.BOOL), tensor("c2", [], TensorProto.BOOL)]
+    return make_model(nodes, inputs, [tensor("y", [4, 64])]), {"c2": [True, False]}
+
+
+@pytest.mark.parametrize("build,weights", [(branch_returns_a_weight, 2), (nested_ifs, 3)])
+def test_subgraph_weights_in_awkward_places(build, weights, tmp_path):
+    rng = np.random.default_rng(9)
+    model, variants = build(rng)
+    for c in (True, False):
+        for c2 in variants["c2"]:
+            feeds = {"x": rng.standard_normal((4, 64)).astype(np.float32), "c": np.array(c)}
+            if c2 is not None:
+                feeds["c2"] = np.array(c2)
+            stats = assert_same(model, feeds, cache_dir=str(tmp_path / "cache"))
+            assert stats.weights == weights
+
+
+# ---------------------------------------------------------------- 4. the temporary folder
+def run_child(code: str, tmp_path, wait_for_line: bool = True):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=str(tmp_path),
+                             stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    line = child.stdout.readline().strip() if wait_for_line else ""
+    return child, line
+
+
+MAKE_AND_WAIT = """
+    import sys, time
+    from onnx_offload.workdir import make_workdir
+    path = make_workdir()
+    open(path + "/weights.bin", "wb").write(b"x" * 1000)
+    print(path, flush=True)
+    {then}
+"""
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """This process's temp dir is `tmp_path` too, so sweeps touch nothing else."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def test_workdir_records_pid_and_is_removed(private_tmp):
+    from onnx_offload.workdir import make_workdir, remove_workdir
+    path = make_workdir()
+    assert os.path.dirname(path) == str(private_tmp)
+    assert os.path.basename(path).startswith(f"onnx-offload-{os.getpid()}-")
+    remove_workdir(path)
+    assert not os.path.exists(path)
+    remove_workdir(path)  # twice is fine
+
+
+def test_sigterm_removes_the_workdir(private_tmp):
+    child, path = run_child(MAKE_AND_WAIT.format(then="time.sleep(60)"), private_tmp)
+    assert os.path.isdir(path)
+    child.send_signal(signal.SIGTERM)
+    child.communicate(timeout=30)
+    assert child.returncode == -signal.SIGTERM  # still dies by the signal
+    assert not os.path.exists(path)
+
+
+def test_normal_exit_removes_the_workdir(private_tmp):
+    child, path = run_child(MAKE_AND_WAIT.format(then="sys.exit(3)"), private_tmp)
+    child.communicate(timeout=30)
+    assert child.returncode == 3
+    assert not os.path.exists(path)
+
+
+def test_existing_sigterm_handler_is_kept(private_tmp):
+    code = MAKE_AND_WAIT.replace("import sys, time", textwrap.dedent("""\
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))""").replace("\n", "\n    "))
+    child, path = run_child(code.format(then="time.sleep(60)"), private_tmp)
+    child.send_signal(signal.SIGTERM)
+    child.communicate(timeout=30)
+    assert child.returncode == 7  # the application's handler ran; atexit cleaned up
+    assert not os.path.exists(path)
+
+
+def test_stale_workdirs_are_swept_and_live_ones_kept(private_tmp):
+    from onnx_offload.workdir import make_workdir, remove_workdir
+    dead, dead_path = run_child(MAKE_AND_WAIT.format(then="os._exit(0)").replace("import sys", "import os, sys"),
+                                private_tmp)
+    dead.communicate(timeout=30)
+    assert os.path.isdir(dead_path)  # os._exit runs no cleanup
+    live, live_path = run_child(MAKE_AND_WAIT.format(then="time.sleep(60)"), private_tmp)
+    foreign = private_tmp / "onnx-offload-notours"
+    foreign.mkdir()
+    try:
+        mine = make_workdir()
+        assert not os.path.exists(dead_path)
+        assert os.path.isdir(live_path)
+        assert foreign.is_dir()
+        remove_workdir(mine)
+    finally:
+        live.kill()
+        live.communicate(timeout=30)
+
+
+SESSION_CHILD = """
+    import os, sys, time
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx_offload import OffloadSession
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])], initializer=[w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    s = OffloadSession(m.SerializeToString(), providers=["CPUExecutionProvider"], offload=True, vmm=True,
+                       vram_limit=64 << 20, host_granularity=64 << 10)
+    s.run(None, {{"x": np.ones((4, 64), np.float32)}})
+    print(s._workdir, flush=True)
+    {then}
+"""
+
+
+def session_workdir_or_skip(path: str) -> str:
+    if not os.path.basename(path).startswith("onnx-offload-") or not os.path.basename(path).split("-")[2].isdigit():
+        pytest.skip("session.py does not create its folder with onnx_offload.workdir.make_workdir yet")
+    return path
+
+
+@pytest.mark.parametrize("how", ["sigterm", "os._exit"])
+def test_session_folder_does_not_outlive_its_process(how, private_tmp):
+    """Needs session.py to create its folder with make_workdir (skips until then)."""
+    from onnx_offload.workdir import make_workdir, remove_workdir
+    then = "time.sleep(60)" if how == "sigterm" else "os._exit(0)"
+    child, path = run_child(SESSION_CHILD.format(then=then), private_tmp)
+    if how == "sigterm":
+        child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
+    assert path, err
+    session_workdir_or_skip(path)
+    if how == "sigterm":
+        assert child.returncode == -signal.SIGTERM
+        assert not os.path.exists(path)
+    else:
+        assert os.path.isdir(path)
+        remove_workdir(make_workdir())
+        assert not os.path.exists(path)

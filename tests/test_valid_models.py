@@ -1,0 +1,153 @@
+"""Valid models that a split session must load and run like plain ORT."""
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_offload import OffloadSession, StateError
+from onnx_offload.models.generators import build_model
+
+CPU = ["CPUExecutionProvider"]
+MiB = 1 << 20
+
+
+def weight(name, shape, seed, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return numpy_helper.from_array((rng.standard_normal(shape) * 0.05).astype(dtype), name)
+
+
+def both(model, feeds, runs=3, **kw):
+    """Runs the model `runs` times split and plain; returns the split session's outputs."""
+    want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)
+    kw.setdefault("vram_limit", "256MiB")
+    with OffloadSession(model.SerializeToString(), providers=CPU, offload=True, vmm=True, **kw) as s:
+        for _ in range(runs):
+            got = s.run(None, feeds)
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)  # GEMM rounding: no prepacking
+        return s.stats(), got
+
+
+def test_one_segment_over_its_allowance_streams():
+    # One 256 KiB weight under a 128 KiB weights allowance: it plans into one segment,
+    # which streams through the transient zone.
+    w = weight("w", (256, 256), 1)
+    m = build_model([helper.make_node("MatMul", ["x", "w"], ["y"])],
+                    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 256])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 256])], [w], "one")
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    st, _ = both(m, {"x": x}, weight_bytes="128KiB", vram_limit="64MiB")
+    assert st.counters.page_ins >= 3  # every step streams it
+
+
+def value_dependent_model():
+    """Two segments (W1's and W2's) joined by a boundary of shape [4, k] or [k, 1024],
+    whichever order ORT puts the nodes in, where k is an input value."""
+    w1, w2 = weight("w1", (1024, 1024), 2), weight("w2", (1024, 1024), 3)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("Slice", ["r", "zero", "k", "one"], ["s"]),
+        helper.make_node("Slice", ["w2", "zero", "k", "zero"], ["w2k"]),
+        helper.make_node("MatMul", ["s", "w2k"], ["y"]),
+    ]
+    consts = [numpy_helper.from_array(np.array([0], np.int64), "zero"),
+              numpy_helper.from_array(np.array([1], np.int64), "one")]
+    return build_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 1024]),
+                               helper.make_tensor_value_info("k", TensorProto.INT64, [1])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 1024])], [w1, w2] + consts, "vd")
+
+
+def test_a_boundary_whose_shape_depends_on_an_input_value():
+    m = value_dependent_model()
+    x = np.random.default_rng(0).standard_normal((4, 1024)).astype(np.float32)
+    want = ort.InferenceSession(m.SerializeToString(), providers=CPU)
+    with OffloadSession(m.SerializeToString(), providers=CPU, offload=True, vmm=True, vram_limit="256MiB",
+                        weight_bytes=6 * MiB) as s:
+        assert len(s.segments) == 2
+        for k in (3, 3, 5, 7, 3, 900):
+            feeds = {"x": x, "k": np.array([k], np.int64)}
+            np.testing.assert_allclose(s.run(None, feeds)[0], want.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+
+
+def mlp(batch):
+    from onnx_offload.models import mlp_stack
+    return mlp_stack(layers=4, hidden=1024, batch=batch)
+
+
+def test_a_batch_of_zero():
+    m = mlp(None)
+    st, got = both(m, {"x": np.zeros((0, 1024), np.float32)}, weight_bytes=6 * MiB)
+    assert st.segments > 1 and got[0].shape == (0, 1024)
+
+
+def test_graph_outputs_that_are_an_input_or_a_weight():
+    w1, w2 = weight("w1", (1024, 1024), 4), weight("w2", (1024, 1024), 5)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("MatMul", ["h", "w2"], ["y"])]
+    m = build_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1024])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 1024]),
+                     helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1024]),
+                     helper.make_tensor_value_info("w2", TensorProto.FLOAT, [1024, 1024])], [w1, w2], "passthrough")
+    x = np.random.default_rng(1).standard_normal((2, 1024)).astype(np.float32)
+    st, got = both(m, {"x": x}, weight_bytes=6 * MiB)
+    assert st.segments > 1
+    np.testing.assert_array_equal(got[1], x)
+
+
+def test_bool_weights_and_a_bool_boundary():
+    # A bool weight of 64 KiB, and a bool value computed in one segment and read in the next.
+    w1, w2 = weight("w1", (1024, 1024), 6), weight("w2", (1024, 1024), 7)
+    mask = numpy_helper.from_array(np.random.default_rng(8).random((64, 1024)) > 0.5, "mask")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Greater", ["h", "zero"], ["pos"]),
+        helper.make_node("MatMul", ["x", "w2"], ["t"]),
+        helper.make_node("And", ["pos", "mask"], ["both"]),
+        helper.make_node("Where", ["both", "t", "h"], ["y"]),
+    ]
+    zero = numpy_helper.from_array(np.array(0, np.float32), "zero")
+    m = build_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 1024])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 1024])], [w1, w2, mask, zero], "bools")
+    x = np.random.default_rng(9).standard_normal((64, 1024)).astype(np.float32)
+    st, _ = both(m, {"x": x}, weight_bytes=6 * MiB)
+    assert st.segments > 1 and st.weights == 3
+
+
+def test_wrong_names_raise_what_ort_raises_and_the_session_stays_usable():
+    m = mlp(4)
+    x = np.ones((4, 1024), np.float32)
+    with OffloadSession(m.SerializeToString(), providers=CPU, offload=True, vmm=True, vram_limit="256MiB",
+                        weight_bytes=6 * MiB) as s:
+        assert len(s.segments) > 1
+        with pytest.raises(Exception, match="Invalid input name: nope") as e:
+            s.run(None, {"nope": x})
+        assert type(e.value).__name__ == "InvalidArgument"
+        with pytest.raises(ValueError, match=r"Required inputs \(\['x'\]\) are missing"):
+            s.run(None, {})
+        with pytest.raises(Exception, match="Invalid output name: nope"):
+            s.run(["nope"], {"x": x})
+        s.run(None, {"x": x})
+    with pytest.raises(StateError, match="closed"):
+        s.get_inputs()
+
+
+def test_an_empty_provider_list_means_the_cpu():
+    m = mlp(4)
+    with OffloadSession(m.SerializeToString(), providers=[], vram_limit="256MiB") as s:
+        assert s.get_providers() == ["CPUExecutionProvider"]
+
+
+def test_float8_weights_stay_inside_the_model():
+    import ml_dtypes
+    w = np.random.default_rng(0).standard_normal((64, 128)).astype(ml_dtypes.float8_e4m3fn)
+    t = helper.make_tensor("w8", TensorProto.FLOAT8E4M3FN, [64, 128], w.view(np.uint8).tobytes(), raw=True)
+    nodes = [helper.make_node("Cast", ["w8"], ["wf"], to=TensorProto.FLOAT), helper.make_node("MatMul", ["x", "wf"], ["y"])]
+    g = helper.make_graph(nodes, "f8", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 128])], [t])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    x = np.ones((2, 64), np.float32)
+    want = ort.InferenceSession(m.SerializeToString(), providers=CPU).run(None, {"x": x})[0]
+    # Without optimizations the Cast is not folded away: the float8 tensor reaches the session.
+    with OffloadSession(m.SerializeToString(), providers=CPU, vram_limit="64MiB", optimization_level="disable") as s:
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
+        assert any("stay inside the model" in n for n in s.stats().notes)
