@@ -416,11 +416,18 @@ void Arena::close() {
     check_readers_done_locked(e);
     try {
       backend_->unmap(base_ + e.first * gran_, bytes);
+    } catch (const std::exception& ex) {
+      warn(concat("close could not unmap or release ", bytes, " bytes at ", hex(base_ + e.first * gran_),
+                  " (unmap): ", ex.what()));
+    }
+    // Released even when still mapped, so the handle (a memfd on the host) is not leaked:
+    // the driver frees a mapped handle's memory at its last unmap, and the reservation's
+    // munmap below ends a host mapping.
+    try {
       release_handle_locked(e.handle);
     } catch (const std::exception& ex) {
-      warn(concat("close could not unmap or release ", bytes, " bytes at ", hex(base_ + e.first * gran_), ": ",
-                  ex.what()));
-      handle_size_.erase(e.handle);
+      warn(concat("close could not unmap or release ", bytes, " bytes at ", hex(base_ + e.first * gran_),
+                  " (release): ", ex.what()));
     }
     ledger_->refund(e.zone, bytes);
   }

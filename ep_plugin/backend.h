@@ -19,7 +19,11 @@ class Stream {
   virtual ~Stream() = default;
   virtual uint64_t native() const = 0;  // CUstream, or the host stream's id
   virtual void synchronize() = 0;
-  virtual bool is_capturing() = 0;
+  virtual bool is_capturing() = 0;  // false once closed
+  // Finishes the queued work and ends the stream (the host worker thread, the CUstream);
+  // idempotent. Later work on it is a StateError; events recorded on it stay valid.
+  virtual void close() = 0;
+  virtual bool closed() const = 0;
 };
 
 class Event {

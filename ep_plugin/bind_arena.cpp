@@ -54,7 +54,10 @@ void bind_backend(py::module_& m) {
   py::class_<Stream, std::shared_ptr<Stream>>(m, "Stream")
       .def_property_readonly("native", &Stream::native)
       .def("synchronize", &Stream::synchronize, Release())
-      .def("is_capturing", &Stream::is_capturing, Drain());
+      .def("is_capturing", &Stream::is_capturing, Drain())
+      .def("close", &Stream::close, Release(),
+           "Finishes the queued work and ends the stream; idempotent. Later work on it is a StateError.")
+      .def_property_readonly("closed", &Stream::closed);
   py::class_<Event, std::shared_ptr<Event>>(m, "Event")
       .def("record", &Event::record, py::arg("stream"), Release())
       .def("query", &Event::query, Release())

@@ -3,6 +3,7 @@
 // calling thread before each driver call, since ORT and Python call in from
 // threads of their own.
 #include <chrono>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
@@ -30,6 +31,8 @@ class PrimaryContext {
 };
 using ContextRef = std::shared_ptr<const PrimaryContext>;
 
+// close() synchronizes, then destroys an owned CUstream; a wrapped one is only
+// forgotten. ORT sessions given the stream as user_compute_stream must be gone by then.
 class CudaStream : public Stream {
  public:
   CudaStream(ContextRef ctx, CUstream s, bool owned) : ctx_(std::move(ctx)), s_(s), owned_(owned) {}
@@ -40,22 +43,41 @@ class CudaStream : public Stream {
     }
   }
   uint64_t native() const override { return uint64_t(reinterpret_cast<uintptr_t>(s_)); }
-  CUstream get() const { return s_; }
+  CUstream get() const {
+    if (closed_) throw StateError(concat("CUDA stream ", hex(native()), " is closed"));
+    return s_;
+  }
   void synchronize() override {
+    CUstream s = get();
     ctx_->make_current();
-    CU_CHECK(DRV(cuStreamSynchronize)(s_));
+    CU_CHECK(DRV(cuStreamSynchronize)(s));
   }
   bool is_capturing() override {
+    if (closed_) return false;
     ctx_->make_current();
     CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
     CU_CHECK(DRV(cuStreamIsCapturing)(s_, &st));
     return st != CU_STREAM_CAPTURE_STATUS_NONE;
   }
+  void close() override {
+    std::lock_guard<std::mutex> g(close_mu_);
+    if (closed_) return;
+    ctx_->make_current();
+    CU_CHECK(DRV(cuStreamSynchronize)(s_));
+    closed_ = true;
+    if (owned_) {
+      CU_WARN(DRV(cuStreamDestroy)(s_));
+      owned_ = false;
+    }
+  }
+  bool closed() const override { return closed_; }
 
  private:
   ContextRef ctx_;
   CUstream s_;
   bool owned_;
+  std::mutex close_mu_;
+  std::atomic<bool> closed_{false};
 };
 
 CUstream raw(Stream& s) {

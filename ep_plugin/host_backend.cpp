@@ -67,21 +67,23 @@ class Fence {
 
 using Task = std::function<void()>;
 
+// Locking: close_mu_ serializes close() (it is held across the join), then mu_
+// guards the queue; a task never takes either, so the join cannot wait on itself.
 class HostStream : public Stream {
  public:
   explicit HostStream(uint64_t id) : id_(id), worker_([this] { run(); }) {}
   ~HostStream() override {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      stop_ = true;
+    try {
+      close();
+    } catch (const std::exception& e) {
+      warn(concat("closing host stream ", id_, " failed: ", e.what()));
     }
-    cv_.notify_all();
-    worker_.join();
   }
   uint64_t native() const override { return id_; }
   void enqueue(Task t) {
     {
       std::lock_guard<std::mutex> g(mu_);
+      require_open_locked();
       if (capturing_) {
         captured_.push_back(std::move(t));
         return;
@@ -101,25 +103,50 @@ class HostStream : public Stream {
   }
   void begin_capture() {
     std::lock_guard<std::mutex> g(mu_);
+    require_open_locked();
     if (capturing_) throw StateError("host stream is already capturing");
     capturing_ = true;
     captured_.clear();
   }
   std::vector<Task> end_capture() {
     std::lock_guard<std::mutex> g(mu_);
+    require_open_locked();
     if (!capturing_) throw StateError("host stream is not capturing");
     capturing_ = false;
     return std::move(captured_);
   }
+  // Runs what is queued, then joins the worker. An open capture is abandoned: its work
+  // was never queued.
+  void close() override {
+    if (std::this_thread::get_id() == worker_.get_id())
+      throw StateError(concat("host stream ", id_, " cannot be closed by its own work"));
+    std::lock_guard<std::mutex> closing(close_mu_);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (stop_) return;
+      stop_ = true;
+      capturing_ = false;
+      captured_.clear();
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+  bool closed() const override {
+    std::lock_guard<std::mutex> g(mu_);
+    return stop_;
+  }
 
  private:
+  void require_open_locked() const {
+    if (stop_) throw StateError(concat("host stream ", id_, " is closed"));
+  }
   void run() {
     for (;;) {
       Task t;
       {
         std::unique_lock<std::mutex> l(mu_);
         cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
+        if (queue_.empty()) return;  // stopped and drained
         t = std::move(queue_.front());
         queue_.pop_front();
       }
@@ -127,7 +154,8 @@ class HostStream : public Stream {
     }
   }
   uint64_t id_;
-  std::mutex mu_;
+  std::mutex close_mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Task> queue_;
   bool stop_ = false;
@@ -147,11 +175,9 @@ class HostEvent : public Event {
   HostEvent() { fence_->signal(); }  // like a CUDA event never recorded: complete
   void record(Stream& s) override {
     auto f = std::make_shared<Fence>();
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      fence_ = f;
-    }
-    as_host(s).enqueue([f] { f->signal(); });
+    as_host(s).enqueue([f] { f->signal(); });  // first: a refused record leaves the event as it was
+    std::lock_guard<std::mutex> g(mu_);
+    fence_ = f;
   }
   bool query() override { return current()->done(); }
   void synchronize() override { current()->wait(); }

@@ -82,5 +82,10 @@ class Device:
         self.scratch.empty_cache()
         self.scratch = None
         self.arena.close()
+        # Ends the worker threads (host) or CUstreams now, not at GC. The ORT sessions
+        # that ran on compute_stream are gone: the session closes its runner first.
+        self.arena.unguard_capture(self.compute_stream)
+        self.compute_stream.close()
+        self.copy_stream.close()
         self.closed = True
         return self.ledger.snapshot()

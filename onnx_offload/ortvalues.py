@@ -122,15 +122,41 @@ def detached(device, value: ort.OrtValue, device_id: int) -> ort.OrtValue:
     return out
 
 
-def check_feeds(required: Sequence[str], known_inputs: Sequence[str], known_outputs: Sequence[str], feeds,
+def check_feeds(required: Sequence[str], inputs: Sequence[IOInfo], known_outputs: Sequence[str], feeds,
                 output_names) -> None:
-    """Raises what ORT raises for feeds or output names that do not match the graph."""
-    unknown = [n for n in feeds if n not in known_inputs]
+    """Raises what ORT raises for feeds or output names that do not match the graph:
+    an unknown or missing name, a wrong element type, rank or fixed dimension."""
+    by_name = {i.name: i for i in inputs}
+    unknown = [n for n in feeds if n not in by_name]
     if unknown:
-        raise InvalidArgument(f"Invalid input name: {unknown[0]} (the model's inputs are {list(known_inputs)})")
+        raise InvalidArgument(f"Invalid input name: {unknown[0]} (the model's inputs are {list(by_name)})")
     missing = [n for n in required if n not in feeds]
     if missing:
         raise ValueError(f"Required inputs ({missing}) are missing from input feed ({list(feeds)}).")
+    for name, value in feeds.items():
+        info = by_name[name]
+        if isinstance(value, ort.OrtValue):
+            type_str, shape = value.data_type(), list(value.shape())
+        else:
+            arr = np.asarray(value)
+            type_str, shape = _type_string(arr.dtype), list(arr.shape)
+        if type_str != info.type:
+            raise InvalidArgument(f"Unexpected input data type for {name}. Actual: ({type_str}), "
+                                  f"expected: ({info.type})")
+        if len(shape) != len(info.shape):
+            raise InvalidArgument(f"Invalid rank for input: {name} Got: {len(shape)} Expected: {len(info.shape)}")
+        bad = [i for i, (got, want) in enumerate(zip(shape, info.shape)) if isinstance(want, int) and got != want]
+        if bad:
+            raise InvalidArgument(f"Got invalid dimensions for input: {name} for the following indices: "
+                                  + ", ".join(f"index: {i} Got: {shape[i]} Expected: {info.shape[i]}" for i in bad))
     for n in output_names or ():
         if n not in known_outputs:
             raise InvalidArgument(f"Invalid output name: {n} (the model's outputs are {list(known_outputs)})")
+
+
+def _type_string(dtype: np.dtype) -> str:
+    """ORT's type string of a numpy dtype, such as 'tensor(float)'."""
+    names = {np.dtype(v): k for k, v in _ORT_TO_NP.items()}
+    if np.dtype(dtype) in names:
+        return names[np.dtype(dtype)]
+    return f"tensor({np.dtype(dtype).name})"

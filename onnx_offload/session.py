@@ -199,8 +199,8 @@ class OffloadSession:
     def run(self, output_names, input_feed, run_options=None):
         with self._step():
             if self._runner.streaming or self._runner.capture.enabled:  # else ORT checks them itself
-                check_feeds(self._required_inputs, [i.name for i in self._graph_inputs],
-                            [o.name for o in self._graph_outputs], input_feed, output_names)
+                check_feeds(self._required_inputs, self._graph_inputs, [o.name for o in self._graph_outputs],
+                            input_feed, output_names)
             return self._runner.run(output_names, input_feed, run_options)
 
     def io_binding(self):

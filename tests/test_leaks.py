@@ -1,0 +1,77 @@
+"""A closed session gives back its native threads and file descriptors at close(), not at GC."""
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from onnx_offload import OffloadSession, StateError, _core
+from onnx_offload.models import mlp_stack, weight_bytes
+
+CPU = ["CPUExecutionProvider"]
+SESSIONS = 30
+
+
+def native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_closed_sessions_release_threads_and_fds():
+    model = mlp_stack(layers=4, hidden=1024, batch=4)
+    data = model.SerializeToString()
+    half = weight_bytes(model) // 2
+    x = np.random.default_rng(0).standard_normal((4, 1024)).astype(np.float32)
+
+    def one_session():
+        s = OffloadSession(data, providers=CPU, offload=True, vmm=True, vram_limit="256MiB", weight_bytes=half)
+        s.run(None, {"x": x})
+        s.close()
+        return s
+
+    # A first session warms up whatever ORT and the allocator create once per process.
+    warm = one_session()
+    gc.collect()
+    threads0, fds0 = native_threads(), open_fds()
+    kept = [one_session() for _ in range(SESSIONS)]  # still referenced: close() alone must release
+    assert native_threads() - threads0 <= 0, f"{native_threads() - threads0} threads outlive {SESSIONS} closed sessions"
+    assert open_fds() - fds0 <= 0, f"{open_fds() - fds0} fds outlive {SESSIONS} closed sessions"
+    del kept, warm
+
+
+def test_closed_stream_refuses_work_and_its_events_still_answer():
+    backend = _core.make_host_backend(64 << 10)
+    threads0 = native_threads()
+    s = backend.create_stream()
+    assert native_threads() == threads0 + 1
+    e = backend.create_event()
+    backend.enqueue_delay(s, 20)
+    e.record(s)
+    s.close()  # drains the queue: the delay and the record run before the worker ends
+    assert native_threads() == threads0
+    assert e.query()
+    e.synchronize()
+    s.close()  # idempotent
+    with pytest.raises(StateError, match="closed"):
+        e.record(s)
+    with pytest.raises(StateError, match="closed"):
+        s.synchronize()
+    with pytest.raises(StateError, match="closed"):
+        backend.fill(0, 0, 0, s)
+    with pytest.raises(StateError, match="closed"):
+        e.wait_on(s)
+    assert not s.is_capturing()
+
+
+def test_closed_device_streams_are_closed():
+    model = mlp_stack(layers=2, hidden=256, batch=4)
+    s = OffloadSession(model.SerializeToString(), providers=CPU, offload=True, vmm=True, vram_limit="256MiB")
+    dev = s._device
+    s.close()
+    with pytest.raises(StateError, match="closed"):
+        dev.compute_stream.synchronize()
+    with pytest.raises(StateError, match="closed"):
+        dev.copy_stream.synchronize()
