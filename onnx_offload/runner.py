@@ -148,7 +148,9 @@ class SegmentRunner:
         mark = self._meter.mark() if self.steps < MEASURED_RUNS else None
         self.single.run_with_iobinding(iobinding, run_options)
         # The outputs are complete when this returns, as plain ORT's are: the caller may
-        # read them from any stream, or from the host, at once.
+        # read them from any stream, or from the host, at once. ORT's own wait covers the
+        # streams it copies bound outputs on; ours covers the compute stream.
+        iobinding.synchronize_outputs()
         self.device.compute_stream.synchronize()
         self._after_single_run(mark)
 
