@@ -36,8 +36,4 @@ class CorruptModel(OffloadError, ValueError):
 
 
 class OffloadWarning(RuntimeWarning):
-    """A cleanup step failed and was skipped (the core reports it instead of raising)."""
-
-
-class OffloadWarning(RuntimeWarning):
     """A cleanup step failed (an unmap, a release, a slot dropped): the core kept going."""

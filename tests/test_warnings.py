@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 from conftest import make_slot, page_in
-from onnx_offload import WeightSlot, _core
+from onnx_offload import _core
 from onnx_offload.errors import OffloadWarning
 
 
