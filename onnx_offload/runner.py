@@ -146,6 +146,8 @@ class SegmentRunner:
 
     def run_single_with_iobinding(self, iobinding, run_options) -> None:
         mark = self._meter.mark() if self.steps < MEASURED_RUNS else None
+        if not self._stable:
+            self._bind_weights(iobinding, self.runs[0].seg)  # the caller binds only its own values
         self.single.run_with_iobinding(iobinding, run_options)
         # The outputs are complete when this returns, as plain ORT's are: the caller may
         # read them from any stream, or from the host, at once. ORT's own wait covers the
@@ -248,14 +250,19 @@ class SegmentRunner:
             else:
                 io.bind_ortvalue_input(name, values[name] if name in values else feeds[name])
         if not self._stable:
-            for name in seg.weights:
-                slot, info = self.residency.slots[name], self.residency.info[name]
-                io.bind_input(name, device_name, self._device_id, info.dtype, list(info.shape), slot.va)
+            self._bind_weights(io, seg)
         for name in seg.outputs:
             if plan is not None:
                 io.bind_ortvalue_output(name, plan.buffers[name].value)
             else:
                 io.bind_output(name, device_name, self._device_id)
+
+    def _bind_weights(self, io, seg: Segment) -> None:
+        """Without stable addresses the weights are inputs, bound where their slots are now."""
+        device_name = "cuda" if self.device.is_cuda else "cpu"
+        for name in seg.weights:
+            slot, info = self.residency.slots[name], self.residency.info[name]
+            io.bind_input(name, device_name, self._device_id, info.dtype, list(info.shape), slot.va)
 
     def _graph_run_options(self, plan: Optional[_Plan], user: Optional[ort.RunOptions]) -> Optional[ort.RunOptions]:
         """Run options for captured segments: the plan's gpu_graph_id, or -1 (neither

@@ -221,7 +221,11 @@ class OffloadSession:
     # ------------------------------------------------------------------ introspection
     def get_inputs(self):
         self._check_open()
-        return self._runner.single.get_inputs() if not self._runner.streaming else list(self._graph_inputs)
+        # As ORT lists them: the inputs a caller feeds, never the weights (which a session
+        # without stable addresses receives as inputs of its own).
+        required = set(self._required_inputs)
+        listed = self._graph_inputs if self._runner.streaming else self._runner.single.get_inputs()
+        return [i for i in listed if i.name in required]
 
     def get_outputs(self):
         self._check_open()
