@@ -97,6 +97,11 @@ class PhysicalBackend {
   virtual void copy_d2h(void* dst, uint64_t src, uint64_t n, Stream& s) = 0;
   virtual void copy_d2d(uint64_t dst, uint64_t src, uint64_t n, Stream& s) = 0;
   virtual void fill(uint64_t dst, uint8_t value, uint64_t n, Stream& s) = 0;
+  // `rows` rows of `width` bytes from src (rows `src_pitch` apart) to dst (rows
+  // `dst_pitch` apart), device to device: one call for a strided block, such as one
+  // position of every head of a KV cache.
+  virtual void copy_d2d_2d(uint64_t dst, uint64_t dst_pitch, uint64_t src, uint64_t src_pitch, uint64_t width,
+                           uint64_t rows, Stream& s) = 0;
 
   // Page-locks host memory for fast, asynchronous copies (no-op on the host).
   virtual void host_register(void* p, uint64_t n) = 0;

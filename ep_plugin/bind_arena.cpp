@@ -85,6 +85,8 @@ void bind_backend(py::module_& m) {
       }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"), Release())
       .def("copy_d2d", &PhysicalBackend::copy_d2d, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"),
            Release())
+      .def("copy_d2d_2d", &PhysicalBackend::copy_d2d_2d, py::arg("dst"), py::arg("dst_pitch"), py::arg("src"),
+           py::arg("src_pitch"), py::arg("width"), py::arg("rows"), py::arg("stream"), Release())
       .def("fill", &PhysicalBackend::fill, py::arg("dst"), py::arg("value"), py::arg("bytes"), py::arg("stream"), Release())
       .def("host_register", [](PhysicalBackend& b, uint64_t p, uint64_t n) { b.host_register(reinterpret_cast<void*>(p), n); },
            py::arg("ptr"), py::arg("bytes"), Release())

@@ -189,6 +189,21 @@ class CudaBackend : public PhysicalBackend {
     current();
     CU_CHECK(DRV(cuMemcpyDtoDAsync)(CUdeviceptr(dst), CUdeviceptr(src), n, raw(s)));
   }
+  void copy_d2d_2d(uint64_t dst, uint64_t dst_pitch, uint64_t src, uint64_t src_pitch, uint64_t width,
+                   uint64_t rows, Stream& s) override {
+    if (width == 0 || rows == 0) return;
+    current();
+    CUDA_MEMCPY2D c{};
+    c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+    c.srcDevice = CUdeviceptr(src);
+    c.srcPitch = src_pitch;
+    c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+    c.dstDevice = CUdeviceptr(dst);
+    c.dstPitch = dst_pitch;
+    c.WidthInBytes = width;
+    c.Height = rows;
+    CU_CHECK(DRV(cuMemcpy2DAsync)(&c, raw(s)));
+  }
   void fill(uint64_t dst, uint8_t value, uint64_t n, Stream& s) override {
     current();
     CU_CHECK(DRV(cuMemsetD8Async)(CUdeviceptr(dst), value, n, raw(s)));

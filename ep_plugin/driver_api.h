@@ -44,6 +44,7 @@ namespace offload {
   _(cuMemcpyHtoDAsync, 3020)               \
   _(cuMemcpyDtoHAsync, 3020)               \
   _(cuMemcpyDtoDAsync, 3020)               \
+  _(cuMemcpy2DAsync, 3020)                 \
   _(cuMemsetD8Async, 3020)                 \
   _(cuStreamCreate, 2000)                  \
   _(cuStreamDestroy, 4000)                 \

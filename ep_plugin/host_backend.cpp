@@ -255,6 +255,14 @@ class HostBackend : public PhysicalBackend {
   void copy_d2d(uint64_t dst, uint64_t src, uint64_t n, Stream& s) override {
     as_host(s).enqueue([=] { std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n); });
   }
+  void copy_d2d_2d(uint64_t dst, uint64_t dst_pitch, uint64_t src, uint64_t src_pitch, uint64_t width,
+                   uint64_t rows, Stream& s) override {
+    as_host(s).enqueue([=] {
+      for (uint64_t r = 0; r < rows; ++r)
+        std::memmove(reinterpret_cast<void*>(dst + r * dst_pitch), reinterpret_cast<const void*>(src + r * src_pitch),
+                     width);
+    });
+  }
   void fill(uint64_t dst, uint8_t value, uint64_t n, Stream& s) override {
     as_host(s).enqueue([=] { std::memset(reinterpret_cast<void*>(dst), value, n); });
   }

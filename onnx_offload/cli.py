@@ -1,8 +1,9 @@
 """The onnx-offload command line.
 
     onnx-offload run MODEL --vram-limit 2GiB [--policy planned] [--profile] [--steps N] [--inputs f.npz]
+    onnx-offload generate MODEL --prompt-ids 1,2,3 | --prompt TEXT [--max-new-tokens N] [--vram-limit ...]
     onnx-offload demo [--cpu]
-    onnx-offload bench arena|session|offload|reliability [--out DIR] [--json FILE]
+    onnx-offload bench arena|session|offload|decode|reliability [--out DIR] [--json FILE]
 """
 from __future__ import annotations
 
@@ -198,6 +199,80 @@ def cmd_run(args) -> int:
     return 0
 
 
+def parse_prompt_ids(text: str) -> np.ndarray:
+    """'1,2,3' -> [[1, 2, 3]]; rows separated by ';' make a batch of equal lengths."""
+    try:
+        rows = [[int(t) for t in row.split(",") if t.strip()] for row in text.split(";")]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r}: expected integers separated by commas (rows by ';')") from None
+    if not rows or any(not r for r in rows) or len({len(r) for r in rows}) != 1:
+        raise ValueError(f"--prompt-ids {text!r}: every row needs the same, non-zero number of token ids")
+    if any(t < 0 for r in rows for t in r):
+        raise ValueError(f"--prompt-ids {text!r}: token ids are non-negative")
+    return np.array(rows, np.int64)
+
+
+def load_tokenizer(model: str):
+    """The tokenizer.json beside the model, through the `tokenizers` package."""
+    path = os.path.join(os.path.dirname(os.path.abspath(model)), "tokenizer.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--prompt needs a tokenizer.json beside the model ({path}); pass --prompt-ids instead")
+    try:
+        import tokenizers
+    except ImportError:
+        raise ValueError("--prompt needs the 'tokenizers' package (pip install tokenizers); "
+                         "pass --prompt-ids instead") from None
+    return tokenizers.Tokenizer.from_file(path)
+
+
+def cmd_generate(args) -> int:
+    from .config import parse_bytes, parse_vram_limit
+    from .session import OffloadSession
+    if args.vram_limit is not None:
+        parse_vram_limit(args.vram_limit, "--vram-limit")
+    if args.weight_bytes is not None:
+        parse_bytes(args.weight_bytes, "--weight-bytes")
+    if not os.path.exists(args.model):
+        raise FileNotFoundError(f"{args.model!r}: no such model file")
+    tok = None
+    if args.prompt is not None:
+        tok = load_tokenizer(args.model)
+        ids = np.array([tok.encode(args.prompt).ids], np.int64)
+        if ids.shape[1] == 0:
+            raise ValueError("--prompt encodes to no tokens")
+    else:
+        ids = parse_prompt_ids(args.prompt_ids)
+    kind = _kind(args)
+    with OffloadSession(args.model, providers=[_provider(kind)], progress=Progress("loading weights"),
+                        **config_kwargs(args)) as s:
+        spec = s.decoder_spec  # an unsupported model fails here, before any step
+        t0 = time.perf_counter()
+        new, first = [], None
+        shown = ""
+        for step in s.generate_iter(ids, args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+            if first is None:
+                first = time.perf_counter() - t0
+            new.append(step)
+            if tok is not None:
+                text = tok.decode([int(t[0]) for t in new])
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+        elapsed = time.perf_counter() - t0
+        if tok is not None:
+            print()
+        tokens = np.stack(new, axis=1) if new else np.zeros((len(ids), 0), np.int64)
+        for row in tokens:
+            print("tokens: " + ",".join(str(int(t)) for t in row))
+        decode = elapsed - (first or 0)
+        n = tokens.shape[1]
+        rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+        print(f"{n} new tokens x batch {len(ids)} in {elapsed:.3f} s: prompt {1e3 * (first or 0):.1f} ms, "
+              f"{rate:.1f} tokens/s after it ({spec.layout} layout, {len(s.segments)} segment(s), "
+              f"graphs {'on' if s.graph_capture.enabled else 'off'})")
+    return 0
+
+
 def cmd_demo(args) -> int:
     import onnxruntime as ort
 
@@ -244,6 +319,10 @@ def cmd_bench(args) -> int:
     if args.what == "arena":
         res = bench.bench_arena(kind)
         text = bench.print_arena(res)
+    elif args.what == "decode":
+        from .bench_decode import bench_decode, print_decode
+        res = bench_decode(kind, out)
+        text = print_decode(res)
     elif args.what == "session":
         res = bench.bench_session(kind, out)
         text = bench.print_session(res)
@@ -255,6 +334,20 @@ def cmd_bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
     return 0
+
+
+def _config_flags(p) -> None:
+    p.add_argument("--vram-limit", help=f"6GiB, 6000000000, 0.9 or auto (overrides {ENV_VRAM_LIMIT})")
+    p.add_argument("--weight-bytes", help=f"allowance of the weights zone (overrides {ENV_DEVICE_BYTES})")
+    p.add_argument("--policy", choices=POLICIES, help=f"residency policy (overrides {ENV_POLICY}; default planned)")
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction,
+                   help=f"stream weights that exceed their allowance (overrides {ENV_OFFLOAD}; default on)")
+    p.add_argument("--vmm", action=argparse.BooleanOptionalAction,
+                   help=f"stable VMM addresses; --no-vmm is the plain baseline, cudaMalloc per page-in "
+                        f"(overrides {ENV_VMM}; default on)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
+                   help=f"capture CUDA graphs (overrides {ENV_CUDA_GRAPH}; default: when the graph is safe)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -269,27 +362,30 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a model under a VRAM budget and print the offload counters")
     r.add_argument("model")
-    r.add_argument("--vram-limit", help=f"6GiB, 6000000000, 0.9 or auto (overrides {ENV_VRAM_LIMIT})")
-    r.add_argument("--weight-bytes", help=f"allowance of the weights zone (overrides {ENV_DEVICE_BYTES})")
-    r.add_argument("--policy", choices=POLICIES, help=f"residency policy (overrides {ENV_POLICY}; default planned)")
+    _config_flags(r)
     r.add_argument("--steps", type=positive_int, default=3, help="steps to run, at least 1 (default 3)")
     r.add_argument("--inputs", help=".npz file of feeds; default: random feeds from the input shapes")
     r.add_argument("--profile", action="store_true", help="print step times and the segment plan")
     r.add_argument("--timeline", help="write the residency timeline to this PNG")
-    r.add_argument("--offload", action=argparse.BooleanOptionalAction,
-                   help=f"stream weights that exceed their allowance (overrides {ENV_OFFLOAD}; default on)")
-    r.add_argument("--vmm", action=argparse.BooleanOptionalAction,
-                   help=f"stable VMM addresses; --no-vmm is the plain baseline, cudaMalloc per page-in "
-                        f"(overrides {ENV_VMM}; default on)")
-    r.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
-                   help=f"capture CUDA graphs (overrides {ENV_CUDA_GRAPH}; default: when the graph is safe)")
-    r.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     r.set_defaults(fn=cmd_run)
+    g = sub.add_parser("generate", help="generate tokens with a decoder LLM (KV cache on the device)")
+    g.add_argument("model")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-ids", help="token ids, comma-separated (rows of a batch separated by ';')")
+    src.add_argument("--prompt", help="text, encoded by the tokenizer.json beside the model ('tokenizers' package)")
+    g.add_argument("--max-new-tokens", type=positive_int, default=32)
+    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    _config_flags(g)
+    g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="a small model under a budget below its weights (GPU if present, else CPU)")
     d.add_argument("--cpu", action="store_true")
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="benchmarks: arena page-in costs, session overhead, offloaded step time")
-    b.add_argument("what", choices=("arena", "session", "offload", "reliability"))
+    b.add_argument("what", choices=("arena", "session", "offload", "decode", "reliability"))
     b.add_argument("--out", default="onnx-offload-bench")
     b.add_argument("--json")
     b.add_argument("--weight-gb", type=float, default=8.0)

@@ -10,6 +10,9 @@ Precedence, first match wins:
 4. Auto: on only on the CUDA EP when the graph is structurally safe: no control flow,
    and fixed input shapes (bound through IOBinding). ORT itself refuses capture when it
    places nodes on the CPU; the session then falls back and reports that reason.
+5. Auto, for a decoder with a KV cache and no control flow: on for ``generate()``,
+   whose decode steps run at fixed shapes and addresses and replay; its prompt step,
+   and ``run()`` calls, run uncaptured (``decode_only``).
 
 A CPU-only session never captures, whatever was asked: there is nothing to capture.
 """
@@ -25,6 +28,7 @@ CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 class GraphCaptureDecision:
     enabled: bool
     reason: str
+    decode_only: bool = False  # captured only for generate()'s decode steps
 
     def __bool__(self) -> bool:
         return self.enabled
@@ -55,6 +59,7 @@ def resolve_graph_capture_enabled(
     env_value: Optional[bool] = None,
     structurally_safe: bool = False,
     safety_reason: str = "",
+    decoder: bool = False,
 ) -> GraphCaptureDecision:
     """Decides capture with the precedence in this module's docstring."""
     if not on_cuda:
@@ -70,4 +75,8 @@ def resolve_graph_capture_enabled(
         return GraphCaptureDecision(env_value, f"ONNX_GENAI_CUDA_GRAPH={int(env_value)}")
     if structurally_safe:
         return GraphCaptureDecision(True, f"auto: {safety_reason or 'the graph is structurally safe'}")
+    if decoder:
+        return GraphCaptureDecision(
+            True, "auto: a decoder with a KV cache: generate() replays its decode steps, which run at fixed "
+                  "shapes and addresses; the prompt step and run() calls run uncaptured", decode_only=True)
     return GraphCaptureDecision(False, f"auto: {safety_reason or 'the graph is not structurally safe'}")

@@ -77,6 +77,10 @@ class IOInfo:
         tt = vi.type.tensor_type
         self.type = f"tensor({onnx.helper.tensor_dtype_to_string(tt.elem_type).split('.')[-1].lower()})"
         self.shape = dims(tt)
+        try:
+            self.dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        except (KeyError, TypeError, ValueError):  # not a tensor, or a type numpy lacks
+            self.dtype = None
 
     def __repr__(self):
         return f"IOInfo(name={self.name!r}, type={self.type!r}, shape={self.shape!r})"

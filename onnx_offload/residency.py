@@ -92,6 +92,7 @@ class ResidencyManager:
             order=tuple(self.order), sizes={n: s.length for n, s in self.slots.items()}, segments=self.segments,
             packs=self.packs, new_cost=self.cost_model, allowance=self.allowance, granularity=self.granularity))
         self._pending: Dict[int, tuple] = {}
+        self._resident_bytes: Optional[int] = None  # all weights' bytes, counted once
         device.ledger.set_reclaimer("weights", self._reclaim)
 
     # ------------------------------------------------------------------ sizing
@@ -214,7 +215,9 @@ class ResidencyManager:
         c.steps += 1
         c.accesses += n
         c.hits += n
-        nbytes = sum(s.length for s in self.slots.values())
+        if self._resident_bytes is None:
+            self._resident_bytes = sum(s.length for s in self.slots.values())
+        nbytes = self._resident_bytes
         c.access_bytes += nbytes
         c.hit_bytes += nbytes
         if self.timeline is not None:

@@ -12,13 +12,19 @@ Boundary tensors live in fixed buffers, one set per input-shape signature (a
 buffers from them; later steps bind the same addresses, which is what a captured
 segment replays. Under capture each segment is captured once per signature, under the
 plan's ``gpu_graph_id``.
+
+``run_bound`` is the step of a decode loop: the caller's values (token and mask
+buffers, the KV cache, the logits) stay where they are, at addresses that do not change
+from step to step, and are bound directly; only the boundaries between segments use the
+plan's buffers. Its signature includes those addresses, so a replay never reads a
+buffer the caller has let go.
 """
 from __future__ import annotations
 
 import collections
 import copy
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import onnxruntime as ort
 
@@ -51,6 +57,7 @@ class _Plan:
 
     def __init__(self, graph_id: int):
         self.buffers: Dict[str, FixedBuffer] = {}
+        self.bindings: Dict[int, ort.IOBinding] = {}  # per segment, made on the first run
         self.graph_id = graph_id  # ORT's gpu_graph_id for captured segments; -1: not captured
         self.runs = 0
 
@@ -76,6 +83,7 @@ class SegmentRunner:
         self._dynamic: set = set()
         self._next_graph_id = FIRST_GRAPH_ID
         self.steps = 0
+        self.graph_steps = 0  # steps run under a plan's gpu_graph_id: captured once, then replayed
         self.last_step = Counters()  # the counters of the last segmented step
         self.notes: List[str] = []
         for seg in segments:
@@ -84,7 +92,8 @@ class SegmentRunner:
             n = sum(r.captured for r in self.runs)
             self.capture = GraphCaptureDecision(
                 n > 0, f"{self.capture.reason}; per segment: {n} of {len(self.runs)} captured, once per "
-                       f"input-shape signature, and replayed while their weights page behind fixed addresses")
+                       f"input-shape signature, and replayed while their weights page behind fixed addresses",
+                self.capture.decode_only)
 
     # ------------------------------------------------------------------ construction
     def _create(self, seg: Segment) -> _SegmentRun:
@@ -167,7 +176,8 @@ class SegmentRunner:
         sig = tuple(sorted((k, tuple(v.shape()), v.data_type()) for k, v in feeds.items()))
         plan = self._plans.get(sig)
         if plan is None:
-            return self._step(sig, plan, feeds, run_options)
+            # Under decode-only capture, run() neither captures nor keeps buffers per shape.
+            return self._step(sig, plan, feeds, run_options, make_plan=not self.capture.decode_only)
         try:
             return self._step(sig, plan, feeds, run_options)
         except RuntimeError as e:  # ORT's errors, and StateError
@@ -180,8 +190,35 @@ class SegmentRunner:
             self._free_plan(self._plans.pop(sig))
             return self._step(sig, None, feeds, run_options)
 
-    def _step(self, sig, plan: Optional[_Plan], feeds, run_options) -> Dict[str, ort.OrtValue]:
+    def run_bound(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue], *,
+                  fixed: bool, key: Optional[tuple] = None) -> Tuple[Dict[str, ort.OrtValue], bool]:
+        """One step with the caller's inputs and outputs bound where they are. `fixed`:
+        the caller keeps these shapes and addresses for the steps to come, so the step
+        gets a plan (and, under capture, a graph). `key`, when given, stands for those
+        shapes and addresses (the caller vouches that it changes whenever they do);
+        else they are read from the values. Returns every value and whether the step
+        ran under a plan that existed before it (on CUDA with capture: a replay)."""
+        sig = key if key is not None else (
+            ("bound",)
+            + tuple(sorted((k, tuple(v.shape()), v.data_type(), v.data_ptr()) for k, v in feeds.items()))
+            + tuple(sorted(("->" + k, tuple(v.shape()), v.data_type(), v.data_ptr()) for k, v in outputs.items())))
+        plan = self._plans.get(sig) if fixed else None
+        if plan is None and fixed and not self.streaming and self._all_bound(feeds, outputs):
+            # Unsplit with every value the caller's: no boundary to size, so the plan (and
+            # its graph) can serve this very step.
+            plan = self._new_plan(sig)
+            fresh = plan is not None
+        else:
+            fresh = False
+        values = self._step(sig, plan, feeds, None, bound_outputs=outputs, make_plan=fixed)
+        if fresh:
+            return values, False
+        return values, plan is not None
+
+    def _step(self, sig, plan: Optional[_Plan], feeds, run_options, bound_outputs=None,
+              make_plan: bool = True) -> Dict[str, ort.OrtValue]:
         dev, res = self.device, self.residency
+        bound_outputs = bound_outputs or {}
         if plan is not None:
             self._plans.move_to_end(sig)
             for name, v in feeds.items():
@@ -191,10 +228,11 @@ class SegmentRunner:
         mark = self._meter.mark() if measured else None
         graph_options = self._graph_run_options(plan, run_options)
         values: Dict[str, ort.OrtValue] = {}
-        before = copy.copy(res.counters)
+        before = copy.copy(res.counters) if self.streaming else None
         for run in self.runs:
             seg = run.seg
-            ready = res.acquire(seg.index)
+            # Unsplit, every weight is resident and pinned for the session's life.
+            ready = res.acquire(seg.index) if self.streaming else None
             try:
                 if ready is not None:
                     if dev.is_cuda:
@@ -203,32 +241,62 @@ class SegmentRunner:
                         ready.wait_on(dev.compute_stream)
                     else:
                         ready.synchronize()  # the CPU EP reads on this thread
-                io = run.session.io_binding()
-                self._bind(io, run.seg, plan, values, feeds)
+                # A plan binds the same buffers every step: its bindings are made once
+                # (weights bound as inputs move, so not without stable addresses).
+                io = plan.bindings.get(seg.index) if plan is not None and self._stable else None
+                checked = io is None or plan.runs < MEASURED_RUNS
+                if io is None:
+                    io = run.session.io_binding()
+                    self._bind(io, run.seg, plan, values, feeds, bound_outputs)
                 run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
-                for name, v in zip(seg.outputs, io.get_outputs()):
-                    written = plan is not None and nbytes_of(v.shape(), plan.buffers[name].dtype) > 0
-                    if written and v.data_ptr() != plan.buffers[name].ptr:
-                        raise StateError(f"ORT wrote boundary tensor {name!r} outside its fixed buffer")
-                    values[name] = v
-                # The segment's reads end here: ORT synchronizes its stream before returning,
-                # and this event, on that stream, orders every later unmap after it.
-                reader = dev.backend.create_event()
-                reader.record(dev.compute_stream)
+                if checked:
+                    self._check_outputs(seg, io, plan, bound_outputs, values)
+                    if plan is not None and self._stable:
+                        plan.bindings[seg.index] = io
+                else:
+                    for name in seg.outputs:
+                        values[name] = bound_outputs[name] if name in bound_outputs else plan.buffers[name].value
+                reader = None
+                if self.streaming:
+                    # The segment's reads end here: ORT synchronizes its stream before
+                    # returning, and this event, on that stream, orders every later unmap
+                    # after it.
+                    reader = dev.backend.create_event()
+                    reader.record(dev.compute_stream)
             except BaseException:
-                res.release(seg.index, None)
+                if self.streaming:
+                    res.release(seg.index, None)
                 raise
-            res.release(seg.index, reader)
-        res.end_step()
-        self.last_step = res.counters.minus(before)
+            if self.streaming:
+                res.release(seg.index, reader)
+        if self.streaming:
+            res.end_step()
+            self.last_step = res.counters.minus(before)
+        else:
+            res.count_resident_step()
         self._pass_through(values, feeds)
         self.steps += 1
         self._meter.charge_since(mark)
         if plan is None:
-            self._make_plan(sig, feeds, values)
+            if make_plan:
+                self._make_plan(sig, feeds, values, direct=set(bound_outputs) | (set(feeds) if bound_outputs else set()))
         else:
             plan.runs += 1
+            if self.capture.enabled and any(r.captured for r in self.runs):
+                self.graph_steps += 1
         return values
+
+    @staticmethod
+    def _check_outputs(seg: Segment, io, plan: Optional[_Plan], bound_outputs, values) -> None:
+        """ORT's outputs into `values`, each checked to be where it was bound."""
+        for name, v in zip(seg.outputs, io.get_outputs()):
+            fixed = bound_outputs[name].data_ptr() if name in bound_outputs else None
+            if fixed is None and plan is not None and name in plan.buffers:
+                fixed = plan.buffers[name].ptr
+            written = fixed is not None and nbytes_of(v.shape(), numpy_dtype(v.data_type())) > 0
+            if written and v.data_ptr() != fixed:
+                raise StateError(f"ORT wrote {name!r} outside the buffer bound for it")
+            values[name] = v
 
     def _pass_through(self, values, feeds) -> None:
         """Graph outputs that no node produces: a graph input or a weight, returned as is."""
@@ -242,17 +310,19 @@ class SegmentRunner:
                 data = self.residency.store.view(name).view(info.dtype).reshape(info.shape)
                 values[name] = as_ortvalue(data.copy())
 
-    def _bind(self, io, seg: Segment, plan: Optional[_Plan], values, feeds) -> None:
+    def _bind(self, io, seg: Segment, plan: Optional[_Plan], values, feeds, bound_outputs) -> None:
         device_name = "cuda" if self.device.is_cuda else "cpu"
         for name in seg.inputs:
-            if plan is not None:
+            if plan is not None and name in plan.buffers:
                 io.bind_ortvalue_input(name, plan.buffers[name].value)
             else:
                 io.bind_ortvalue_input(name, values[name] if name in values else feeds[name])
         if not self._stable:
             self._bind_weights(io, seg)
         for name in seg.outputs:
-            if plan is not None:
+            if name in bound_outputs:
+                io.bind_ortvalue_output(name, bound_outputs[name])
+            elif plan is not None and name in plan.buffers:
                 io.bind_ortvalue_output(name, plan.buffers[name].value)
             else:
                 io.bind_output(name, device_name, self._device_id)
@@ -276,7 +346,22 @@ class SegmentRunner:
         ro.add_run_config_entry("gpu_graph_id", str(plan.graph_id if plan is not None else -1))
         return ro
 
-    def _make_plan(self, sig, feeds, values) -> None:
+    def _all_bound(self, feeds, outputs) -> bool:
+        seg = self.runs[0].seg
+        return all(n in feeds for n in seg.inputs) and all(n in outputs for n in seg.outputs)
+
+    def _new_plan(self, sig) -> Optional[_Plan]:
+        """An empty plan under a fresh graph id (None when the capture cap is reached)."""
+        capturing = self.capture.enabled
+        if sig in self._dynamic or (capturing and len(self._plans) >= MAX_SIGNATURES):
+            return None
+        plan = _Plan(self._next_graph_id if capturing else -1)
+        if capturing:
+            self._next_graph_id += 1
+        self._plans[sig] = plan
+        return plan
+
+    def _make_plan(self, sig, feeds, values, direct=frozenset()) -> None:
         """Fixed buffers for these input shapes, so later steps bind the same addresses.
         Under capture a plan lives as long as the session (its captured graphs point at
         it), so at most MAX_SIGNATURES shapes are captured; others run uncaptured."""
@@ -289,6 +374,7 @@ class SegmentRunner:
         for run in self.runs:
             needed.update(run.seg.inputs)
             needed.update(run.seg.outputs)
+        needed -= set(direct)  # the caller's own buffers, bound where they are
         try:
             for name in sorted(needed):
                 v = values[name] if name in values else feeds[name]
@@ -307,9 +393,17 @@ class SegmentRunner:
             _, old = self._plans.popitem(last=False)
             self._free_plan(old)
 
+    def drop_plans(self, sigs) -> None:
+        """Forgets the plans of buffers about to be freed; their graph ids are never used again."""
+        for sig in sigs:
+            plan = self._plans.pop(sig, None)
+            if plan is not None:
+                self._free_plan(plan)
+
     def _free_plan(self, plan: _Plan) -> None:
         if self.device.scratch is None:
             return
+        plan.bindings.clear()
         for buf in plan.buffers.values():
             self.device.scratch.deallocate(buf.ptr)
         plan.buffers.clear()

@@ -25,6 +25,7 @@ import threading
 import warnings
 from typing import List, Optional
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 
@@ -32,7 +33,8 @@ from .budget import plan_budget
 from .config import OffloadConfig, parse_flag
 from .device import Device
 from .errors import CudaUnavailable, OffloadWarning, StateError
-from .graph_capture import GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
+from .generation import Generation, Sampling, UnsupportedModel, decoder_spec, generate_tokens
+from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
 from .host_store import HostStore
 from .interrupts import deferred_interrupts
 from .iobinding import OffloadIOBinding
@@ -82,6 +84,7 @@ class OffloadSession:
         self._final_ledger = None
         self._weights = []
         self._required_inputs = []
+        self._decoder_spec: object = UnsupportedModel("the session was not built")
         self._stable = True
         self._notes: List[str] = []
         try:
@@ -128,6 +131,8 @@ class OffloadSession:
         self._required_inputs = [v.name for v in model.graph.input if v.name not in initializers]
         self._graph_inputs = [IOInfo(v) for v in model.graph.input]
         self._graph_outputs = [IOInfo(v) for v in model.graph.output]
+        self._op_types = {n.op_type for n in model.graph.node}
+        self._model_dir = os.path.dirname(os.path.abspath(path_or_bytes)) if isinstance(path_or_bytes, str) else None
         names = {w.name for w in weights}
         sizes = {w.name: w.nbytes for w in weights}
         self._stable = stable = (not cfg.offload) or cfg.vmm
@@ -164,7 +169,8 @@ class OffloadSession:
             source = f"enable_cuda_graph={int(override)} in the CUDA provider options"
         capture = resolve_graph_capture_enabled(
             on_cuda=self._on_cuda, offload=cfg.offload, stable_addresses=stable, override=override,
-            override_source=source, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why)
+            override_source=source, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why,
+            decoder=self._is_decoder() and not self._op_types & CONTROL_FLOW_OPS)
 
         self._store = HostStore(dev.backend, weights)
         self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, progress)
@@ -218,6 +224,55 @@ class OffloadSession:
                 raise TypeError("a split OffloadSession takes the binding from its own io_binding()")
             iobinding.run(run_options)
 
+    # ------------------------------------------------------------------ generation
+    def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None, eos_token_id=None):
+        """Token ids [batch, prompt + new] (int64): greedy unless `do_sample`. Generation
+        stops at `max_new_tokens`, or when every row has produced an EOS id (from
+        `eos_token_id`, else genai_config.json); finished rows repeat their EOS."""
+        prompt = np.atleast_2d(np.asarray(input_ids)).astype(np.int64)
+        new = list(self.generate_iter(input_ids, max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                      top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id))
+        return np.concatenate([prompt] + [t[:, None] for t in new], axis=1)
+
+    def generate_iter(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False,
+                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+                      eos_token_id=None):
+        """The step-wise form of generate(): yields each step's new tokens [batch]."""
+        self._check_open()
+        sampling = Sampling(do_sample, temperature, top_k, top_p)
+        return generate_tokens(self, input_ids, max_new_tokens, sampling, seed, eos_token_id)
+
+    def _is_decoder(self) -> bool:
+        try:
+            self._decoder_spec = decoder_spec(self._graph_inputs, self._graph_outputs, self._op_types,
+                                              self._model_dir)
+            return True
+        except UnsupportedModel as e:
+            self._decoder_spec = e
+            return False
+
+    @property
+    def decoder_spec(self):
+        """The decoder layout generate() runs; raises UnsupportedModel for other models."""
+        if isinstance(self._decoder_spec, Exception):
+            raise UnsupportedModel(str(self._decoder_spec))
+        return self._decoder_spec
+
+    def _new_generation(self, spec, batch: int, prompt: int, total: int) -> Generation:
+        with self._step():
+            return Generation(self, spec, batch, prompt, total)
+
+    def _run_bound(self, feeds, outputs, fixed: bool, key=None):
+        with self._step():
+            return self._runner.run_bound(feeds, outputs, fixed=fixed, key=key)
+
+    def _drop_plans(self, keys) -> None:
+        if self._closed or self._runner is None:
+            return
+        with self._lock, deferred_interrupts():
+            self._runner.drop_plans(keys)
+
     # ------------------------------------------------------------------ introspection
     def get_inputs(self):
         self._check_open()
@@ -268,7 +323,8 @@ class OffloadSession:
             last_step=runner.last_step if runner else Counters(),
             scratch=dev.scratch.stats() if dev.scratch is not None else None,
             ort_owned_bytes=self._meter.at_creation if self._meter else 0,
-            outside_bytes=self._meter.charged if self._meter else 0, notes=tuple(self._notes))
+            outside_bytes=self._meter.charged if self._meter else 0, notes=tuple(self._notes),
+            graph_steps=runner.graph_steps if runner else 0)
 
     # ------------------------------------------------------------------ closing
     def close(self):

@@ -45,6 +45,7 @@ class OffloadStats:
     ort_owned_bytes: int
     outside_bytes: int
     notes: tuple = ()
+    graph_steps: int = 0  # steps run under a captured graph (captured once per plan, then replayed)
 
     @property
     def vram_alloc_ms(self) -> float:

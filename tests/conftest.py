@@ -91,3 +91,30 @@ def rig_factory(request):
     yield make
     for r in made:
         r.arena.close()
+
+
+def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",)):
+    """The decode loop a user writes with plain ORT: numpy KV cache, a past that grows
+    by one position per step, an attention mask of ones. Returns [batch, prompt + n]."""
+    import onnxruntime as ort
+    from onnx_offload.ortvalues import numpy_dtype
+    s = ort.InferenceSession(model.SerializeToString(), providers=list(providers))
+    names = {i.name for i in s.get_inputs()}
+    outs = [o.name for o in s.get_outputs()]
+    b, p = ids.shape
+    past = {i.name: np.zeros((b, i.shape[1], 0, i.shape[3]), numpy_dtype(i.type))
+            for i in s.get_inputs() if i.name.startswith("past_key_values")}
+    feeds = dict(input_ids=ids, attention_mask=np.ones((b, p), np.int64), **past)
+    if "position_ids" in names:
+        feeds["position_ids"] = np.tile(np.arange(p), (b, 1))
+    new, total = [], p
+    for _ in range(n):
+        r = dict(zip(outs, s.run(None, feeds)))
+        tok = r["logits"][:, -1].argmax(-1).astype(np.int64)
+        new.append(tok)
+        total += 1
+        feeds = {"input_ids": tok[:, None], "attention_mask": np.ones((b, total), np.int64)}
+        if "position_ids" in names:
+            feeds["position_ids"] = np.full((b, 1), total - 1, np.int64)
+        feeds.update({k: r[k.replace("past_key_values", "present")] for k in past})
+    return np.concatenate([ids] + [t[:, None] for t in new], axis=1)

@@ -1,4 +1,5 @@
 """Generators of the models that onnx-offload's tests, demo and benchmarks run."""
+from .decoder import decoder_lm, genai_config, save_decoder
 from .generators import decoder_like, mlp_stack, residual_mlp, save, transformer_block, weight_bytes
 
 __all__ = ["decoder_like", "mlp_stack", "residual_mlp", "save", "transformer_block", "weight_bytes"]

@@ -1,0 +1,282 @@
+"""Token-by-token generation with the KV cache on the device.
+
+``decoder_spec`` reads the export layout from the graph's inputs and outputs:
+``input_ids``, ``attention_mask``, ``past_key_values.N.key/value`` in, ``logits`` and
+``present.N.key/value`` out, and ``position_ids`` when the model takes them. A graph
+with ``GroupQueryAttention`` is onnxruntime-genai's builder layout (the cache is shared
+between past and present); any other is standard attention (the cache grows in
+buckets). ``genai_config.json`` beside the model supplies what the graph leaves
+symbolic (head counts, the context length) and the EOS ids.
+
+A generation runs the prompt uncaptured, then one step per token at fixed shapes and
+addresses: token ids, attention mask, positions and logits live in device buffers the
+step writes in place, so under capture every decode step replays the same graphs (one
+per segment when the weights stream).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import OffloadError
+from .kv_cache import BucketKV, DeviceBuffers, SharedKV, write
+from .ortvalues import IOInfo
+
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+_GENERATIONS = itertools.count()  # names each generation's step plans
+
+
+class UnsupportedModel(OffloadError, ValueError):
+    """The model is not a decoder layout that generate() knows; the message says what is missing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    layout: str  # "gqa" (shared past/present) or "standard" (bucketed)
+    layers: int
+    kv_heads: int
+    head_size: int
+    kv_dtype: np.dtype
+    logits_dtype: np.dtype
+    position_ids: bool
+    max_length: Optional[int]
+    eos_token_id: tuple
+
+
+def read_genai_config(model_dir: Optional[str]) -> dict:
+    path = os.path.join(model_dir, "genai_config.json") if model_dir else None
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _dim(info: IOInfo, axis: int, fallback, what: str) -> int:
+    d = info.shape[axis] if info.shape is not None and len(info.shape) > axis else None
+    if isinstance(d, int) and d > 0:
+        return d
+    if fallback:
+        return int(fallback)
+    raise UnsupportedModel(f"{what} is symbolic in {info.name!r} and genai_config.json does not give it")
+
+
+def decoder_spec(inputs: Sequence[IOInfo], outputs: Sequence[IOInfo], op_types, model_dir: Optional[str]) -> DecoderSpec:
+    ins = {i.name: i for i in inputs}
+    outs = {o.name: o for o in outputs}
+    missing = [n for n in ("input_ids", "attention_mask") if n not in ins]
+    missing += [n for n in ("logits",) if n not in outs]
+    layers = sorted({int(m.group(1)) for n in ins if (m := _PAST.match(n))})
+    if not layers:
+        missing.append("past_key_values.N.key/value inputs")
+    else:
+        for i in range(max(layers) + 1):
+            for kv in ("key", "value"):
+                if f"past_key_values.{i}.{kv}" not in ins:
+                    missing.append(f"past_key_values.{i}.{kv}")
+                if f"present.{i}.{kv}" not in outs:
+                    missing.append(f"present.{i}.{kv}")
+    if missing:
+        raise UnsupportedModel(
+            "generate() needs a decoder with a KV cache (the layout of onnxruntime-genai's builder or of "
+            f"Optimum / torch.onnx); this model lacks: {', '.join(missing)}")
+    cfg = read_genai_config(model_dir)
+    dec = cfg.get("model", {}).get("decoder", {})
+    past0 = ins["past_key_values.0.key"]
+    kv_heads = _dim(past0, 1, dec.get("num_key_value_heads"), "the KV head count")
+    head_size = _dim(past0, 3, dec.get("head_size"), "the head size")
+    eos = cfg.get("model", {}).get("eos_token_id", ())
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    max_length = cfg.get("search", {}).get("max_length") or cfg.get("model", {}).get("context_length")
+    return DecoderSpec("gqa" if "GroupQueryAttention" in op_types else "standard", max(layers) + 1, kv_heads,
+                       head_size, past0.dtype, outs["logits"].dtype, "position_ids" in ins,
+                       int(max_length) if max_length else None, eos)
+
+
+# ---------------------------------------------------------------------- sampling
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def pick(self, logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """One token per row of `logits` [batch, vocab]."""
+        logits = logits.astype(np.float64)
+        if not self.do_sample:
+            return logits.argmax(axis=-1).astype(np.int64)
+        out = np.empty(len(logits), np.int64)
+        for r, row in enumerate(logits / self.temperature):
+            order = np.argsort(-row, kind="stable")
+            if self.top_k:
+                order = order[:self.top_k]
+            p = np.exp(row[order] - row[order[0]])
+            p /= p.sum()
+            if self.top_p < 1:
+                keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)
+                order, p = order[:keep], p[:keep] / p[:keep].sum()
+            out[r] = order[rng.choice(len(order), p=p)]
+        return out
+
+
+# ---------------------------------------------------------------------- the loop
+class Generation:
+    """One generation's device state: the KV cache and the step buffers, freed on close."""
+
+    def __init__(self, session, spec: DecoderSpec, batch: int, prompt: int, total: int):
+        dev = session.device
+        self.session, self.spec, self.batch = session, spec, batch
+        self._name = next(_GENERATIONS)
+        self._keys = set()  # the runner's plans for this generation's buffers
+        self.kv_bufs = DeviceBuffers(dev, dev.kv, "kv")
+        self.io_bufs = DeviceBuffers(dev, dev.scratch, "scratch")
+        try:
+            if spec.layout == "gqa":
+                if spec.max_length and total > spec.max_length:
+                    raise ValueError(f"prompt + new tokens = {total} exceeds the model's max_length {spec.max_length}")
+                self.cache = SharedKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, total, spec.head_size,
+                                      spec.kv_dtype)
+                mask_len = total
+            else:
+                self.cache = BucketKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype,
+                                      prompt)
+                mask_len = None
+            self.ids = self.io_bufs.new([batch, 1], np.int64)
+            self.pos = self.io_bufs.new([batch, 1], np.int64) if spec.position_ids else None
+            self.mask = self.io_bufs.new([batch, mask_len], np.int64) if mask_len else None
+            self.logits = None
+            self._logits_vocab = None
+            # The zero fills are queued on the compute stream; the CPU EP runs on this thread.
+            dev.compute_stream.synchronize()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        # The plans (and graphs) of these buffers go first: nothing may replay onto
+        # memory the buffers below give back.
+        self.session._drop_plans(self._keys)
+        self.io_bufs.close()
+        self.kv_bufs.close()
+
+    # ---------------------------------------------------------------- steps
+    def prompt(self, input_ids: np.ndarray) -> np.ndarray:
+        """Runs the prompt uncaptured; returns the last position's logits [batch, vocab]."""
+        spec, s = self.spec, self.session
+        b, p = input_ids.shape
+        feeds: Dict[str, ort.OrtValue] = {"input_ids": ort.OrtValue.ortvalue_from_numpy(input_ids),
+                                          "attention_mask": ort.OrtValue.ortvalue_from_numpy(np.ones((b, p), np.int64))}
+        if spec.position_ids:
+            feeds["position_ids"] = ort.OrtValue.ortvalue_from_numpy(np.tile(np.arange(p, dtype=np.int64), (b, 1)))
+        outputs: Dict[str, ort.OrtValue] = {}
+        if spec.layout == "gqa":
+            self.cache.bind(feeds, outputs)
+        else:
+            empty = np.zeros((b, spec.kv_heads, 0, spec.head_size), spec.kv_dtype)
+            for i in range(spec.layers):
+                for kv in ("key", "value"):
+                    feeds[f"past_key_values.{i}.{kv}"] = ort.OrtValue.ortvalue_from_numpy(empty)
+        values = s._run_bound(feeds, outputs, fixed=False)[0]
+        if spec.layout != "gqa":
+            self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers) for kv in ("key", "value")], p)
+        logits = np.asarray(values["logits"].numpy())
+        self._logits_vocab = logits.shape[-1]
+        return logits[:, -1, :].astype(np.float32)
+
+    def decode(self, tokens: np.ndarray, length: int) -> tuple:
+        """One token per row at position `length - 1` (so `length` positions in all).
+        Returns (logits [batch, vocab], whether the step ran under a plan made before it)."""
+        spec, s, b = self.spec, self.session, self.batch
+        cur = length - 1  # the new token's position; `cur` positions are cached
+        if self.logits is None:
+            self.logits = self.io_bufs.new([b, 1, self._logits_vocab], spec.logits_dtype)
+        feeds = {"input_ids": self.ids.value}
+        writes = [(self.ids, tokens.reshape(b, 1))]
+        if self.pos is not None:
+            feeds["position_ids"] = self.pos.value
+            writes.append((self.pos, np.full((b, 1), cur, np.int64)))
+        outputs = {"logits": self.logits.value}
+        if spec.layout == "gqa":
+            mask = np.zeros((b, self.mask.shape[1]), np.int64)
+            mask[:, :length] = 1
+        else:
+            self.cache.ensure(cur + 1)  # a step boundary: the only place the cache grows
+            if self.mask is None or self.mask.shape[1] != self.cache.bucket + 1:
+                if self.mask is not None:
+                    self.io_bufs.free(self.mask)
+                self.mask = self.io_bufs.new([b, self.cache.bucket + 1], np.int64)
+            mask = np.zeros((b, self.cache.bucket + 1), np.int64)
+            mask[:, :cur] = 1
+            mask[:, -1] = 1
+        writes.append((self.mask, mask))
+        # One wait for all three; it also orders the last step's cache copies before
+        # this step (the CPU EP runs on this thread, not on the stream).
+        write(s.device, *writes)
+        feeds["attention_mask"] = self.mask.value
+        self.cache.bind(feeds, outputs)
+        # The buffers' shapes and addresses change only with the bucket (a new mask and
+        # cache): the key says so without reading every value.
+        key = ("generate", self._name, self.cache.bucket if spec.layout != "gqa" else self.cache.length)
+        self._keys.add(key)
+        _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
+        if not replayed and s._runner.streaming and s._runner.capture.enabled:
+            # The first step of these shapes learned the boundaries' sizes; the same step
+            # again writes the same cache positions and runs under the new plan's graphs.
+            _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
+        if spec.layout != "gqa":
+            self.cache.append(cur)  # in order on the stream; the next step's write waits for it
+        # ORT waited for its work before returning, so the logits are complete.
+        return np.array(self.logits.value.numpy(), copy=True)[:, -1, :].astype(np.float32), replayed
+
+
+def generate_tokens(session, input_ids, max_new_tokens: int, sampling: Sampling, seed: Optional[int],
+                    eos_token_id) -> Iterator[np.ndarray]:
+    """Yields each step's new tokens [batch]; rows that reached EOS repeat their EOS."""
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None, :]
+    if ids.ndim != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
+        raise ValueError(f"input_ids must be [batch, prompt] with a non-empty prompt, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"input_ids must be integers, got {ids.dtype}")
+    if int(max_new_tokens) < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    ids = ids.astype(np.int64)
+    spec = session.decoder_spec
+    eos = spec.eos_token_id if eos_token_id is None else (
+        tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (int(eos_token_id),))
+    if max_new_tokens == 0:
+        return
+    rng = np.random.default_rng(seed)
+    eos_ids = np.array(eos, np.int64)
+    b, p = ids.shape
+    gen = session._new_generation(spec, b, p, p + int(max_new_tokens))
+    try:
+        logits = gen.prompt(ids)
+        done = np.zeros(b, bool)
+        for step in range(int(max_new_tokens)):
+            tokens = sampling.pick(logits, rng)
+            if eos:
+                tokens = np.where(done, eos[0], tokens)
+                done |= (tokens[:, None] == eos_ids).any(axis=1)
+            yield tokens
+            if done.all() or step + 1 == int(max_new_tokens):
+                return
+            logits, _ = gen.decode(tokens, p + step + 1)
+    finally:
+        gen.close()

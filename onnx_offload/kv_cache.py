@@ -1,0 +1,191 @@
+"""The KV cache of a decode loop, on the device, in the ``kv`` zone of the one budget.
+
+Two forms, one per export layout:
+
+- ``SharedKV`` (GroupQueryAttention, onnxruntime-genai's builder): one buffer per layer
+  and per K/V, of the whole length the generation may reach, bound as both the past
+  input and the present output. ORT writes each new position in place, so every decode
+  step has the same shapes and addresses.
+- ``BucketKV`` (standard attention, Optimum / ``torch.onnx``): the past is a bucket of
+  B positions (a power of two) and the present, which ORT writes, has B + 1. Each step
+  the new position (the last of the present) is copied on the device into the past at
+  the current length; positions in between are zero and masked out by the attention
+  mask. When the bucket fills, a bucket of twice the length takes its place, by a
+  device copy. Shapes repeat for every step inside a bucket.
+
+Bytes come from the ``kv`` zone, which outranks the weights zone: when the budget is
+short the ledger asks the weights to give way (evicting unpinned weights between
+steps). A real shortage raises ``BudgetExceeded`` before the step, naming the zones.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import BudgetExceeded
+from .ortvalues import FixedBuffer, nbytes_of, ortvalue_at
+
+
+def describe_zones(ledger) -> str:
+    snap = ledger.snapshot()
+    parts = [f"{name} {z.committed.current} committed (allowance {z.allowance}, reserve {z.reserve}, "
+             f"lent {z.lent})" for name, z in snap.zones.items()]
+    return f"budget {snap.budget}: " + "; ".join(parts)
+
+
+class DeviceBuffers:
+    """Buffers of one zone's allocator, freed together; every byte is in the ledger."""
+
+    def __init__(self, device, allocator, zone: str):
+        self.device = device
+        self._alloc = allocator
+        self.zone = zone
+        self._ptrs: List[int] = []
+
+    def new(self, shape: Sequence[int], dtype, *, zero: bool = False, what: str = "") -> FixedBuffer:
+        dtype = np.dtype(dtype)
+        nbytes = max(1, nbytes_of(shape, dtype))
+        ledger = self.device.ledger
+        if not ledger.can_charge(self.zone, nbytes):
+            ledger.make_room(self.zone, nbytes)  # the weights give way first (their reclaimer)
+        try:
+            ptr = self._alloc.allocate(nbytes)
+        except BudgetExceeded as e:
+            raise BudgetExceeded(
+                f"{what or 'a buffer'} needs {nbytes} bytes in the {self.zone} zone and the budget cannot "
+                f"give them, even after the weights gave way: {describe_zones(ledger)}. Lower the batch "
+                f"or the length, or raise the budget (or kv_bytes)") from e
+        self._ptrs.append(ptr)
+        dev = self.device
+        buf = FixedBuffer(ptr, list(shape), dtype, ortvalue_at(ptr, list(shape), dtype, dev.is_cuda,
+                                                               dev.config.device_id))
+        if zero:
+            dev.backend.fill(ptr, 0, nbytes, dev.compute_stream)
+        return buf
+
+    def free(self, buf: FixedBuffer) -> None:
+        self._ptrs.remove(buf.ptr)
+        self._alloc.deallocate(buf.ptr)
+
+    def close(self) -> None:
+        if self.device.closed:  # the session closed first: the arena gave everything back
+            self._ptrs.clear()
+            return
+        self.device.compute_stream.synchronize()  # no copy still reads or writes them
+        while self._ptrs:
+            self._alloc.deallocate(self._ptrs.pop())
+        self._alloc.empty_cache()  # the zone's committed bytes follow the cache: back to 0
+
+
+def write(device, *pairs) -> None:
+    """Host values into device buffers ((buffer, array) pairs), in order on the compute
+    stream; returns when the copies are done (the arrays may be temporaries)."""
+    keep = []
+    for buf, array in pairs:
+        a = np.ascontiguousarray(array, dtype=buf.dtype).reshape(buf.shape)
+        keep.append(a)
+        device.backend.copy_h2d(buf.ptr, a.ctypes.data, a.nbytes, device.compute_stream)
+    device.compute_stream.synchronize()
+
+
+class SharedKV:
+    def __init__(self, bufs: DeviceBuffers, layers: int, batch: int, kv_heads: int, length: int, head_size: int,
+                 dtype):
+        self.length = length
+        shape = [batch, kv_heads, length, head_size]
+        self.k = [bufs.new(shape, dtype, zero=True, what=f"the KV cache (layer {i} key)") for i in range(layers)]
+        self.v = [bufs.new(shape, dtype, zero=True, what=f"the KV cache (layer {i} value)") for i in range(layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes_of(b.shape, b.dtype) for b in self.k + self.v)
+
+    def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue]) -> None:
+        for i, (k, v) in enumerate(zip(self.k, self.v)):
+            feeds[f"past_key_values.{i}.key"] = outputs[f"present.{i}.key"] = k.value
+            feeds[f"past_key_values.{i}.value"] = outputs[f"present.{i}.value"] = v.value
+
+
+class BucketKV:
+    def __init__(self, bufs: DeviceBuffers, layers: int, batch: int, kv_heads: int, head_size: int, dtype,
+                 length: int):
+        self._bufs = bufs
+        self.layers, self.batch, self.kv_heads, self.head_size = layers, batch, kv_heads, head_size
+        self.dtype = np.dtype(dtype)
+        self.bucket = 0
+        self.past: List[FixedBuffer] = []
+        self.present: List[FixedBuffer] = []
+        self._allocate(bucket_for(length))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes_of(b.shape, b.dtype) for b in self.past + self.present)
+
+    def _row(self) -> int:
+        return self.head_size * self.dtype.itemsize
+
+    def _allocate(self, bucket: int):
+        """New past and present buffers for `bucket`; returns the old ones."""
+        b, h, d = self.batch, self.kv_heads, self.head_size
+        past, present = [], []
+        try:
+            for _ in range(2 * self.layers):
+                past.append(self._bufs.new([b, h, bucket, d], self.dtype, zero=True,
+                                           what=f"the KV cache ({bucket} positions)"))
+                present.append(self._bufs.new([b, h, bucket + 1, d], self.dtype, what="the KV cache's present"))
+        except BaseException:
+            for buf in past + present:
+                self._bufs.free(buf)
+            raise
+        old = (self.past, self.present)
+        self.past, self.present, self.bucket = past, present, bucket
+        return old
+
+    def fill_from(self, presents: Sequence[ort.OrtValue], length: int) -> None:
+        """The prompt's presents ([b, h, length, d] each) into the past."""
+        dev = self._bufs.device
+        for buf, value in zip(self.past, presents):
+            rows = self.batch * self.kv_heads
+            src_pitch = int(value.shape()[2]) * self._row()
+            dev.backend.copy_d2d_2d(buf.ptr, self.bucket * self._row(), value.data_ptr(), src_pitch,
+                                    length * self._row(), rows, dev.compute_stream)
+        dev.compute_stream.synchronize()  # the presents are ORT's, freed when the caller drops them
+
+    def append(self, position: int) -> None:
+        """The step's new position (the present's last) into the past at `position`."""
+        dev, row = self._bufs.device, self._row()
+        for past, present in zip(self.past, self.present):
+            dev.backend.copy_d2d_2d(past.ptr + position * row, self.bucket * row,
+                                    present.ptr + self.bucket * row, (self.bucket + 1) * row,
+                                    row, self.batch * self.kv_heads, dev.compute_stream)
+
+    def ensure(self, length: int) -> None:
+        """Room for `length` cached positions: a larger bucket, copied on the device."""
+        if length <= self.bucket:
+            return
+        old_bucket = self.bucket
+        old_past, old_present = self._allocate(bucket_for(length))
+        dev, row = self._bufs.device, self._row()
+        for buf, prev in zip(self.past, old_past):
+            dev.backend.copy_d2d_2d(buf.ptr, self.bucket * row, prev.ptr, old_bucket * row, old_bucket * row,
+                                    self.batch * self.kv_heads, dev.compute_stream)
+        dev.compute_stream.synchronize()
+        for buf in old_past + old_present:
+            self._bufs.free(buf)
+
+    def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue]) -> None:
+        for i in range(self.layers):
+            feeds[f"past_key_values.{i}.key"] = self.past[2 * i].value
+            feeds[f"past_key_values.{i}.value"] = self.past[2 * i + 1].value
+            outputs[f"present.{i}.key"] = self.present[2 * i].value
+            outputs[f"present.{i}.value"] = self.present[2 * i + 1].value
+
+
+def bucket_for(length: int, smallest: int = 16) -> int:
+    """The bucket (a power of two, at least `smallest`) that holds `length` positions."""
+    b = smallest
+    while b < length:
+        b *= 2
+    return b

@@ -1,0 +1,255 @@
+"""generate() on the CPU host backend: the tokens of a plain-ORT greedy loop over the same
+model, for both export layouts, all resident and streamed; the KV cache in the kv zone,
+lent by the weights; clear errors that lose nothing."""
+import os
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from onnx_offload import BudgetExceeded, OffloadSession
+from onnx_offload.cli import main
+from onnx_offload.generation import UnsupportedModel
+from onnx_offload.graph_capture import resolve_graph_capture_enabled
+from onnx_offload.models import mlp_stack, weight_bytes
+from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
+
+from conftest import reference_greedy
+
+CPU = ["CPUExecutionProvider"]
+LAYOUTS = ("gqa", "standard")
+
+
+_MODELS = {}
+
+
+def model_of(layout):
+    if layout not in _MODELS:
+        _MODELS[layout] = decoder_lm(layout, max_length=256)
+    return _MODELS[layout]
+
+
+def session(model, **kw):
+    kw.setdefault("host_granularity", 4096)
+    kw.setdefault("vram_limit", "64MiB")
+    return OffloadSession(model.SerializeToString(), providers=CPU, **kw)
+
+
+def prompt(batch, length=6, seed=0):
+    return np.random.default_rng(seed).integers(0, 97, (batch, length))
+
+
+def kv_committed(s):
+    return s.device.ledger.snapshot().zones["kv"].committed.current
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("weights", ["resident", "a third"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_greedy_tokens_equal_a_plain_ort_loop(layout, weights, batch):
+    model = model_of(layout)
+    ids = prompt(batch)
+    want = reference_greedy(model, ids, 24)
+    kw = {} if weights == "resident" else dict(offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3)
+    with session(model, **kw) as s:
+        assert s.decoder_spec.layout == layout
+        assert (len(s.segments) > 1) == (weights != "resident")
+        got = s.generate(ids, 24)
+        assert got.dtype == np.int64 and got.shape == (batch, 6 + 24)
+        np.testing.assert_array_equal(got, want)
+        if weights != "resident":
+            assert s.stats().counters.page_ins > 0
+        assert kv_committed(s) == 0  # the cache went back with the generation
+        np.testing.assert_array_equal(s.generate(ids, 24), want)  # and a second one is the same
+        final = s.close()
+    assert final.committed == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_step_wise_form_yields_each_token(layout):
+    model = model_of(layout)
+    ids = prompt(2)
+    with session(model) as s:
+        steps = list(s.generate_iter(ids, 10))
+        assert len(steps) == 10 and all(t.shape == (2,) for t in steps)
+        np.testing.assert_array_equal(np.stack(steps, 1), s.generate(ids, 10)[:, 6:])
+
+
+def test_sampling_with_a_seed_is_reproducible():
+    model = model_of("gqa")
+    ids = prompt(2)
+    with session(model) as s:
+        a = s.generate(ids, 20, do_sample=True, temperature=2.0, seed=7)
+        b = s.generate(ids, 20, do_sample=True, temperature=2.0, seed=7)
+        c = s.generate(ids, 20, do_sample=True, temperature=2.0, seed=8)
+        np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(a, c)
+        # top_k=1 leaves one candidate, and top_p near 0 the likeliest: both are greedy.
+        greedy = s.generate(ids, 20)
+        np.testing.assert_array_equal(s.generate(ids, 20, do_sample=True, top_k=1, seed=3), greedy)
+        np.testing.assert_array_equal(s.generate(ids, 20, do_sample=True, top_p=1e-6, seed=3), greedy)
+        assert kv_committed(s) == 0
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(temperature=0.0), ValueError), (dict(top_p=0.0), ValueError), (dict(top_k=-1), ValueError),
+    (dict(max_new_tokens=-1), ValueError)])
+def test_bad_sampling_arguments_are_refused(kwargs, error):
+    with session(model_of("gqa")) as s:
+        with pytest.raises(error):
+            s.generate(prompt(1), **{"max_new_tokens": 4, **kwargs})
+        assert kv_committed(s) == 0
+
+
+@pytest.mark.parametrize("ids,error", [(np.zeros((1, 0), np.int64), ValueError),
+                                       (np.zeros((1, 3), np.float32), TypeError),
+                                       (np.zeros((1, 2, 3), np.int64), ValueError)])
+def test_bad_input_ids_are_refused(ids, error):
+    with session(model_of("gqa")) as s:
+        with pytest.raises(error):
+            s.generate(ids, 4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eos_stops_every_row(layout):
+    model = model_of(layout)
+    ids = prompt(2)
+    want = reference_greedy(model, ids, 12)
+    eos = int(want[0, 6 + 2])  # row 0 produces it as its third new token
+    with session(model) as s:
+        got = s.generate(ids, 12, eos_token_id=eos)
+    row1_stops = [i for i in range(12) if want[1, 6 + i] == eos]
+    stop = max(2, row1_stops[0] if row1_stops else 11)
+    assert got.shape == (2, 6 + stop + 1)
+    np.testing.assert_array_equal(got[0, :9], want[0, :9])
+    assert (got[0, 9:] == eos).all()  # a finished row repeats its EOS
+    np.testing.assert_array_equal(got[1], want[1, :got.shape[1]])
+
+
+def test_genai_config_beside_the_model_gives_the_eos_and_head_counts(tmp_path):
+    model = model_of("gqa")
+    ids = prompt(1)
+    want = reference_greedy(model, ids, 8)
+    eos = int(want[0, 6 + 3])
+    cfg = genai_config(layers=2, hidden=64, heads=4, kv_heads=2, vocab=97, max_length=256, eos_token_id=eos)
+    path = save_decoder(model, str(tmp_path / "llm"), config=cfg)
+    with OffloadSession(path, providers=CPU, vram_limit="64MiB", host_granularity=4096) as s:
+        assert s.decoder_spec.eos_token_id == (eos,)
+        got = s.generate(ids, 8)
+    np.testing.assert_array_equal(got, want[:, :6 + 4])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_kv_zone_follows_the_cache(layout):
+    model = model_of(layout)
+    with session(model) as s:
+        seen = []
+        it = s.generate_iter(prompt(1), 40)
+        for _ in it:
+            seen.append(kv_committed(s))
+        assert min(seen) > 0
+        if layout == "gqa":
+            # One buffer per layer of the whole length, allocated once: 2 x 2 x [1, 2, 46, 16] fp32.
+            assert len(set(seen)) == 1 and seen[0] >= 4 * 46 * 2 * 16 * 4
+        else:
+            assert seen[-1] > seen[0]  # the bucket grew (16 -> 32 -> 64 positions)
+        assert kv_committed(s) == 0
+
+
+def test_the_kv_cache_borrows_from_the_weights_zone():
+    model = model_of("gqa")
+    ids = prompt(1)
+    want = reference_greedy(model, ids, 40)
+    W = weight_bytes(model)
+    with session(model, offload=True, vmm=True, vram_limit=int(W * 0.9), scratch_bytes=64 << 10) as s:
+        assert len(s.segments) > 1
+        s.generate(ids, 1)  # a step without a cache to speak of: the weights settle
+        before = s.device.ledger.snapshot().zones["weights"]
+        got = []
+        for step in s.generate_iter(ids, 40):
+            got.append(step)
+            if len(got) == 2:
+                snap = s.device.ledger.snapshot().zones
+                assert snap["kv"].committed.current > 0
+                assert snap["weights"].committed.current < before.committed.current
+                assert snap["weights"].lent > before.lent  # the ledger asked the weights to give way
+        np.testing.assert_array_equal(np.concatenate([ids, np.stack(got, 1)], 1), want)
+        assert kv_committed(s) == 0
+
+
+def test_a_real_shortage_raises_before_the_step_and_loses_nothing():
+    model = model_of("gqa")
+    ids = prompt(1)
+    with session(model, vram_limit="2MiB", scratch_bytes=64 << 10) as s:
+        before = s.device.ledger.snapshot()
+        with pytest.raises(BudgetExceeded, match=r"kv zone.*weights .* committed"):
+            s.generate(np.zeros((64, 6), np.int64), 200)
+        after = s.device.ledger.snapshot()
+        assert after.zones["kv"].committed.current == 0
+        assert after.zones["weights"].committed.current == before.zones["weights"].committed.current
+        np.testing.assert_array_equal(s.generate(ids, 8), reference_greedy(model, ids, 8))
+
+
+def test_an_abandoned_or_interrupted_generation_gives_its_cache_back():
+    model = model_of("standard")
+    ids = prompt(1)
+    want = reference_greedy(model, ids, 20)
+    with session(model, offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3) as s:
+        it = s.generate_iter(ids, 20)
+        next(it), next(it), next(it)
+        assert kv_committed(s) > 0
+        it.close()  # the caller stopped iterating
+        assert kv_committed(s) == 0
+        with pytest.raises(KeyboardInterrupt):
+            for i, _ in enumerate(s.generate_iter(ids, 20)):
+                if i == 4:
+                    raise KeyboardInterrupt
+        assert kv_committed(s) == 0
+        np.testing.assert_array_equal(s.generate(ids, 20), want)
+
+
+def test_a_model_without_a_kv_cache_is_refused_by_name():
+    with session(mlp_stack(layers=2, hidden=64, batch=2)) as s:
+        with pytest.raises(UnsupportedModel, match="input_ids.*past_key_values"):
+            s.generate(np.zeros((1, 3), np.int64), 4)
+
+
+def test_decoders_capture_decode_steps_only():
+    d = resolve_graph_capture_enabled(on_cuda=True, offload=True, stable_addresses=True, decoder=True)
+    assert d.enabled and d.decode_only and "generate()" in d.reason
+    assert not resolve_graph_capture_enabled(on_cuda=True, offload=True, stable_addresses=True, decoder=False).enabled
+    assert not resolve_graph_capture_enabled(on_cuda=True, offload=False, stable_addresses=True, decoder=True,
+                                             env_value=False).enabled
+    assert not resolve_graph_capture_enabled(on_cuda=False, offload=False, stable_addresses=True, decoder=True).enabled
+
+
+def test_cli_generate_prints_the_tokens_of_generate(tmp_path, capsys):
+    model = model_of("standard")
+    path = save_decoder(model, str(tmp_path / "llm"))
+    rc = main(["generate", path, "--prompt-ids", "5,6,7;8,9,10", "--max-new-tokens", "6", "--cpu",
+               "--vram-limit", "64MiB"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    want = reference_greedy(model, np.array([[5, 6, 7], [8, 9, 10]]), 6)[:, 3:]
+    rows = [line.split(": ")[1] for line in out.splitlines() if line.startswith("tokens: ")]
+    assert rows == [",".join(map(str, r)) for r in want]
+    assert "tokens/s" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prompt-ids", "1,x"], "expected integers"),
+    (["--prompt-ids", "1,2;3"], "same, non-zero number"),
+    (["--prompt", "hello"], "tokenizer.json"),
+])
+def test_cli_generate_refuses_bad_prompts_before_loading(tmp_path, capsys, argv, needle):
+    path = save_decoder(model_of("gqa"), str(tmp_path / "llm"))
+    assert main(["generate", path, "--cpu"] + argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "loading weights" not in err
+
+
+def test_cli_generate_names_what_a_model_lacks(tmp_path, capsys):
+    from onnx_offload.models import save
+    path = save(mlp_stack(layers=2, hidden=64, batch=2), os.path.join(tmp_path, "mlp.onnx"))
+    assert main(["generate", path, "--prompt-ids", "1,2", "--cpu"]) == 2
+    assert "UnsupportedModel" in capsys.readouterr().err

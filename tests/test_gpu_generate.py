@@ -1,0 +1,58 @@
+"""generate() on the H200: the tokens of a plain-ORT greedy loop on the CUDA EP, for both
+export layouts, resident and streamed, and decode steps that replay captured graphs."""
+import numpy as np
+import pytest
+
+from onnx_offload import OffloadSession
+from onnx_offload.models import weight_bytes
+from onnx_offload.models.decoder import decoder_lm
+
+from conftest import reference_greedy
+
+pytestmark = pytest.mark.gpu
+CUDA = "CUDAExecutionProvider"
+_MODELS = {}
+
+
+def model_of(layout):
+    # fp16: ORT's CUDA GroupQueryAttention takes fp16 and bf16 only.
+    if layout not in _MODELS:
+        _MODELS[layout] = decoder_lm(layout, layers=3, hidden=256, heads=8, kv_heads=2, intermediate=512,
+                                     vocab=512, max_length=512, dtype=np.float16)
+    return _MODELS[layout]
+
+
+def session(model, weights, capture=None):
+    kw = {} if weights == "resident" else dict(offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3)
+    return OffloadSession(model.SerializeToString(), providers=[CUDA], vram_limit="2GiB", cuda_graph=capture, **kw)
+
+
+@pytest.mark.parametrize("layout", ["gqa", "standard"])
+@pytest.mark.parametrize("weights", ["resident", "a third"])
+@pytest.mark.parametrize("capture", [None, False])
+def test_greedy_tokens_equal_a_plain_ort_loop(layout, weights, capture):
+    model = model_of(layout)
+    ids = np.random.default_rng(1).integers(0, 512, (2, 7))
+    want = reference_greedy(model, ids, 24, providers=[CUDA])
+    with session(model, weights, capture) as s:
+        assert (len(s.segments) > 1) == (weights != "resident")
+        assert s.graph_capture.enabled == (capture is None), s.graph_capture
+        np.testing.assert_array_equal(s.generate(ids, 24), want)
+        assert s.device.ledger.snapshot().zones["kv"].committed.current == 0
+        final = s.close()
+    assert final.committed == 0
+
+
+@pytest.mark.parametrize("weights", ["resident", "a third"])
+def test_every_decode_step_replays_a_captured_graph(weights):
+    model = model_of("gqa")
+    ids = np.random.default_rng(2).integers(0, 512, (1, 16))
+    want = reference_greedy(model, ids, 128, providers=[CUDA])
+    with session(model, weights) as s:
+        assert s.graph_capture.enabled and s.graph_capture.decode_only, s.graph_capture
+        before = s.stats().graph_steps
+        got = s.generate(ids, 128)
+        # 128 new tokens: the first comes from the prompt step (uncaptured), each of the
+        # other 127 from a decode step run under its plan's graph (captured on the first).
+        assert s.stats().graph_steps - before == 127
+        np.testing.assert_array_equal(got, want)
