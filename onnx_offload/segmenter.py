@@ -5,6 +5,12 @@ Each segment becomes a model of its own: its nodes, the small initializers they 
 the weights they read (as declarations; the data arrives through slots), the boundary
 values it consumes as inputs, and the values later segments or the caller need as
 outputs. Running the segments in order gives the outputs of the unsplit model.
+
+Values that a few cheap shape and mask ops compute from the graph inputs alone (a
+decoder's ``seqlens_k`` and ``total_sequence_length`` from its attention mask, a
+position range) are recomputed inside each segment that reads them instead of crossing
+a boundary. ORT keeps such values on the CPU; passed between sessions they would go
+through device memory and back inside a step, which a captured graph cannot hold.
 """
 from __future__ import annotations
 
@@ -15,6 +21,29 @@ import onnx
 from onnx import helper
 
 from .model import node_inputs
+
+# Ops cheap enough to run again in every segment that needs their result, when all
+# their inputs come from the graph inputs or small constants.
+RECOMPUTED_OPS = frozenset({
+    "Shape", "Size", "Gather", "Cast", "ReduceSum", "Sub", "Add", "Mul", "Div", "Neg", "Unsqueeze", "Squeeze",
+    "Concat", "Slice", "Constant", "ConstantOfShape", "Range", "Equal", "Less", "LessOrEqual", "Greater",
+    "GreaterOrEqual", "Where", "Not", "And", "Or", "CumSum", "Identity", "Min", "Max", "Reshape", "Expand", "Trilu"})
+
+
+def _recomputable(graph, is_weight: Callable[[str], bool], initializers) -> Dict[str, int]:
+    """value -> index of the node that makes it, for values that RECOMPUTED_OPS compute
+    from graph inputs and non-weight constants alone."""
+    graph_inputs = {v.name for v in graph.input}
+    out: Dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in RECOMPUTED_OPS:
+            continue
+        if all(not n or n in out or (n in graph_inputs and not is_weight(n))
+               or (n in initializers and not is_weight(n)) for n in node.input):
+            for o in node.output:
+                if o:
+                    out[o] = i
+    return out
 
 
 @dataclasses.dataclass
@@ -99,15 +128,37 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     graph_outputs = [o.name for o in graph.output]
-    consumers: Dict[str, set] = {}
-    for gi, group in enumerate(groups):
+    cheap = _recomputable(graph, is_weight, initializers)
+    members = []  # per group: the indices of its nodes, recomputed ones first
+    for group in groups:
+        own = set(group)
+        extra: set = set()
+
+        def pull(value):
+            i = cheap[value]
+            if i in own or i in extra:
+                return
+            extra.add(i)
+            for n in graph.node[i].input:
+                if n in cheap:
+                    pull(n)
+
         for i in group:
+            for n in node_inputs(graph.node[i]):
+                if n in cheap:
+                    pull(n)
+        members.append(sorted(extra) + list(group))
+    consumers: Dict[str, set] = {}
+    for gi, member in enumerate(members):
+        produced = {o for i in member for o in graph.node[i].output if o}
+        for i in member:
             for name in node_inputs(graph.node[i]):
-                consumers.setdefault(name, set()).add(gi)
+                if name not in produced:
+                    consumers.setdefault(name, set()).add(gi)
     types = value_types(model)
     segments = []
-    for gi, group in enumerate(groups):
-        nodes = [graph.node[i] for i in group]
+    for gi, (group, member) in enumerate(zip(groups, members)):
+        nodes = [graph.node[i] for i in member]
         read = list(dict.fromkeys(n for node in nodes for n in node_inputs(node)))
         produced = {o for node in nodes for o in node.output if o}
         inputs = [n for n in read if n not in produced and n not in initializers and not is_weight(n)]
@@ -115,7 +166,7 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
         constants = [initializers[n] for n in read if n in initializers and not is_weight(n)]
         # Weights arrive as initializers (stable slots) or, in the plain baseline, as inputs.
         weight_inputs = [n for n in weights if n not in initializers]
-        outputs = [o for node in nodes for o in node.output
+        outputs = [o for i in group for o in graph.node[i].output
                    if o and (o in graph_outputs or any(c > gi for c in consumers.get(o, ())))]
         sub = helper.make_graph(
             nodes, f"{graph.name or 'graph'}_segment{gi}",

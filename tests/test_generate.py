@@ -253,3 +253,15 @@ def test_cli_generate_names_what_a_model_lacks(tmp_path, capsys):
     path = save(mlp_stack(layers=2, hidden=64, batch=2), os.path.join(tmp_path, "mlp.onnx"))
     assert main(["generate", path, "--prompt-ids", "1,2", "--cpu"]) == 2
     assert "UnsupportedModel" in capsys.readouterr().err
+
+
+def test_split_decoders_recompute_mask_values_instead_of_passing_them():
+    # seqlens_k and total_sequence_length live on the CPU in ORT: between segments they
+    # would cross device memory inside a step, which a captured graph cannot do.
+    model = model_of("gqa")
+    with session(model, offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3) as s:
+        graph_inputs = {i.name for i in s.get_inputs()}
+        crossing = [(seg.index, vi.name) for seg in s.segments for vi in seg.model.graph.input
+                    if vi.name not in graph_inputs and vi.name in seg.inputs
+                    and vi.type.tensor_type.elem_type not in (1, 10, 16)]  # float, float16, bfloat16
+        assert len(s.segments) > 2 and crossing == []
