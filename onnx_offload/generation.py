@@ -117,9 +117,9 @@ class Sampling:
 
     def pick(self, logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """One token per row of `logits` [batch, vocab]."""
-        logits = logits.astype(np.float64)
         if not self.do_sample:
             return logits.argmax(axis=-1).astype(np.int64)
+        logits = logits.astype(np.float64)
         out = np.empty(len(logits), np.int64)
         for r, row in enumerate(logits / self.temperature):
             order = np.argsort(-row, kind="stable")
@@ -161,6 +161,7 @@ class Generation:
             self.mask = self.io_bufs.new([batch, mask_len], np.int64) if mask_len else None
             self.logits = None
             self._logits_vocab = None
+            self._bound = None  # (key, feeds, outputs) of the decode steps
             # The zero fills are queued on the compute stream; the CPU EP runs on this thread.
             dev.compute_stream.synchronize()
         except BaseException:
@@ -205,12 +206,6 @@ class Generation:
         cur = length - 1  # the new token's position; `cur` positions are cached
         if self.logits is None:
             self.logits = self.io_bufs.new([b, 1, self._logits_vocab], spec.logits_dtype)
-        feeds = {"input_ids": self.ids.value}
-        writes = [(self.ids, tokens.reshape(b, 1))]
-        if self.pos is not None:
-            feeds["position_ids"] = self.pos.value
-            writes.append((self.pos, np.full((b, 1), cur, np.int64)))
-        outputs = {"logits": self.logits.value}
         if spec.layout == "gqa":
             mask = np.zeros((b, self.mask.shape[1]), np.int64)
             mask[:, :length] = 1
@@ -223,16 +218,25 @@ class Generation:
             mask = np.zeros((b, self.cache.bucket + 1), np.int64)
             mask[:, :cur] = 1
             mask[:, -1] = 1
-        writes.append((self.mask, mask))
-        # One wait for all three; it also orders the last step's cache copies before
-        # this step (the CPU EP runs on this thread, not on the stream).
+        writes = [(self.ids, tokens.reshape(b, 1)), (self.mask, mask)]
+        if self.pos is not None:
+            writes.append((self.pos, np.full((b, 1), cur, np.int64)))
+        # One wait (on the CPU) for all of them; it also orders the last step's cache
+        # copies before this step, as the stream does on CUDA.
         write(s.device, *writes)
-        feeds["attention_mask"] = self.mask.value
-        self.cache.bind(feeds, outputs)
         # The buffers' shapes and addresses change only with the bucket (a new mask and
-        # cache): the key says so without reading every value.
+        # cache): the key says so without reading every value, and the bindings are
+        # built once per key.
         key = ("generate", self._name, self.cache.bucket if spec.layout != "gqa" else self.cache.length)
-        self._keys.add(key)
+        if self._bound is None or self._bound[0] != key:
+            feeds = {"input_ids": self.ids.value, "attention_mask": self.mask.value}
+            if self.pos is not None:
+                feeds["position_ids"] = self.pos.value
+            outputs = {"logits": self.logits.value}
+            self.cache.bind(feeds, outputs)
+            self._bound = (key, feeds, outputs)
+            self._keys.add(key)
+        _, feeds, outputs = self._bound
         _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
         if not replayed and s._runner.streaming and s._runner.capture.enabled:
             # The first step of these shapes learned the boundaries' sizes; the same step
@@ -240,8 +244,9 @@ class Generation:
             _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
         if spec.layout != "gqa":
             self.cache.append(cur)  # in order on the stream; the next step's write waits for it
-        # ORT waited for its work before returning, so the logits are complete.
-        return np.array(self.logits.value.numpy(), copy=True)[:, -1, :].astype(np.float32), replayed
+        # ORT waited for its work before returning, so the logits are complete; numpy()
+        # is a host copy of them.
+        return self.logits.value.numpy()[:, -1, :].astype(np.float32), replayed
 
 
 def generate_tokens(session, input_ids, max_new_tokens: int, sampling: Sampling, seed: Optional[int],

@@ -81,13 +81,15 @@ class DeviceBuffers:
 
 def write(device, *pairs) -> None:
     """Host values into device buffers ((buffer, array) pairs), in order on the compute
-    stream; returns when the copies are done (the arrays may be temporaries)."""
+    stream. The arrays may be temporaries: on CUDA a copy from pageable memory returns
+    once the driver has staged it; the host backend's stream is a thread, waited for."""
     keep = []
     for buf, array in pairs:
         a = np.ascontiguousarray(array, dtype=buf.dtype).reshape(buf.shape)
         keep.append(a)
         device.backend.copy_h2d(buf.ptr, a.ctypes.data, a.nbytes, device.compute_stream)
-    device.compute_stream.synchronize()
+    if not device.is_cuda:
+        device.compute_stream.synchronize()
 
 
 class SharedKV:

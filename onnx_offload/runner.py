@@ -58,6 +58,7 @@ class _Plan:
     def __init__(self, graph_id: int):
         self.buffers: Dict[str, FixedBuffer] = {}
         self.bindings: Dict[int, ort.IOBinding] = {}  # per segment, made on the first run
+        self.run_options: Optional[ort.RunOptions] = None  # under capture: this plan's gpu_graph_id
         self.graph_id = graph_id  # ORT's gpu_graph_id for captured segments; -1: not captured
         self.runs = 0
 
@@ -82,6 +83,7 @@ class SegmentRunner:
         # Signatures whose boundary shapes depend on input values: no fixed buffers fit them.
         self._dynamic: set = set()
         self._next_graph_id = FIRST_GRAPH_ID
+        self._produced = None  # every segment output, once the segments exist
         self.steps = 0
         self.graph_steps = 0  # steps run under a plan's gpu_graph_id: captured once, then replayed
         self.last_step = Counters()  # the counters of the last segmented step
@@ -253,9 +255,10 @@ class SegmentRunner:
                     self._check_outputs(seg, io, plan, bound_outputs, values)
                     if plan is not None and self._stable:
                         plan.bindings[seg.index] = io
-                else:
+                else:  # the caller's own outputs are where it bound them
                     for name in seg.outputs:
-                        values[name] = bound_outputs[name] if name in bound_outputs else plan.buffers[name].value
+                        if name not in bound_outputs:
+                            values[name] = plan.buffers[name].value
                 reader = None
                 if self.streaming:
                     # The segment's reads end here: ORT synchronizes its stream before
@@ -300,7 +303,11 @@ class SegmentRunner:
 
     def _pass_through(self, values, feeds) -> None:
         """Graph outputs that no node produces: a graph input or a weight, returned as is."""
+        if self._produced is None:
+            self._produced = {o for r in self.runs for o in r.seg.outputs}
         for name in self._graph_outputs:
+            if name in self._produced:
+                continue
             if name in values:
                 continue
             if name in feeds:
@@ -339,6 +346,10 @@ class SegmentRunner:
         capture nor replay) while a signature has no fixed buffers yet."""
         if not self.capture.enabled:
             return user
+        if plan is not None and user is None:
+            if plan.run_options is None:  # made once: a step's own cost counts in decode
+                plan.run_options = self._graph_run_options(plan, ort.RunOptions())
+            return plan.run_options
         ro = ort.RunOptions()
         if user is not None:
             for attr in ("log_severity_level", "log_verbosity_level", "logid", "only_execute_path_to_fetches"):
