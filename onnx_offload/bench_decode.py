@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Dict, List
 
@@ -209,8 +210,10 @@ def bench_decode(kind: str, out_dir: str, prompt: int = 128, new: int = 128,
 
 def _in_process_of_its_own(fn: str, **kw) -> Dict:
     """Runs `fn(**kw)` of this module in a fresh Python; returns its result."""
+    # Run from a neutral folder: the source tree's package (without its built core)
+    # must not shadow the installed one.
     proc = subprocess.run([sys.executable, "-m", "onnx_offload.bench_decode", fn, json.dumps(kw)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         raise RuntimeError(f"bench decode: {fn} failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
