@@ -2,6 +2,12 @@
 
     python models/make_model.py mlp out/mlp.onnx --layers 16 --hidden 1024
     python models/make_model.py decoder out/decoder.onnx --layers 22 --hidden 2048 --ffn 5632 --dtype float16
+    python models/make_model.py llm out/llm --layers 22 --hidden 2048 --heads 32 --kv-heads 4 \
+        --ffn 5632 --vocab 32000 --dtype float16        # onnxruntime-genai builder layout (GQA)
+    python models/make_model.py llm-standard out/llm-std ...   # Optimum / torch.onnx layout
+
+An LLM (``llm``, ``llm-standard``) is a folder: model.onnx, model.onnx.data and
+genai_config.json, as onnxruntime-genai lays it out; it runs with ``onnx-offload generate``.
 
 The generators live in the package (``onnx_offload.models``), which its tests, demo and
 benchmarks import; this script is how a person makes a model to run with
@@ -16,19 +22,33 @@ import sys
 import numpy as np
 
 from onnx_offload.models import decoder_like, mlp_stack, residual_mlp, save, transformer_block
+from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("kind", choices=("mlp", "residual", "transformer", "decoder"))
-    p.add_argument("path", help="where to write the .onnx file (weights go beside it, in PATH.data)")
+    p.add_argument("kind", choices=("mlp", "residual", "transformer", "decoder", "llm", "llm-standard"))
+    p.add_argument("path", help="where to write the .onnx file (weights go beside it, in PATH.data); "
+                                "for an LLM, the folder to write")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=1024, help="feed-forward width (transformer, decoder)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (llm)")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (llm)")
+    p.add_argument("--vocab", type=int, default=1000, help="vocabulary size (llm)")
+    p.add_argument("--max-length", type=int, default=512, help="longest sequence (llm)")
     args = p.parse_args(argv)
-    os.makedirs(os.path.dirname(os.path.abspath(args.path)), exist_ok=True)
     dtype = np.dtype(args.dtype)
+    if args.kind in ("llm", "llm-standard"):
+        layout = "gqa" if args.kind == "llm" else "standard"
+        model = decoder_lm(layout, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                           intermediate=args.ffn, vocab=args.vocab, max_length=args.max_length, dtype=dtype)
+        cfg = genai_config(args.layers, args.hidden, args.heads, args.kv_heads, args.vocab, args.max_length,
+                           layout=layout)
+        print(f"wrote {save_decoder(model, args.path, config=cfg)}")
+        return 0
+    os.makedirs(os.path.dirname(os.path.abspath(args.path)), exist_ok=True)
     if args.kind == "decoder":
         decoder_like(args.path, layers=args.layers, hidden=args.hidden, ffn=args.ffn, dtype=dtype)
     elif args.kind == "mlp":

@@ -20,7 +20,7 @@ import itertools
 import json
 import os
 import re
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, Optional, Sequence
 
 import numpy as np
 import onnxruntime as ort

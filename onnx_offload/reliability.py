@@ -103,40 +103,69 @@ def _reads_back(backend, stream, slot, keep) -> bool:
     return bool(np.array_equal(read_bytes(backend, stream, slot.va, slot.length), keep[slot.key]))
 
 
+class Churn:
+    """Random evictions and page-ins of a set of slots; when the budget refuses a page-in,
+    the oldest resident slot is evicted. Every `every` page-ins, `check(page_ins, slot)`
+    runs after the last page-in's copy is done."""
+
+    def __init__(self, slots, stream, seed: int = 1):
+        self.slots, self.stream = slots, stream
+        self.rng = np.random.default_rng(seed)
+        self.resident: list = []  # oldest first
+        self.page_ins = self.refusals = 0
+
+    def run(self, cycles: int, check, every: int = 500) -> None:
+        from ._core import WeightSlot
+        from .errors import BudgetExceeded
+        while self.page_ins < cycles:
+            s = self.slots[int(self.rng.integers(len(self.slots)))]
+            if s.state != "evicted":
+                if self.rng.random() < 0.5:
+                    WeightSlot.evict([s])
+                    self.resident.remove(s)
+                continue
+            while True:
+                try:
+                    ev = WeightSlot.page_in([s], "weights", self.stream)
+                    break
+                except BudgetExceeded:
+                    self.refusals += 1
+                    WeightSlot.evict([self.resident.pop(0)])
+            self.resident.append(s)
+            self.page_ins += 1
+            if self.page_ins % every == 0:
+                ev.synchronize()
+                check(self.page_ins, s)
+
+    def evict_all(self) -> None:
+        from ._core import WeightSlot
+        WeightSlot.evict(self.resident)
+        self.resident = []
+
+
+SOAK_SIZES = lambda g: [100, 4096, g - 1, g, g + 1, 2 * g, 3 * g - 7, 5 * g, 40_000, 2 * g + 256]  # noqa: E731
+
+
 # ---------------------------------------------------------------- the scenarios (children)
 
 def soak_arena(cycles: str = "10000") -> dict:
-    from ._core import WeightSlot
-    from .errors import BudgetExceeded
     from .stats import invariant_violations
     fds = len(os.listdir("/proc/self/fd"))
     backend, ledger, arena, stream = _rig(8 * (64 << 10))
-    g, keep, rng = backend.granularity, {}, np.random.default_rng(1)
-    sizes = [100, 4096, g - 1, g, g + 1, 2 * g, 3 * g - 7, 5 * g, 40_000, 2 * g + 256]
-    slots = [_slot(arena, f"w{i}", n, i, keep) for i, n in enumerate(sizes)]
-    resident, done, wrong, leaks = [], 0, 0, 0
-    while done < int(cycles):
-        s = slots[int(rng.integers(len(slots)))]
-        if s.state != "evicted":
-            if rng.random() < 0.5:
-                WeightSlot.evict([s])
-                resident.remove(s)
-            continue
-        while True:
-            try:
-                ev = WeightSlot.page_in([s], "weights", stream)
-                break
-            except BudgetExceeded:
-                WeightSlot.evict([resident.pop(0)])
-        resident.append(s)
-        done += 1
-        if done % 500 == 0:
-            ev.synchronize()
-            wrong += not _reads_back(backend, stream, s, keep)
-            st = arena.stats()
-            leaks += int(st.handles_created - st.handles_released != st.live_handles)
-    WeightSlot.evict(resident)
-    del slots, resident, s
+    keep = {}
+    slots = [_slot(arena, f"w{i}", n, i, keep) for i, n in enumerate(SOAK_SIZES(backend.granularity))]
+    tally = {"wrong": 0, "leaks": 0}
+
+    def check(_, s):
+        tally["wrong"] += not _reads_back(backend, stream, s, keep)
+        st = arena.stats()
+        tally["leaks"] += int(st.handles_created - st.handles_released != st.live_handles)
+
+    churn = Churn(slots, stream)
+    churn.run(int(cycles), check)
+    churn.evict_all()
+    done, wrong, leaks = churn.page_ins, tally["wrong"], tally["leaks"]
+    del slots, churn
     arena.close()
     st = arena.stats()
     leaks += int(ledger.committed != 0) + int(st.live_handles != 0) + len(invariant_violations(st))

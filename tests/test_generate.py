@@ -4,7 +4,6 @@ lent by the weights; clear errors that lose nothing."""
 import os
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from onnx_offload import BudgetExceeded, OffloadSession
@@ -265,3 +264,41 @@ def test_split_decoders_recompute_mask_values_instead_of_passing_them():
                     if vi.name not in graph_inputs and vi.name in seg.inputs
                     and vi.type.tensor_type.elem_type not in (1, 10, 16)]  # float, float16, bfloat16
         assert len(s.segments) > 2 and crossing == []
+
+
+def test_the_model_script_writes_an_llm_folder_that_generate_runs(tmp_path, capsys):
+    import runpy
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "models", "make_model.py")
+    folder = str(tmp_path / "llm")
+    argv = sys.argv
+    sys.argv = [script, "llm-standard", folder, "--layers", "2", "--hidden", "64", "--vocab", "97", "--ffn", "128"]
+    try:
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert e.value.code == 0
+    assert sorted(os.listdir(folder)) == ["genai_config.json", "model.onnx", "model.onnx.data"]
+    with OffloadSession(os.path.join(folder, "model.onnx"), providers=CPU, vram_limit="64MiB") as s:
+        assert s.decoder_spec.layout == "standard" and s.decoder_spec.position_ids
+        ids = prompt(1)
+        got = s.generate(ids, 5, eos_token_id=[])
+    import onnx
+    np.testing.assert_array_equal(got, reference_greedy(onnx.load(os.path.join(folder, "model.onnx")), ids, 5))
+
+
+def test_cli_generate_takes_text_through_the_tokenizer_beside_the_model(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers", reason="--prompt needs the 'tokenizers' package")
+    vocab = {f"w{i}": i for i in range(97)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()
+    model = model_of("gqa")
+    path = save_decoder(model, str(tmp_path / "llm"))
+    tok.save(str(tmp_path / "llm" / "tokenizer.json"))
+    assert main(["generate", path, "--prompt", "w5 w6 w7", "--max-new-tokens", "4", "--cpu"]) == 0
+    want = reference_greedy(model, np.array([[5, 6, 7]]), 4)[0, 3:]
+    out = capsys.readouterr().out
+    assert f"tokens: {','.join(map(str, want))}" in out
+    assert tok.decode([int(t) for t in want]) in out

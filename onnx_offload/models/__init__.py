@@ -2,4 +2,5 @@
 from .decoder import decoder_lm, genai_config, save_decoder
 from .generators import decoder_like, mlp_stack, residual_mlp, save, transformer_block, weight_bytes
 
-__all__ = ["decoder_like", "mlp_stack", "residual_mlp", "save", "transformer_block", "weight_bytes"]
+__all__ = ["decoder_like", "decoder_lm", "genai_config", "mlp_stack", "residual_mlp", "save", "save_decoder",
+           "transformer_block", "weight_bytes"]

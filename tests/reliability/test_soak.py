@@ -2,10 +2,9 @@
 import gc
 import os
 
-import numpy as np
 import pytest
 
-from onnx_offload import BudgetExceeded, WeightSlot
+from onnx_offload.reliability import SOAK_SIZES, Churn
 
 CYCLES = 10_000
 
@@ -13,41 +12,24 @@ CYCLES = 10_000
 def test_arena_soak_of_ten_thousand_cycles(rig, helpers):
     fds = helpers.open_fds()
     r = rig(budget=8 * (64 << 10))
-    g = r.g
-    sizes = [100, 4096, g - 1, g, g + 1, 2 * g, 3 * g - 7, 5 * g, 40_000, 2 * g + 256]
-    slots = [r.slot(f"w{i}", n, seed=i) for i, n in enumerate(sizes)]
-    rng = np.random.default_rng(1)
-    resident = []  # oldest first
-    page_ins = refusals = 0
-    while page_ins < CYCLES:
-        s = slots[int(rng.integers(len(slots)))]
-        if s.state != "evicted":
-            if rng.random() < 0.5:
-                WeightSlot.evict([s])
-                resident.remove(s)
-            continue
-        while True:
-            try:
-                ev = WeightSlot.page_in([s], "weights", r.stream)
-                break
-            except BudgetExceeded:  # the budget forces eviction of the oldest
-                refusals += 1
-                WeightSlot.evict([resident.pop(0)])
-        resident.append(s)
-        page_ins += 1
-        if page_ins % 500 == 0:
-            ev.synchronize()
-            assert r.reads_back(s), f"cycle {page_ins}: {s.key} reads back wrong bytes"
-            st = r.arena.stats()
-            assert r.invariants() == {}, f"cycle {page_ins}"
-            assert helpers.handle_leak(st) is None, f"cycle {page_ins}: {helpers.handle_leak(st)}"
-            assert r.ledger.committed <= r.ledger.budget
-    assert refusals > CYCLES // 10, "the budget should force evictions"
-    WeightSlot.evict(resident)
+    slots = [r.slot(f"w{i}", n, seed=i) for i, n in enumerate(SOAK_SIZES(r.g))]
+
+    def check(page_ins, s):
+        assert r.reads_back(s), f"cycle {page_ins}: {s.key} reads back wrong bytes"
+        st = r.arena.stats()
+        assert r.invariants() == {}, f"cycle {page_ins}"
+        assert helpers.handle_leak(st) is None, f"cycle {page_ins}: {helpers.handle_leak(st)}"
+        assert r.ledger.committed <= r.ledger.budget
+
+    churn = Churn(slots, r.stream)
+    churn.run(CYCLES, check)
+    assert churn.page_ins == CYCLES
+    assert churn.refusals > CYCLES // 10, "the budget should force evictions"
+    churn.evict_all()
     assert r.ledger.snapshot().zones["weights"].committed.current == 0
     st = r.arena.stats()
     assert st.refcount_underflows == 0 and r.invariants() == {}
-    del slots, resident, s
+    del slots, churn
     r.arena.close()
     st = r.arena.stats()
     assert r.ledger.snapshot().committed == 0
