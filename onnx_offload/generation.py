@@ -171,13 +171,27 @@ class Generation:
     def close(self) -> None:
         # The plans (and graphs) of these buffers go first: nothing may replay onto
         # memory the buffers below give back.
-        self.session._drop_plans(self._keys)
-        self.io_bufs.close()
-        self.kv_bufs.close()
+        with self.session._lock:
+            self.session._drop_plans(self._keys)
+            self.io_bufs.close()
+            self.kv_bufs.close()
 
     # ---------------------------------------------------------------- steps
+    # Each step, cache growth included, runs under the session's lock with Ctrl-C held
+    # back: allocations may make the weights give way, which the residency manager must
+    # not see from two threads at once.
     def prompt(self, input_ids: np.ndarray) -> np.ndarray:
         """Runs the prompt uncaptured; returns the last position's logits [batch, vocab]."""
+        with self.session._step():
+            return self._prompt(input_ids)
+
+    def decode(self, tokens: np.ndarray, length: int) -> tuple:
+        """One token per row at position `length - 1` (so `length` positions in all).
+        Returns (logits [batch, vocab], whether the step ran under a plan made before it)."""
+        with self.session._step():
+            return self._decode(tokens, length)
+
+    def _prompt(self, input_ids: np.ndarray) -> np.ndarray:
         spec, s = self.spec, self.session
         b, p = input_ids.shape
         feeds: Dict[str, ort.OrtValue] = {"input_ids": ort.OrtValue.ortvalue_from_numpy(input_ids),
@@ -192,16 +206,14 @@ class Generation:
             for i in range(spec.layers):
                 for kv in ("key", "value"):
                     feeds[f"past_key_values.{i}.{kv}"] = ort.OrtValue.ortvalue_from_numpy(empty)
-        values = s._run_bound(feeds, outputs, fixed=False)[0]
+        values = s._runner.run_bound(feeds, outputs, fixed=False)[0]
         if spec.layout != "gqa":
             self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers) for kv in ("key", "value")], p)
         logits = np.asarray(values["logits"].numpy())
         self._logits_vocab = logits.shape[-1]
         return logits[:, -1, :].astype(np.float32)
 
-    def decode(self, tokens: np.ndarray, length: int) -> tuple:
-        """One token per row at position `length - 1` (so `length` positions in all).
-        Returns (logits [batch, vocab], whether the step ran under a plan made before it)."""
+    def _decode(self, tokens: np.ndarray, length: int) -> tuple:
         spec, s, b = self.spec, self.session, self.batch
         cur = length - 1  # the new token's position; `cur` positions are cached
         if self.logits is None:
@@ -237,11 +249,11 @@ class Generation:
             self._bound = (key, feeds, outputs)
             self._keys.add(key)
         _, feeds, outputs = self._bound
-        _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
+        _, replayed = s._runner.run_bound(feeds, outputs, fixed=True, key=key)
         if not replayed and s._runner.streaming and s._runner.capture.enabled:
             # The first step of these shapes learned the boundaries' sizes; the same step
             # again writes the same cache positions and runs under the new plan's graphs.
-            _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
+            _, replayed = s._runner.run_bound(feeds, outputs, fixed=True, key=key)
         if spec.layout != "gqa":
             self.cache.append(cur)  # in order on the stream; the next step's write waits for it
         # ORT waited for its work before returning, so the logits are complete; numpy()
@@ -271,6 +283,7 @@ def generate_tokens(session, input_ids, max_new_tokens: int, sampling: Sampling,
     eos_ids = np.array(eos, np.int64)
     b, p = ids.shape
     gen = session._new_generation(spec, b, p, p + int(max_new_tokens))
+    closed = False
     try:
         logits = gen.prompt(ids)
         done = np.zeros(b, bool)
@@ -279,9 +292,16 @@ def generate_tokens(session, input_ids, max_new_tokens: int, sampling: Sampling,
             if eos:
                 tokens = np.where(done, eos[0], tokens)
                 done |= (tokens[:, None] == eos_ids).any(axis=1)
+            last = done.all() or step + 1 == int(max_new_tokens)
+            if last:
+                # The cache goes back before the last token is handed over: a caller that
+                # takes exactly what it asked for never resumes this generator.
+                closed = True
+                gen.close()
             yield tokens
-            if done.all() or step + 1 == int(max_new_tokens):
+            if last:
                 return
             logits, _ = gen.decode(tokens, p + step + 1)
     finally:
-        gen.close()
+        if not closed:
+            gen.close()

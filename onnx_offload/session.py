@@ -263,10 +263,6 @@ class OffloadSession:
         with self._step():
             return Generation(self, spec, batch, prompt, total)
 
-    def _run_bound(self, feeds, outputs, fixed: bool, key=None):
-        with self._step():
-            return self._runner.run_bound(feeds, outputs, fixed=fixed, key=key)
-
     def _drop_plans(self, keys) -> None:
         if self._closed or self._runner is None:
             return
