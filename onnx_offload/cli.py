@@ -202,13 +202,13 @@ def cmd_run(args) -> int:
 def parse_prompt_ids(text: str) -> np.ndarray:
     """'1,2,3' -> [[1, 2, 3]]; rows separated by ';' make a batch of equal lengths."""
     try:
-        rows = [[int(t) for t in row.split(",") if t.strip()] for row in text.split(";")]
+        rows = [[int(t) for t in row.split(",")] for row in text.split(";")]
     except ValueError:
         raise ValueError(f"--prompt-ids {text!r}: expected integers separated by commas (rows by ';')") from None
-    if not rows or any(not r for r in rows) or len({len(r) for r in rows}) != 1:
-        raise ValueError(f"--prompt-ids {text!r}: every row needs the same, non-zero number of token ids")
-    if any(t < 0 for r in rows for t in r):
-        raise ValueError(f"--prompt-ids {text!r}: token ids are non-negative")
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError(f"--prompt-ids {text!r}: every row needs the same number of token ids")
+    if any(not 0 <= t < 2 ** 63 for r in rows for t in r):
+        raise ValueError(f"--prompt-ids {text!r}: token ids are non-negative 64-bit integers")
     return np.array(rows, np.int64)
 
 
@@ -222,7 +222,10 @@ def load_tokenizer(model: str):
     except ImportError:
         raise ValueError("--prompt needs the 'tokenizers' package (pip install tokenizers); "
                          "pass --prompt-ids instead") from None
-    return tokenizers.Tokenizer.from_file(path)
+    try:
+        return tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
+        raise ValueError(f"{path} cannot be read by tokenizers: {e}") from None
 
 
 def cmd_generate(args) -> int:
@@ -234,6 +237,8 @@ def cmd_generate(args) -> int:
         parse_bytes(args.weight_bytes, "--weight-bytes")
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"{args.model!r}: no such model file")
+    from .generation import Sampling
+    Sampling(args.do_sample, args.temperature, args.top_k, args.top_p)  # checked before any weight loads
     tok = None
     if args.prompt is not None:
         tok = load_tokenizer(args.model)
@@ -394,7 +399,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (OffloadError, MemoryError, ValueError, OSError) as e:  # OSError: FileNotFoundError, PermissionError, ...
+    except (OffloadError, MemoryError, ValueError, TypeError, OSError, ArithmeticError, RuntimeError) as e:
+        # OSError: FileNotFoundError, PermissionError, ...; RuntimeError: ORT's own errors.
         print(f"onnx-offload: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 

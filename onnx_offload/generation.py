@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
+import operator
 import os
 import re
 from typing import Dict, Iterator, Optional, Sequence
@@ -26,6 +28,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import OffloadError
+from .interrupts import deferred_interrupts
 from .kv_cache import BucketKV, DeviceBuffers, SharedKV, write
 from .ortvalues import IOInfo
 
@@ -46,16 +49,42 @@ class DecoderSpec:
     kv_dtype: np.dtype
     logits_dtype: np.dtype
     position_ids: bool
-    max_length: Optional[int]
+    max_length: Optional[int]  # the longest sequence: genai_config.json, else the rotary table
     eos_token_id: tuple
+    ids_dtype: np.dtype = np.dtype(np.int64)  # of input_ids, attention_mask and position_ids,
+    mask_dtype: np.dtype = np.dtype(np.int64)  # as the model declares them
+    pos_dtype: np.dtype = np.dtype(np.int64)
+    vocab: Optional[int] = None  # the logits' last dimension, when the graph gives it
 
 
 def read_genai_config(model_dir: Optional[str]) -> dict:
+    """The parts of genai_config.json that generate() reads, checked; {} without one."""
     path = os.path.join(model_dir, "genai_config.json") if model_dir else None
     if not path or not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+        model = cfg.get("model", {})
+        decoder = model.get("decoder", {})
+        search = cfg.get("search", {})
+        if not all(isinstance(x, dict) for x in (model, decoder, search)):
+            raise ValueError("'model', 'model.decoder' and 'search' must be objects")
+        out = {}
+        for key, value in (("kv_heads", decoder.get("num_key_value_heads")), ("head_size", decoder.get("head_size")),
+                           ("max_length", search.get("max_length") or model.get("context_length"))):
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{key} must be a positive integer, got {value!r}")
+                out[key] = value
+        eos = model.get("eos_token_id", [])
+        eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+        if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+            raise ValueError(f"model.eos_token_id must be an integer or a list of integers, got {eos!r}")
+        out["eos"] = tuple(eos)
+        return out
+    except (OSError, ValueError, AttributeError) as e:  # json.JSONDecodeError is a ValueError
+        raise UnsupportedModel(f"{path} cannot be used: {e}") from None
 
 
 def _dim(info: IOInfo, axis: int, fallback, what: str) -> int:
@@ -67,7 +96,10 @@ def _dim(info: IOInfo, axis: int, fallback, what: str) -> int:
     raise UnsupportedModel(f"{what} is symbolic in {info.name!r} and genai_config.json does not give it")
 
 
-def decoder_spec(inputs: Sequence[IOInfo], outputs: Sequence[IOInfo], op_types, model_dir: Optional[str]) -> DecoderSpec:
+def decoder_spec(inputs: Sequence[IOInfo], outputs: Sequence[IOInfo], op_types, model_dir: Optional[str],
+                 rotary_rows: Optional[int] = None) -> DecoderSpec:
+    """`inputs`: the inputs a caller must feed; `rotary_rows`: the positions the model's
+    rotary table holds, where it has one."""
     ins = {i.name: i for i in inputs}
     outs = {o.name: o for o in outputs}
     missing = [n for n in ("input_ids", "attention_mask") if n not in ins]
@@ -86,17 +118,37 @@ def decoder_spec(inputs: Sequence[IOInfo], outputs: Sequence[IOInfo], op_types, 
         raise UnsupportedModel(
             "generate() needs a decoder with a KV cache (the layout of onnxruntime-genai's builder or of "
             f"Optimum / torch.onnx); this model lacks: {', '.join(missing)}")
+    extra = [n for n in ins if n not in ("input_ids", "attention_mask", "position_ids") and not _PAST.match(n)]
+    if extra:
+        raise UnsupportedModel(f"generate() feeds input_ids, attention_mask, position_ids and the KV cache; this "
+                               f"model also requires {', '.join(extra)}")
+    dtypes = {}
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        dt = ins[name].dtype if name in ins else np.dtype(np.int64)
+        if dt is None or dt not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise UnsupportedModel(f"generate() feeds {name} as int32 or int64; the model declares {ins[name].type}")
+        dtypes[name] = dt
     cfg = read_genai_config(model_dir)
-    dec = cfg.get("model", {}).get("decoder", {})
     past0 = ins["past_key_values.0.key"]
-    kv_heads = _dim(past0, 1, dec.get("num_key_value_heads"), "the KV head count")
-    head_size = _dim(past0, 3, dec.get("head_size"), "the head size")
-    eos = cfg.get("model", {}).get("eos_token_id", ())
-    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-    max_length = cfg.get("search", {}).get("max_length") or cfg.get("model", {}).get("context_length")
+    kv_heads = _dim(past0, 1, cfg.get("kv_heads"), "the KV head count")
+    head_size = _dim(past0, 3, cfg.get("head_size"), "the head size")
+    max_length = cfg.get("max_length") or rotary_rows
+    if cfg.get("max_length") and rotary_rows:
+        max_length = min(cfg["max_length"], rotary_rows)
+    vocab = outs["logits"].shape[-1] if outs["logits"].shape else None
     return DecoderSpec("gqa" if "GroupQueryAttention" in op_types else "standard", max(layers) + 1, kv_heads,
                        head_size, past0.dtype, outs["logits"].dtype, "position_ids" in ins,
-                       int(max_length) if max_length else None, eos)
+                       max_length, cfg.get("eos", ()), dtypes["input_ids"], dtypes["attention_mask"],
+                       dtypes["position_ids"], vocab if isinstance(vocab, int) and vocab > 0 else None)
+
+
+def rotary_rows(model) -> Optional[int]:
+    """The positions a GroupQueryAttention rotary table (its cos_cache input) holds: the
+    longest sequence the model can run without a genai_config.json saying so."""
+    dims = {t.name: t.dims for t in model.graph.initializer}
+    rows = [int(dims[n.input[7]][0]) for n in model.graph.node
+            if n.op_type == "GroupQueryAttention" and len(n.input) > 7 and n.input[7] in dims and dims[n.input[7]]]
+    return min(rows) if rows else None
 
 
 # ---------------------------------------------------------------------- sampling
@@ -108,11 +160,11 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
+        if operator.index(self.top_k) < 0:  # TypeError for a non-integer
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:  # False for nan too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     def pick(self, logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -121,11 +173,12 @@ class Sampling:
             return logits.argmax(axis=-1).astype(np.int64)
         logits = logits.astype(np.float64)
         out = np.empty(len(logits), np.int64)
-        for r, row in enumerate(logits / self.temperature):
+        # Shifted before scaling: the largest becomes 0, so no temperature overflows exp.
+        for r, row in enumerate((logits - logits.max(axis=-1, keepdims=True)) / self.temperature):
             order = np.argsort(-row, kind="stable")
             if self.top_k:
                 order = order[:self.top_k]
-            p = np.exp(row[order] - row[order[0]])
+            p = np.exp(row[order])
             p /= p.sum()
             if self.top_p < 1:
                 keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)
@@ -143,12 +196,11 @@ class Generation:
         self.session, self.spec, self.batch = session, spec, batch
         self._name = next(_GENERATIONS)
         self._keys = set()  # the runner's plans for this generation's buffers
+        self._closed = False
         self.kv_bufs = DeviceBuffers(dev, dev.kv, "kv")
         self.io_bufs = DeviceBuffers(dev, dev.scratch, "scratch")
         try:
             if spec.layout == "gqa":
-                if spec.max_length and total > spec.max_length:
-                    raise ValueError(f"prompt + new tokens = {total} exceeds the model's max_length {spec.max_length}")
                 self.cache = SharedKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, total, spec.head_size,
                                       spec.kv_dtype)
                 mask_len = total
@@ -156,9 +208,9 @@ class Generation:
                 self.cache = BucketKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype,
                                       prompt)
                 mask_len = None
-            self.ids = self.io_bufs.new([batch, 1], np.int64)
-            self.pos = self.io_bufs.new([batch, 1], np.int64) if spec.position_ids else None
-            self.mask = self.io_bufs.new([batch, mask_len], np.int64) if mask_len else None
+            self.ids = self.io_bufs.new([batch, 1], spec.ids_dtype)
+            self.pos = self.io_bufs.new([batch, 1], spec.pos_dtype) if spec.position_ids else None
+            self.mask = self.io_bufs.new([batch, mask_len], spec.mask_dtype) if mask_len else None
             self.logits = None
             self._logits_vocab = None
             self._bound = None  # (key, feeds, outputs) of the decode steps
@@ -169,12 +221,23 @@ class Generation:
             raise
 
     def close(self) -> None:
-        # The plans (and graphs) of these buffers go first: nothing may replay onto
-        # memory the buffers below give back.
-        with self.session._lock:
-            self.session._drop_plans(self._keys)
-            self.io_bufs.close()
-            self.kv_bufs.close()
+        """Gives every buffer back; idempotent, and whole even when Ctrl-C or an error
+        arrives half way (the interrupt is raised once everything is back)."""
+        s = self.session
+        with s._lock, deferred_interrupts():
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                # The plans (and graphs) of these buffers go first: nothing may replay
+                # onto memory the buffers below give back.
+                if not s._closed and s._runner is not None:
+                    s._runner.drop_plans(self._keys)
+            finally:
+                try:
+                    self.io_bufs.close()
+                finally:
+                    self.kv_bufs.close()
 
     # ---------------------------------------------------------------- steps
     # Each step, cache growth included, runs under the session's lock with Ctrl-C held
@@ -194,10 +257,11 @@ class Generation:
     def _prompt(self, input_ids: np.ndarray) -> np.ndarray:
         spec, s = self.spec, self.session
         b, p = input_ids.shape
-        feeds: Dict[str, ort.OrtValue] = {"input_ids": ort.OrtValue.ortvalue_from_numpy(input_ids),
-                                          "attention_mask": ort.OrtValue.ortvalue_from_numpy(np.ones((b, p), np.int64))}
+        feeds: Dict[str, ort.OrtValue] = {
+            "input_ids": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(input_ids, spec.ids_dtype)),
+            "attention_mask": ort.OrtValue.ortvalue_from_numpy(np.ones((b, p), spec.mask_dtype))}
         if spec.position_ids:
-            feeds["position_ids"] = ort.OrtValue.ortvalue_from_numpy(np.tile(np.arange(p, dtype=np.int64), (b, 1)))
+            feeds["position_ids"] = ort.OrtValue.ortvalue_from_numpy(np.tile(np.arange(p, dtype=spec.pos_dtype), (b, 1)))
         outputs: Dict[str, ort.OrtValue] = {}
         if spec.layout == "gqa":
             self.cache.bind(feeds, outputs)
@@ -226,7 +290,7 @@ class Generation:
             if self.mask is None or self.mask.shape[1] != self.cache.bucket + 1:
                 if self.mask is not None:
                     self.io_bufs.free(self.mask)
-                self.mask = self.io_bufs.new([b, self.cache.bucket + 1], np.int64)
+                self.mask = self.io_bufs.new([b, self.cache.bucket + 1], spec.mask_dtype)
             mask = np.zeros((b, self.cache.bucket + 1), np.int64)
             mask[:, :cur] = 1
             mask[:, -1] = 1
@@ -261,47 +325,65 @@ class Generation:
         return self.logits.value.numpy()[:, -1, :].astype(np.float32), replayed
 
 
-def generate_tokens(session, input_ids, max_new_tokens: int, sampling: Sampling, seed: Optional[int],
-                    eos_token_id) -> Iterator[np.ndarray]:
-    """Yields each step's new tokens [batch]; rows that reached EOS repeat their EOS."""
+def check_generate_args(session, input_ids, max_new_tokens, eos_token_id):
+    """(ids [batch, prompt] int64, new tokens, EOS ids) for a generation, or a clear error
+    before anything runs."""
     ids = np.asarray(input_ids)
     if ids.ndim == 1:
         ids = ids[None, :]
     if ids.ndim != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
         raise ValueError(f"input_ids must be [batch, prompt] with a non-empty prompt, got shape {ids.shape}")
-    if not np.issubdtype(ids.dtype, np.integer):
+    if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"input_ids must be integers, got {ids.dtype}")
-    if int(max_new_tokens) < 0:
+    new = operator.index(max_new_tokens)  # TypeError for 2.5 or "3"
+    if new < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    ids = ids.astype(np.int64)
     spec = session.decoder_spec
-    eos = spec.eos_token_id if eos_token_id is None else (
-        tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (int(eos_token_id),))
-    if max_new_tokens == 0:
+    if ids.min() < 0 or (spec.vocab and ids.max() >= spec.vocab):
+        raise ValueError(f"token ids must lie in [0, {spec.vocab or 'the vocabulary size'}), got ids from "
+                         f"{ids.min()} to {ids.max()}")
+    ids = ids.astype(np.int64)
+    positions = ids.shape[1] + max(new - 1, 0)  # the last token is never fed back
+    if spec.max_length and positions > spec.max_length:
+        raise ValueError(f"a prompt of {ids.shape[1]} and {new} new tokens need {positions} positions; the model "
+                         f"holds {spec.max_length}")
+    if eos_token_id is None:
+        eos = spec.eos_token_id
+    else:
+        arr = np.atleast_1d(np.asarray(eos_token_id))
+        if arr.ndim != 1 or (arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer))):
+            raise TypeError(f"eos_token_id must be an integer or a sequence of integers, got {eos_token_id!r}")
+        eos = tuple(int(e) for e in arr)
+    return ids, new, eos
+
+
+def generate_tokens(session, ids: np.ndarray, new: int, sampling: Sampling, seed: Optional[int],
+                    eos: tuple) -> Iterator[np.ndarray]:
+    """Yields each step's new tokens [batch]; rows that reached EOS repeat their EOS.
+    The arguments come from check_generate_args."""
+    if new == 0:
         return
+    spec = session.decoder_spec
     rng = np.random.default_rng(seed)
     eos_ids = np.array(eos, np.int64)
     b, p = ids.shape
-    gen = session._new_generation(spec, b, p, p + int(max_new_tokens))
-    closed = False
+    gen = session._new_generation(spec, b, p, p + max(new - 1, 0))
     try:
         logits = gen.prompt(ids)
         done = np.zeros(b, bool)
-        for step in range(int(max_new_tokens)):
+        for step in range(new):
             tokens = sampling.pick(logits, rng)
             if eos:
                 tokens = np.where(done, eos[0], tokens)
                 done |= (tokens[:, None] == eos_ids).any(axis=1)
-            last = done.all() or step + 1 == int(max_new_tokens)
+            last = done.all() or step + 1 == new
             if last:
                 # The cache goes back before the last token is handed over: a caller that
                 # takes exactly what it asked for never resumes this generator.
-                closed = True
                 gen.close()
             yield tokens
             if last:
                 return
             logits, _ = gen.decode(tokens, p + step + 1)
     finally:
-        if not closed:
-            gen.close()
+        gen.close()  # idempotent

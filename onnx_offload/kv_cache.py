@@ -48,6 +48,9 @@ class DeviceBuffers:
         dtype = np.dtype(dtype)
         nbytes = max(1, nbytes_of(shape, dtype))
         ledger = self.device.ledger
+        if nbytes > ledger.snapshot().budget:
+            raise BudgetExceeded(f"{what or 'a buffer'} needs {nbytes} bytes, more than the whole budget: "
+                                 f"{describe_zones(ledger)}. Lower the batch or the length, or raise the budget")
         if not ledger.can_charge(self.zone, nbytes):
             ledger.make_room(self.zone, nbytes)  # the weights give way first (their reclaimer)
         try:

@@ -33,7 +33,8 @@ from .budget import plan_budget
 from .config import OffloadConfig, parse_flag
 from .device import Device
 from .errors import CudaUnavailable, OffloadWarning, StateError
-from .generation import Generation, Sampling, UnsupportedModel, decoder_spec, generate_tokens
+from .generation import (Generation, Sampling, UnsupportedModel, check_generate_args, decoder_spec,
+                         generate_tokens, rotary_rows)
 from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
 from .host_store import HostStore
 from .interrupts import deferred_interrupts
@@ -132,6 +133,7 @@ class OffloadSession:
         self._graph_inputs = [IOInfo(v) for v in model.graph.input]
         self._graph_outputs = [IOInfo(v) for v in model.graph.output]
         self._op_types = {n.op_type for n in model.graph.node}
+        self._rotary_rows = rotary_rows(model)
         self._model_dir = os.path.dirname(os.path.abspath(path_or_bytes)) if isinstance(path_or_bytes, str) else None
         names = {w.name for w in weights}
         sizes = {w.name: w.nbytes for w in weights}
@@ -241,12 +243,15 @@ class OffloadSession:
         """The step-wise form of generate(): yields each step's new tokens [batch]."""
         self._check_open()
         sampling = Sampling(do_sample, temperature, top_k, top_p)
-        return generate_tokens(self, input_ids, max_new_tokens, sampling, seed, eos_token_id)
+        ids, new, eos = check_generate_args(self, input_ids, max_new_tokens, eos_token_id)  # now, not at next()
+        return generate_tokens(self, ids, new, sampling, seed, eos)
 
     def _is_decoder(self) -> bool:
         try:
-            self._decoder_spec = decoder_spec(self._graph_inputs, self._graph_outputs, self._op_types,
-                                              self._model_dir)
+            required = set(self._required_inputs)
+            self._decoder_spec = decoder_spec([i for i in self._graph_inputs if i.name in required],
+                                              self._graph_outputs, self._op_types, self._model_dir,
+                                              self._rotary_rows)
             return True
         except UnsupportedModel as e:
             self._decoder_spec = e
@@ -260,8 +265,15 @@ class OffloadSession:
         return self._decoder_spec
 
     def _new_generation(self, spec, batch: int, prompt: int, total: int) -> Generation:
-        with self._step():
-            return Generation(self, spec, batch, prompt, total)
+        gen = None
+        try:
+            with self._step():
+                gen = Generation(self, spec, batch, prompt, total)
+        except BaseException:  # a Ctrl-C held back during the allocation arrives here
+            if gen is not None:
+                gen.close()
+            raise
+        return gen
 
     def _drop_plans(self, keys) -> None:
         if self._closed or self._runner is None:

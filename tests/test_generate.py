@@ -241,7 +241,10 @@ def test_cli_generate_prints_the_tokens_of_generate(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--prompt-ids", "1,x"], "expected integers"),
-    (["--prompt-ids", "1,2;3"], "same, non-zero number"),
+    (["--prompt-ids", "1,2;3"], "same number"),
+    (["--prompt-ids", "1,,2"], "expected integers"),
+    (["--prompt-ids", "99999999999999999999999,2"], "64-bit"),
+    (["--prompt-ids", "1,2", "--temperature", "nan", "--do-sample"], "temperature must be a finite"),
     (["--prompt", "hello"], "tokenizer.json"),
 ])
 def test_cli_generate_refuses_bad_prompts_before_loading(tmp_path, capsys, argv, needle):
@@ -337,4 +340,125 @@ def test_concurrent_generations_on_one_session_are_each_right(layout):
         steps = [(next(a), next(b)) for _ in range(16)]
         np.testing.assert_array_equal(np.stack([x for x, _ in steps], 1), want[0][:, 6:])
         np.testing.assert_array_equal(np.stack([y for _, y in steps], 1), want[1][:, 6:])
+        assert kv_committed(s) == 0
+
+
+def _raise_sigint_after(obj, name, monkeypatch):
+    import signal
+    original = getattr(obj, name)
+
+    def patched(*a, **kw):
+        out = original(*a, **kw)
+        signal.raise_signal(signal.SIGINT)  # held back by the step; raised when it ends
+        return out
+    monkeypatch.setattr(obj, name, patched)
+
+
+@pytest.mark.parametrize("where", ["allocating the cache", "dropping the plans"])
+def test_ctrl_c_while_the_cache_is_made_or_given_back_leaks_nothing(where, monkeypatch):
+    from onnx_offload.kv_cache import DeviceBuffers
+    from onnx_offload.runner import SegmentRunner
+    model = model_of("gqa")
+    ids = prompt(1)
+    with session(model) as s:
+        want = s.generate(ids, 8)
+        with monkeypatch.context() as m:
+            if where == "allocating the cache":
+                _raise_sigint_after(DeviceBuffers, "new", m)
+            else:
+                _raise_sigint_after(SegmentRunner, "drop_plans", m)
+            with pytest.raises(KeyboardInterrupt):
+                s.generate(ids, 8)
+        assert kv_committed(s) == 0
+        assert s.device.ledger.snapshot().zones["scratch"].content.current == 0
+        np.testing.assert_array_equal(s.generate(ids, 8), want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_generation_longer_than_the_model_is_refused_before_it_runs(layout, tmp_path):
+    model = model_of(layout)
+    cfg = genai_config(layers=2, hidden=64, heads=4, kv_heads=2, vocab=97, max_length=64, layout=layout)
+    path = save_decoder(model, str(tmp_path / "llm"), config=cfg)
+    with OffloadSession(path, providers=CPU, vram_limit="64MiB", host_granularity=4096) as s:
+        with pytest.raises(ValueError, match="need 69 positions; the model holds 64"):
+            s.generate_iter(prompt(1, 60), 10)  # refused at the call, not at the first next()
+        assert s.generate(prompt(1, 60), 5).shape == (1, 65)  # 64 positions: the last token is not fed back
+
+
+def test_without_a_config_the_rotary_table_bounds_the_length():
+    with session(model_of("gqa")) as s:  # decoder_lm(max_length=256): a 256-row cos_cache
+        assert s.decoder_spec.max_length == 256
+        with pytest.raises(ValueError, match="the model holds 256"):
+            s.generate(prompt(1), 10 ** 12)
+
+
+@pytest.mark.parametrize("config", ['{"model": {"eos_token_id": null}}', '{"search": {"max_length": "abc"}}',
+                                    '{"model": {"decoder": []}}', "{not json", '{"model": {"eos_token_id": [[2, 3]]}}'])
+def test_a_bad_genai_config_still_runs_and_generate_says_what_is_wrong(config, tmp_path):
+    model = model_of("gqa")
+    path = save_decoder(model, str(tmp_path / "llm"))
+    with open(tmp_path / "llm" / "genai_config.json", "w") as f:
+        f.write(config)
+    with OffloadSession(path, providers=CPU, vram_limit="64MiB", host_granularity=4096) as s:
+        with pytest.raises(UnsupportedModel, match="genai_config.json cannot be used"):
+            s.generate(prompt(1), 4)
+
+
+def _with_inputs(model, change):
+    import onnx
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    change(m)
+    return m
+
+
+def test_a_decoder_that_needs_another_input_is_refused_by_name():
+    from onnx import TensorProto, helper
+
+    def add_input(m):
+        m.graph.input.append(helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, ["b", "s"]))
+        m.graph.node.append(helper.make_node("Identity", ["token_type_ids"], ["tt"]))
+        m.graph.output.append(helper.make_tensor_value_info("tt", TensorProto.INT64, ["b", "s"]))
+    with session(_with_inputs(model_of("gqa"), add_input)) as s:
+        with pytest.raises(UnsupportedModel, match="also requires token_type_ids"):
+            s.generate(prompt(1), 4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_int32_token_ids_and_positions_are_fed_as_the_model_declares(layout):
+    from onnx import TensorProto
+
+    def to_int32(m):  # both only index a Gather, which takes int32 indices
+        for vi in m.graph.input:
+            if vi.name in ("input_ids", "position_ids"):
+                vi.type.tensor_type.elem_type = TensorProto.INT32
+    ids = prompt(2)
+    with session(model_of(layout)) as s:
+        want = s.generate(ids, 12)
+    m = _with_inputs(model_of(layout), to_int32)
+    with session(m) as s:
+        assert s.decoder_spec.ids_dtype == np.int32
+        np.testing.assert_array_equal(s.generate(ids, 12), want)
+
+
+@pytest.mark.parametrize("kwargs,error,needle", [
+    (dict(eos_token_id=np.array([2, 5])), None, None),
+    (dict(eos_token_id=[[2, 3]]), TypeError, "eos_token_id"),
+    (dict(do_sample=True, temperature=float("nan")), ValueError, "finite"),
+    (dict(do_sample=True, temperature=float("inf")), ValueError, "finite"),
+    (dict(do_sample=True, temperature=1e-310, seed=1), None, None),
+    (dict(top_k=2.5), TypeError, None),
+    (dict(max_new_tokens=2.5), TypeError, None),
+    (dict(max_new_tokens="3"), TypeError, None),
+    (dict(input_ids=np.array([[-1, 3]])), ValueError, r"token ids must lie in \[0, 97\)"),
+    (dict(input_ids=np.array([[97, 3]])), ValueError, r"\[0, 97\)"),
+])
+def test_generate_arguments_are_checked_at_the_call(kwargs, error, needle):
+    args = {"input_ids": prompt(1), "max_new_tokens": 4, **kwargs}
+    with session(model_of("gqa")) as s:
+        if error is None:
+            assert s.generate(**args).shape[1] <= 10
+        else:
+            with pytest.raises(error, match=needle):
+                s.generate_iter(**args)  # no next() needed
         assert kv_committed(s) == 0
