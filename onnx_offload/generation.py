@@ -173,8 +173,11 @@ class Sampling:
             return logits.argmax(axis=-1).astype(np.int64)
         logits = logits.astype(np.float64)
         out = np.empty(len(logits), np.int64)
-        # Shifted before scaling: the largest becomes 0, so no temperature overflows exp.
-        for r, row in enumerate((logits - logits.max(axis=-1, keepdims=True)) / self.temperature):
+        # Shifted before scaling: the largest becomes 0, so no temperature overflows exp
+        # (a tiny one sends the others to -inf, whose exp is 0).
+        with np.errstate(over="ignore"):
+            scaled = (logits - logits.max(axis=-1, keepdims=True)) / self.temperature
+        for r, row in enumerate(scaled):
             order = np.argsort(-row, kind="stable")
             if self.top_k:
                 order = order[:self.top_k]
