@@ -275,12 +275,6 @@ class OffloadSession:
             raise
         return gen
 
-    def _drop_plans(self, keys) -> None:
-        if self._closed or self._runner is None:
-            return
-        with self._lock, deferred_interrupts():
-            self._runner.drop_plans(keys)
-
     # ------------------------------------------------------------------ introspection
     def get_inputs(self):
         self._check_open()
