@@ -99,6 +99,15 @@ def config_kwargs(args) -> dict:
     return kw
 
 
+def check_config_flags(args) -> None:
+    """The budget flags, parsed before any weight loads (their errors name the flag)."""
+    from .config import parse_bytes, parse_vram_limit
+    if args.vram_limit is not None:
+        parse_vram_limit(args.vram_limit, "--vram-limit")
+    if args.weight_bytes is not None:
+        parse_bytes(args.weight_bytes, "--weight-bytes")
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
     try:
@@ -167,13 +176,8 @@ def check_feeds(feeds: dict, inputs, source: str = "--inputs") -> None:
 
 
 def cmd_run(args) -> int:
-    from .config import parse_bytes, parse_vram_limit
     from .session import OffloadSession
-    # everything the arguments allow is checked before any weight loads
-    if args.vram_limit is not None:
-        parse_vram_limit(args.vram_limit, "--vram-limit")
-    if args.weight_bytes is not None:
-        parse_bytes(args.weight_bytes, "--weight-bytes")
+    check_config_flags(args)  # everything the arguments allow is checked before any weight loads
     feeds = load_feeds(args.inputs) if args.inputs else None
     kind = _kind(args)
     kw = config_kwargs(args)
@@ -229,12 +233,8 @@ def load_tokenizer(model: str):
 
 
 def cmd_generate(args) -> int:
-    from .config import parse_bytes, parse_vram_limit
     from .session import OffloadSession
-    if args.vram_limit is not None:
-        parse_vram_limit(args.vram_limit, "--vram-limit")
-    if args.weight_bytes is not None:
-        parse_bytes(args.weight_bytes, "--weight-bytes")
+    check_config_flags(args)
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"{args.model!r}: no such model file")
     from .generation import Sampling

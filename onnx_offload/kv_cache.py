@@ -51,9 +51,9 @@ class DeviceBuffers:
         if nbytes > ledger.snapshot().budget:
             raise BudgetExceeded(f"{what or 'a buffer'} needs {nbytes} bytes, more than the whole budget: "
                                  f"{describe_zones(ledger)}. Lower the batch or the length, or raise the budget")
-        if not ledger.can_charge(self.zone, nbytes):
-            ledger.make_room(self.zone, nbytes)  # the weights give way first (their reclaimer)
         try:
+            # A shortage makes the allocator ask lower-priority zones (the weights first)
+            # to give way, then try once more.
             ptr = self._alloc.allocate(nbytes)
         except BudgetExceeded as e:
             raise BudgetExceeded(

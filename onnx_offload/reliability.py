@@ -143,7 +143,9 @@ class Churn:
         self.resident = []
 
 
-SOAK_SIZES = lambda g: [100, 4096, g - 1, g, g + 1, 2 * g, 3 * g - 7, 5 * g, 40_000, 2 * g + 256]  # noqa: E731
+def soak_sizes(g: int) -> list:
+    """Slot sizes around the granule `g`: below, at, across and many times it."""
+    return [100, 4096, g - 1, g, g + 1, 2 * g, 3 * g - 7, 5 * g, 40_000, 2 * g + 256]
 
 
 # ---------------------------------------------------------------- the scenarios (children)
@@ -153,7 +155,7 @@ def soak_arena(cycles: str = "10000") -> dict:
     fds = len(os.listdir("/proc/self/fd"))
     backend, ledger, arena, stream = _rig(8 * (64 << 10))
     keep = {}
-    slots = [_slot(arena, f"w{i}", n, i, keep) for i, n in enumerate(SOAK_SIZES(backend.granularity))]
+    slots = [_slot(arena, f"w{i}", n, i, keep) for i, n in enumerate(soak_sizes(backend.granularity))]
     tally = {"wrong": 0, "leaks": 0}
 
     def check(_, s):

@@ -83,13 +83,13 @@ class SegmentRunner:
         # Signatures whose boundary shapes depend on input values: no fixed buffers fit them.
         self._dynamic: set = set()
         self._next_graph_id = FIRST_GRAPH_ID
-        self._produced = None  # every segment output, once the segments exist
         self.steps = 0
         self.graph_steps = 0  # steps run under a plan's gpu_graph_id: captured once, then replayed
         self.last_step = Counters()  # the counters of the last segmented step
         self.notes: List[str] = []
         for seg in segments:
             self.runs.append(self._create(seg))
+        self._produced = {o for r in self.runs for o in r.seg.outputs}  # every segment output
         if self.capture.enabled and self.streaming:
             n = sum(r.captured for r in self.runs)
             self.capture = GraphCaptureDecision(
@@ -205,17 +205,13 @@ class SegmentRunner:
             + tuple(sorted((k, tuple(v.shape()), v.data_type(), v.data_ptr()) for k, v in feeds.items()))
             + tuple(sorted(("->" + k, tuple(v.shape()), v.data_type(), v.data_ptr()) for k, v in outputs.items())))
         plan = self._plans.get(sig) if fixed else None
-        if plan is None and fixed and not self.streaming and self._all_bound(feeds, outputs):
+        existed = plan is not None
+        if not existed and fixed and not self.streaming and self._all_bound(feeds, outputs):
             # Unsplit with every value the caller's: no boundary to size, so the plan (and
             # its graph) can serve this very step.
             plan = self._new_plan(sig)
-            fresh = plan is not None
-        else:
-            fresh = False
         values = self._step(sig, plan, feeds, None, bound_outputs=outputs, make_plan=fixed)
-        if fresh:
-            return values, False
-        return values, plan is not None
+        return values, existed
 
     def _step(self, sig, plan: Optional[_Plan], feeds, run_options, bound_outputs=None,
               make_plan: bool = True) -> Dict[str, ort.OrtValue]:
@@ -303,8 +299,6 @@ class SegmentRunner:
 
     def _pass_through(self, values, feeds) -> None:
         """Graph outputs that no node produces: a graph input or a weight, returned as is."""
-        if self._produced is None:
-            self._produced = {o for r in self.runs for o in r.seg.outputs}
         for name in self._graph_outputs:
             if name in self._produced:
                 continue

@@ -232,19 +232,24 @@ class OffloadSession:
         """Token ids [batch, prompt + new] (int64): greedy unless `do_sample`. Generation
         stops at `max_new_tokens`, or when every row has produced an EOS id (from
         `eos_token_id`, else genai_config.json); finished rows repeat their EOS."""
-        prompt = np.atleast_2d(np.asarray(input_ids)).astype(np.int64)
-        new = list(self.generate_iter(input_ids, max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                      top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id))
-        return np.concatenate([prompt] + [t[:, None] for t in new], axis=1)
+        ids, steps = self._generation(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+                                      eos_token_id)
+        return np.concatenate([ids] + [t[:, None] for t in steps], axis=1)
 
     def generate_iter(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False,
                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                       eos_token_id=None):
         """The step-wise form of generate(): yields each step's new tokens [batch]."""
+        return self._generation(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+                                eos_token_id)[1]
+
+    def _generation(self, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id):
+        """(the checked prompt ids, the generator of new tokens); the arguments are checked
+        now, not at the first next()."""
         self._check_open()
         sampling = Sampling(do_sample, temperature, top_k, top_p)
-        ids, new, eos = check_generate_args(self, input_ids, max_new_tokens, eos_token_id)  # now, not at next()
-        return generate_tokens(self, ids, new, sampling, seed, eos)
+        ids, new, eos = check_generate_args(self, input_ids, max_new_tokens, eos_token_id)
+        return ids, generate_tokens(self, ids, new, sampling, seed, eos)
 
     def _is_decoder(self) -> bool:
         try:

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from onnx_offload.reliability import SOAK_SIZES, Churn
+from onnx_offload.reliability import Churn, soak_sizes
 
 CYCLES = 10_000
 
@@ -12,7 +12,7 @@ CYCLES = 10_000
 def test_arena_soak_of_ten_thousand_cycles(rig, helpers):
     fds = helpers.open_fds()
     r = rig(budget=8 * (64 << 10))
-    slots = [r.slot(f"w{i}", n, seed=i) for i, n in enumerate(SOAK_SIZES(r.g))]
+    slots = [r.slot(f"w{i}", n, seed=i) for i, n in enumerate(soak_sizes(r.g))]
 
     def check(page_ins, s):
         assert r.reads_back(s), f"cycle {page_ins}: {s.key} reads back wrong bytes"
