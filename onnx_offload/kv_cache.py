@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import BudgetExceeded
-from .ortvalues import FixedBuffer, nbytes_of, ortvalue_at
+from .ortvalues import FixedBuffer, nbytes_of
 
 
 def describe_zones(ledger) -> str:
@@ -62,8 +62,7 @@ class DeviceBuffers:
                 f"or the length, or raise the budget (or kv_bytes)") from e
         self._ptrs.append(ptr)
         dev = self.device
-        buf = FixedBuffer(ptr, list(shape), dtype, ortvalue_at(ptr, list(shape), dtype, dev.is_cuda,
-                                                               dev.config.device_id))
+        buf = FixedBuffer.on(dev, ptr, shape, dtype)
         if zero:
             dev.backend.fill(ptr, 0, nbytes, dev.compute_stream)
         return buf

@@ -94,6 +94,12 @@ class FixedBuffer:
     def __init__(self, ptr: int, shape: Sequence[int], dtype: np.dtype, value: ort.OrtValue):
         self.ptr, self.shape, self.dtype, self.value = ptr, list(shape), np.dtype(dtype), value
 
+    @classmethod
+    def on(cls, device, ptr: int, shape: Sequence[int], dtype) -> "FixedBuffer":
+        """A buffer at `ptr` in `device`'s memory, with an OrtValue over it."""
+        return cls(ptr, shape, dtype, ortvalue_at(ptr, list(shape), np.dtype(dtype), device.is_cuda,
+                                                  device.config.device_id))
+
 
 def copy_into(device, target: FixedBuffer, value: ort.OrtValue) -> None:
     """Copies `value` into `target`, in order on the compute stream. Returns once the

@@ -386,8 +386,7 @@ class SegmentRunner:
                 shape = list(v.shape())
                 dtype = numpy_dtype(v.data_type())
                 ptr = scratch.allocate(max(1, nbytes_of(shape, dtype)))
-                plan.buffers[name] = FixedBuffer(ptr, shape, dtype,
-                                                 ortvalue_at(ptr, shape, dtype, self.device.is_cuda, self._device_id))
+                plan.buffers[name] = FixedBuffer.on(self.device, ptr, shape, dtype)
         except BaseException:
             self._free_plan(plan)
             raise
