@@ -49,7 +49,7 @@ class DecoderSpec:
     kv_dtype: np.dtype
     logits_dtype: np.dtype
     position_ids: bool
-    max_length: Optional[int]  # the longest sequence: genai_config.json, else the rotary table
+    max_length: Optional[int]  # the longest sequence: the lesser of genai_config.json's and the rotary table's
     eos_token_id: tuple
     ids_dtype: np.dtype = np.dtype(np.int64)  # of input_ids, attention_mask and position_ids,
     mask_dtype: np.dtype = np.dtype(np.int64)  # as the model declares them
@@ -132,13 +132,11 @@ def decoder_spec(inputs: Sequence[IOInfo], outputs: Sequence[IOInfo], op_types, 
     past0 = ins["past_key_values.0.key"]
     kv_heads = _dim(past0, 1, cfg.get("kv_heads"), "the KV head count")
     head_size = _dim(past0, 3, cfg.get("head_size"), "the head size")
-    max_length = cfg.get("max_length") or rotary_rows
-    if cfg.get("max_length") and rotary_rows:
-        max_length = min(cfg["max_length"], rotary_rows)
+    bounds = [n for n in (cfg.get("max_length"), rotary_rows) if n]
     vocab = outs["logits"].shape[-1] if outs["logits"].shape else None
     return DecoderSpec("gqa" if "GroupQueryAttention" in op_types else "standard", max(layers) + 1, kv_heads,
                        head_size, past0.dtype, outs["logits"].dtype, "position_ids" in ins,
-                       max_length, cfg.get("eos", ()), dtypes["input_ids"], dtypes["attention_mask"],
+                       min(bounds) if bounds else None, cfg.get("eos", ()), dtypes["input_ids"], dtypes["attention_mask"],
                        dtypes["position_ids"], vocab if isinstance(vocab, int) and vocab > 0 else None)
 
 
