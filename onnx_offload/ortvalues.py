@@ -78,8 +78,8 @@ class IOInfo:
         self.type = f"tensor({onnx.helper.tensor_dtype_to_string(tt.elem_type).split('.')[-1].lower()})"
         self.shape = dims(tt)
         try:
-            self.dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
-        except (KeyError, TypeError, ValueError):  # not a tensor, or a type numpy lacks
+            self.dtype = numpy_dtype(self.type)
+        except OffloadError:  # a type no boundary or cache can hold
             self.dtype = None
 
     def __repr__(self):
