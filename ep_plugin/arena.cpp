@@ -321,7 +321,7 @@ uint64_t Arena::plain_alloc(Zone charge, uint64_t bytes) {
   try {
     const uint64_t budget = ledger_->budget();
     trim_pool_while_locked(0, [&] { return ledger_->committed_total() + pool_.bytes() > budget; });
-    ptr = backend_->plain_alloc(bytes);
+    ptr = backend_->plain_alloc(charged);  // freed with the same length
   } catch (...) {
     ledger_->refund(charge, charged);
     ledger_->set_pooled(pool_.bytes());

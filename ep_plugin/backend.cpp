@@ -27,6 +27,14 @@ DriverCounters PhysicalBackend::counters() const {
   return c;
 }
 
+void PhysicalBackend::begin_graph_capture(Stream&) {
+  throw StateError(concat("device graphs need the CUDA backend, not '", name(), "'"));
+}
+
+std::shared_ptr<DeviceGraph> PhysicalBackend::end_graph_capture(Stream&) {
+  throw StateError(concat("device graphs need the CUDA backend, not '", name(), "'"));
+}
+
 void PhysicalBackend::maybe_fail(const std::atomic<uint64_t>& calls) {
   if (fail_op_.load() == &calls && calls.load() + 1 >= fail_at_.load()) {
     fail_op_ = nullptr;

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace offload {
 
@@ -34,6 +35,36 @@ class Event {
   virtual void synchronize() = 0;  // host waits
   virtual void wait_on(Stream& s) = 0;  // s waits for this event, without the host waiting
   virtual float elapsed_ms(Event& start) = 0;
+};
+
+// One H2D copy added to a captured graph: `bytes` from pinned host memory at `src` to
+// device memory at `dst`. It runs after the previous copy added in the same call and
+// after the captured nodes `after`; the captured nodes `before` run after it.
+struct GraphCopy {
+  uint64_t dst = 0;
+  uint64_t src = 0;
+  uint64_t bytes = 0;
+  std::vector<int> after, before;
+};
+
+// A stream capture of device work (on CUDA, a CUgraph), which the package edits and
+// replays as its own: it finds which captured nodes read given address ranges, adds
+// copies with their dependency edges, and launches the result.
+class DeviceGraph {
+ public:
+  virtual ~DeviceGraph() = default;
+  virtual std::size_t nodes() const = 0;    // captured nodes, in a topological order
+  virtual std::size_t kernels() const = 0;  // of which kernel launches
+  // Nodes whose reads cannot be told (a kernel without readable parameters, a child
+  // graph): a caller that needs every reader must not rely on readers() then.
+  virtual std::size_t opaque() const = 0;
+  // For each [lo, hi) range, the topological index of every captured node whose
+  // parameters hold an address inside it.
+  virtual std::vector<std::vector<int>> readers(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) = 0;
+  virtual void add_copies(const std::vector<GraphCopy>& copies) = 0;
+  virtual void instantiate(Stream& s) = 0;  // no edits after this; uploads on `s`
+  virtual void launch(Stream& s) = 0;
+  virtual uint64_t launches() const = 0;
 };
 
 // Driver-call counters: how many calls and how long they took (the binding reads this list too).
@@ -102,6 +133,11 @@ class PhysicalBackend {
   // position of every head of a KV cache.
   virtual void copy_d2d_2d(uint64_t dst, uint64_t dst_pitch, uint64_t src, uint64_t src_pitch, uint64_t width,
                            uint64_t rows, Stream& s) = 0;
+
+  // Device graphs: a relaxed-mode capture of everything queued on `s` until the end.
+  // Maps and unmaps stay out of the captured region (the arena's capture guard).
+  virtual void begin_graph_capture(Stream& s);
+  virtual std::shared_ptr<DeviceGraph> end_graph_capture(Stream& s);
 
   // Page-locks host memory for fast, asynchronous copies (no-op on the host).
   virtual void host_register(void* p, uint64_t n) = 0;

@@ -67,6 +67,21 @@ void bind_backend(py::module_& m) {
   py::class_<HostGraph, std::shared_ptr<HostGraph>>(m, "HostGraph")
       .def("launch", &HostGraph::launch, py::arg("stream"), Release())
       .def_property_readonly("size", &HostGraph::size);
+  py::class_<DeviceGraph, std::shared_ptr<DeviceGraph>>(m, "DeviceGraph")
+      .def_property_readonly("nodes", &DeviceGraph::nodes)
+      .def_property_readonly("kernels", &DeviceGraph::kernels)
+      .def_property_readonly("opaque", &DeviceGraph::opaque)
+      .def_property_readonly("launches", &DeviceGraph::launches)
+      .def("readers", &DeviceGraph::readers, py::arg("ranges"), Release())
+      .def("add_copies", [](DeviceGraph& g, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, std::vector<int>,
+                                                                         std::vector<int>>>& copies) {
+        std::vector<GraphCopy> list;
+        for (auto& [dst, src, n, after, before] : copies) list.push_back(GraphCopy{dst, src, n, after, before});
+        py::gil_scoped_release nogil;
+        g.add_copies(list);
+      }, py::arg("copies"), Drain())
+      .def("instantiate", &DeviceGraph::instantiate, py::arg("stream"), Release())
+      .def("launch", &DeviceGraph::launch, py::arg("stream"), Release());
   m.def("host_begin_capture", &host_begin_capture, py::arg("stream"), Drain());
   m.def("host_end_capture", &host_end_capture, py::arg("stream"), Drain());
 
@@ -77,6 +92,8 @@ void bind_backend(py::module_& m) {
       .def("create_stream", &PhysicalBackend::create_stream, Drain())
       .def("wrap_stream", &PhysicalBackend::wrap_stream, py::arg("native"), Drain())
       .def("create_event", &PhysicalBackend::create_event, Drain())
+      .def("begin_graph_capture", &PhysicalBackend::begin_graph_capture, py::arg("stream"), Release())
+      .def("end_graph_capture", &PhysicalBackend::end_graph_capture, py::arg("stream"), Release())
       .def("copy_h2d", [](PhysicalBackend& b, uint64_t dst, uint64_t src, uint64_t n, Stream& s) {
         b.copy_h2d(dst, reinterpret_cast<const void*>(src), n, s);
       }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"), Release())

@@ -2,10 +2,14 @@
 // device is retained explicitly for the backend's life and made current on the
 // calling thread before each driver call, since ORT and Python call in from
 // threads of their own.
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
+#include <unordered_map>
 
 #include "backend.h"
 #include "bookkeeping.h"
@@ -129,6 +133,209 @@ class CudaEvent : public Event {
   CUevent e_ = nullptr;
 };
 
+// A captured CUgraph, edited and replayed by the package.
+class CudaGraph : public DeviceGraph {
+ public:
+  CudaGraph(ContextRef ctx, CUgraph g) : ctx_(std::move(ctx)), g_(g) {
+    ctx_->make_current();
+    size_t n = 0;
+    CU_CHECK(DRV(cuGraphGetNodes)(g_, nullptr, &n));
+    std::vector<CUgraphNode> nodes(n);
+    if (n) CU_CHECK(DRV(cuGraphGetNodes)(g_, nodes.data(), &n));
+    size_t e = 0;
+    CU_CHECK(DRV(cuGraphGetEdges)(g_, nullptr, nullptr, nullptr, &e));
+    std::vector<CUgraphNode> from(e), to(e);
+    std::vector<CUgraphEdgeData> data(e);  // edges may carry data (programmatic launches): asked for, or the query fails
+    if (e) CU_CHECK(DRV(cuGraphGetEdges)(g_, from.data(), to.data(), data.data(), &e));
+    // Kahn's algorithm, ties broken by the driver's node order (creation order).
+    std::unordered_map<CUgraphNode, size_t> index;
+    for (size_t i = 0; i < n; ++i) index[nodes[i]] = i;
+    std::vector<std::vector<size_t>> out(n);
+    std::vector<size_t> indegree(n, 0);
+    for (size_t i = 0; i < e; ++i) {
+      out[index.at(from[i])].push_back(index.at(to[i]));
+      ++indegree[index.at(to[i])];
+    }
+    std::vector<size_t> ready;
+    for (size_t i = n; i-- > 0;)
+      if (indegree[i] == 0) ready.push_back(i);
+    while (!ready.empty()) {
+      size_t i = ready.back();
+      ready.pop_back();
+      order_.push_back(nodes[i]);
+      std::vector<size_t> next;
+      for (size_t j : out[i])
+        if (--indegree[j] == 0) next.push_back(j);
+      std::sort(next.rbegin(), next.rend());
+      ready.insert(ready.end(), next.begin(), next.end());
+      std::sort(ready.rbegin(), ready.rend());
+    }
+    if (order_.size() != n) throw StateError("the captured graph has a cycle");
+    for (CUgraphNode node : order_) {
+      CUgraphNodeType t;
+      CU_CHECK(DRV(cuGraphNodeGetType)(node, &t));
+      types_.push_back(t);
+      if (t == CU_GRAPH_NODE_TYPE_KERNEL) ++kernels_;
+    }
+  }
+  ~CudaGraph() override {
+    CU_WARN(DRV(cuCtxSetCurrent)(ctx_->get()));
+    if (exec_ != nullptr) CU_WARN(DRV(cuGraphExecDestroy)(exec_));
+    CU_WARN(DRV(cuGraphDestroy)(g_));
+  }
+
+  std::size_t nodes() const override { return order_.size(); }
+  std::size_t kernels() const override { return kernels_; }
+  std::size_t opaque() const override { return opaque_; }
+  uint64_t launches() const override { return launches_; }
+
+  std::vector<std::vector<int>> readers(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) override {
+    ctx_->make_current();
+    std::vector<std::tuple<uint64_t, uint64_t, int>> sorted;
+    for (size_t i = 0; i < ranges.size(); ++i) sorted.emplace_back(ranges[i].first, ranges[i].second, int(i));
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<std::vector<int>> found(ranges.size());
+    opaque_ = 0;
+    for (size_t k = 0; k < order_.size(); ++k) {
+      std::vector<uint64_t> words;
+      if (!addresses(order_[k], types_[k], &words)) ++opaque_;
+      std::vector<int> hit;
+      for (uint64_t w : words) {
+        auto it = std::upper_bound(sorted.begin(), sorted.end(), std::make_tuple(w, UINT64_MAX, INT32_MAX));
+        if (it == sorted.begin()) continue;
+        --it;
+        if (w >= std::get<0>(*it) && w < std::get<1>(*it)) hit.push_back(std::get<2>(*it));
+      }
+      std::sort(hit.begin(), hit.end());
+      hit.erase(std::unique(hit.begin(), hit.end()), hit.end());
+      for (int r : hit) found[size_t(r)].push_back(int(k));
+    }
+    return found;
+  }
+
+  void add_copies(const std::vector<GraphCopy>& copies) override {
+    if (exec_ != nullptr) throw StateError("the graph is instantiated: no more edits");
+    ctx_->make_current();
+    CUgraphNode prev = nullptr;
+    for (const GraphCopy& c : copies) {
+      std::vector<CUgraphNode> deps;
+      if (prev != nullptr) deps.push_back(prev);
+      for (int i : c.after) deps.push_back(node_at(i));
+      CUDA_MEMCPY3D p{};
+      p.srcMemoryType = CU_MEMORYTYPE_HOST;
+      p.srcHost = reinterpret_cast<const void*>(uintptr_t(c.src));
+      p.srcPitch = c.bytes;
+      p.srcHeight = 1;
+      p.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+      p.dstDevice = CUdeviceptr(c.dst);
+      p.dstPitch = c.bytes;
+      p.dstHeight = 1;
+      p.WidthInBytes = c.bytes;
+      p.Height = 1;
+      p.Depth = 1;
+      CUgraphNode node = nullptr;
+      CU_CHECK(DRV(cuGraphAddMemcpyNode)(&node, g_, deps.data(), deps.size(), &p, ctx_->get()));
+      for (int i : c.before) {
+        CUgraphNode to = node_at(i);
+        CU_CHECK(DRV(cuGraphAddDependencies)(g_, &node, &to, nullptr, 1));
+      }
+      prev = node;
+    }
+  }
+
+  void instantiate(Stream& s) override {
+    if (exec_ != nullptr) return;
+    ctx_->make_current();
+    CU_CHECK(DRV(cuGraphInstantiateWithFlags)(&exec_, g_, 0));
+    CU_CHECK(DRV(cuGraphUpload)(exec_, raw(s)));
+  }
+
+  void launch(Stream& s) override {
+    if (exec_ == nullptr) throw StateError("the graph is not instantiated");
+    ctx_->make_current();
+    CU_CHECK(DRV(cuGraphLaunch)(exec_, raw(s)));
+    ++launches_;
+  }
+
+ private:
+  CUgraphNode node_at(int i) const {
+    if (i < 0 || size_t(i) >= order_.size()) throw std::out_of_range(concat("graph node ", i, " of ", order_.size()));
+    return order_[size_t(i)];
+  }
+
+  // Every 8-byte word of a node's parameters that may be an address. False when the
+  // node may read memory that its parameters do not show.
+  static bool addresses(CUgraphNode node, CUgraphNodeType t, std::vector<uint64_t>* words) {
+    switch (t) {
+      case CU_GRAPH_NODE_TYPE_KERNEL: {
+        CUDA_KERNEL_NODE_PARAMS p{};
+        CU_CHECK(DRV(cuGraphKernelNodeGetParams)(node, &p));
+        if (p.kernelParams != nullptr && (p.func != nullptr || p.kern != nullptr)) {
+          for (size_t i = 0;; ++i) {
+            size_t offset = 0, size = 0;
+            CUresult r = p.func != nullptr ? DRV(cuFuncGetParamInfo)(p.func, i, &offset, &size)
+                                           : DRV(cuKernelGetParamInfo)(p.kern, i, &offset, &size);
+            if (r == CUDA_ERROR_INVALID_VALUE) break;  // past the last parameter
+            CU_CHECK(r);
+            scan(p.kernelParams[i], size, words);
+          }
+          return true;
+        }
+        if (p.extra != nullptr) {
+          const void* buffer = nullptr;
+          size_t size = 0;
+          for (void** e = p.extra; *e != CU_LAUNCH_PARAM_END; e += 2) {
+            if (*e == CU_LAUNCH_PARAM_BUFFER_POINTER) buffer = e[1];
+            if (*e == CU_LAUNCH_PARAM_BUFFER_SIZE) size = *static_cast<size_t*>(e[1]);
+          }
+          if (buffer != nullptr) {
+            scan(buffer, size, words);
+            return true;
+          }
+        }
+        return false;
+      }
+      case CU_GRAPH_NODE_TYPE_MEMCPY: {
+        CUDA_MEMCPY3D p{};
+        CU_CHECK(DRV(cuGraphMemcpyNodeGetParams)(node, &p));
+        words->push_back(uint64_t(p.srcDevice));
+        words->push_back(uint64_t(p.dstDevice));
+        words->push_back(uint64_t(reinterpret_cast<uintptr_t>(p.srcHost)));
+        return true;
+      }
+      case CU_GRAPH_NODE_TYPE_MEMSET: {
+        CUDA_MEMSET_NODE_PARAMS p{};
+        CU_CHECK(DRV(cuGraphMemsetNodeGetParams)(node, &p));
+        words->push_back(uint64_t(p.dst));
+        return true;
+      }
+      case CU_GRAPH_NODE_TYPE_GRAPH:
+      case CU_GRAPH_NODE_TYPE_HOST:
+        return false;
+      default:  // events, waits, empty nodes: no memory
+        return true;
+    }
+  }
+
+  static void scan(const void* p, size_t size, std::vector<uint64_t>* words) {
+    if (p == nullptr) return;
+    const auto* bytes = static_cast<const unsigned char*>(p);
+    for (size_t o = 0; o + 8 <= size; o += 4) {  // 4: a struct may pack an address at 4
+      uint64_t w;
+      std::memcpy(&w, bytes + o, 8);
+      words->push_back(w);
+    }
+  }
+
+  ContextRef ctx_;
+  CUgraph g_;
+  CUgraphExec exec_ = nullptr;
+  std::vector<CUgraphNode> order_;
+  std::vector<CUgraphNodeType> types_;
+  std::size_t kernels_ = 0, opaque_ = 0;
+  std::atomic<uint64_t> launches_{0};
+};
+
 void CUDA_CB sleep_ms(void* ms) { std::this_thread::sleep_for(std::chrono::milliseconds(uintptr_t(ms))); }
 
 class CudaBackend : public PhysicalBackend {
@@ -212,6 +419,21 @@ class CudaBackend : public PhysicalBackend {
     current();
     // A host function on the stream: the work queued after it waits until it returns.
     CU_CHECK(DRV(cuLaunchHostFunc)(raw(s), &sleep_ms, reinterpret_cast<void*>(uintptr_t(ms))));
+  }
+  void begin_graph_capture(Stream& s) override {
+    current();
+    CU_CHECK(DRV(cuStreamBeginCapture)(raw(s), CU_STREAM_CAPTURE_MODE_RELAXED));
+  }
+  std::shared_ptr<DeviceGraph> end_graph_capture(Stream& s) override {
+    current();
+    CUgraph g = nullptr;
+    CU_CHECK(DRV(cuStreamEndCapture)(raw(s), &g));
+    try {
+      return std::make_shared<CudaGraph>(ctx_, g);
+    } catch (...) {
+      CU_WARN(DRV(cuGraphDestroy)(g));
+      throw;
+    }
   }
   void host_register(void* p, uint64_t n) override {
     current();

@@ -58,6 +58,23 @@ namespace offload {
   _(cuEventQuery, 2000)                    \
   _(cuEventSynchronize, 2000)              \
   _(cuEventElapsedTime, 12080)             \
+  _(cuStreamBeginCapture, 10010)          \
+  _(cuStreamEndCapture, 10000)             \
+  _(cuGraphGetNodes, 10000)                \
+  _(cuGraphGetEdges, 12030)                \
+  _(cuGraphNodeGetType, 10000)             \
+  _(cuGraphKernelNodeGetParams, 12000)     \
+  _(cuGraphMemcpyNodeGetParams, 10000)     \
+  _(cuGraphMemsetNodeGetParams, 10000)     \
+  _(cuFuncGetParamInfo, 12040)             \
+  _(cuKernelGetParamInfo, 12040)           \
+  _(cuGraphAddMemcpyNode, 10000)           \
+  _(cuGraphAddDependencies, 12030)         \
+  _(cuGraphInstantiateWithFlags, 11040)    \
+  _(cuGraphUpload, 11010)                  \
+  _(cuGraphLaunch, 10000)                  \
+  _(cuGraphExecDestroy, 10000)             \
+  _(cuGraphDestroy, 10000)                 \
   _(cuGetErrorName, 6000)                  \
   _(cuGetErrorString, 6000)
 

@@ -187,14 +187,14 @@ def bench_decode(kind: str, out_dir: str, prompt: int = 128, new: int = 128,
     pinned.close()
     del backend
     ids = np.random.default_rng(0).integers(0, shape["vocab"], (1, prompt))
-    a = _in_process_of_its_own("anchor", path=path, shape=shape, ids=ids.tolist(), new=new, kind=kind)
+    a = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new, kind=kind)
     print(f"  anchor: {a['ms_per_token']:.2f} ms/token; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)
     scratch = 2 * GiB if kind == "cuda" else 4 * MiB
     cache = os.path.join(out_dir, "cache")
     rows = []
     for frac in fractions:
         for capture in ((True, False) if kind == "cuda" else (False,)):
-            r = _in_process_of_its_own("offload_row", path=path, shape=shape, ids=ids.tolist(), new=new, kind=kind,
+            r = in_process_of_its_own("bench_decode", "offload_row", path=path, shape=shape, ids=ids.tolist(), new=new, kind=kind,
                                        cache=cache, weights=weights, fraction=frac, capture=capture, scratch=scratch)
             bound = max(a["ms_per_token"], (1 - frac) * weights / bw * 1e3)
             r.update(bound_ms=bound, vs_bound=r["ms_per_token"] / bound, vs_anchor=r["ms_per_token"] / a["ms_per_token"],
@@ -208,23 +208,23 @@ def bench_decode(kind: str, out_dir: str, prompt: int = 128, new: int = 128,
                 shape=shape)
 
 
-def _in_process_of_its_own(fn: str, **kw) -> Dict:
-    """Runs `fn(**kw)` of this module in a fresh Python; returns its result."""
+def in_process_of_its_own(module: str, fn: str, **kw) -> Dict:
+    """Runs `fn(**kw)` of onnx_offload.`module` in a fresh Python; returns its result."""
     # Run from a neutral folder: the source tree's package (without its built core)
     # must not shadow the installed one.
-    proc = subprocess.run([sys.executable, "-m", "onnx_offload.bench_decode", fn, json.dumps(kw)],
+    proc = subprocess.run([sys.executable, "-m", f"onnx_offload.{module}", fn, json.dumps(kw)],
                           capture_output=True, text=True, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
-        raise RuntimeError(f"bench decode: {fn} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"bench: {module}.{fn} failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["tokens"] = np.array(out["tokens"], np.int64)
     return out
 
 
-def _main(fn: str, kw: str) -> None:
+def _main(fn: str, kw: str, module=None) -> None:
     kw = json.loads(kw)
     kw["ids"] = np.array(kw["ids"], np.int64)
-    res = globals()[fn](**kw)
+    res = (vars(module) if module is not None else globals())[fn](**kw)
     res["tokens"] = res["tokens"].tolist()
     print(json.dumps(res, default=float))
 

@@ -328,6 +328,10 @@ def cmd_bench(args) -> int:
         from .bench_decode import bench_decode, print_decode
         res = bench_decode(kind, out)
         text = print_decode(res)
+    elif args.what == "compare":
+        from .bench_compare import bench_compare, print_compare
+        res = bench_compare(kind, out)
+        text = print_compare(res)
     elif args.what == "session":
         res = bench.bench_session(kind, out)
         text = bench.print_session(res)
@@ -390,7 +394,7 @@ def main(argv=None) -> int:
     d.add_argument("--cpu", action="store_true")
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="benchmarks: arena page-in costs, session overhead, offloaded step time")
-    b.add_argument("what", choices=("arena", "session", "offload", "decode", "reliability"))
+    b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "reliability"))
     b.add_argument("--out", default="onnx-offload-bench")
     b.add_argument("--json")
     b.add_argument("--weight-gb", type=float, default=8.0)

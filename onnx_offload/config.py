@@ -26,6 +26,11 @@ ENV_DEVICE_BYTES = "ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES"
 ENV_POLICY = "ONNX_GENAI_WEIGHT_OFFLOAD_POLICY"
 ENV_VRAM_LIMIT = "ONNX_GENAI_VRAM_LIMIT"
 ENV_CUDA_GRAPH = "ONNX_GENAI_CUDA_GRAPH"
+ENV_ENGINE = "ONNX_OFFLOAD_ENGINE"
+# How streamed weights run: "graph", the streaming engine (one ORT session captured into
+# a graph with the page-ins in it; CUDA only); "segments", one ORT session per segment,
+# each paged in before it runs; "auto", the graph where it can run, else segments.
+ENGINES = ("auto", "graph", "segments")
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -133,6 +138,13 @@ def parse_policy(value: str, name: str = ENV_POLICY) -> str:
     return text
 
 
+def parse_engine(value: str, name: str = ENV_ENGINE) -> str:
+    text = str(value).strip().lower()
+    if text not in ENGINES:
+        raise ValueError(f"{name}={value!r} is not valid: expected one of {', '.join(ENGINES)}")
+    return text
+
+
 def env_is_set(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether the variable holds a value (an empty one counts as unset)."""
     value = (os.environ if env is None else env).get(name)
@@ -146,6 +158,7 @@ _ENV_FIELDS = (
     (ENV_POLICY, "policy", parse_policy),
     (ENV_VRAM_LIMIT, "vram_limit", parse_vram_limit),
     (ENV_CUDA_GRAPH, "cuda_graph", parse_flag),
+    (ENV_ENGINE, "engine", parse_engine),
 )
 
 
@@ -171,10 +184,13 @@ class OffloadConfig:
     zone_va_bytes: Optional[int] = None
     optimization_level: Optional[str] = None  # None: the SessionOptions' level
     cache_dir: Optional[str] = None  # keeps optimized models between sessions
+    engine: str = "auto"  # one of ENGINES
+
 
     def __post_init__(self):
         self.vram_limit = parse_vram_limit(self.vram_limit, "vram_limit", smallest_budget(self.host_granularity))
         self.policy = parse_policy(self.policy, "policy")
+        self.engine = parse_engine(self.engine, "engine")
         if self.weight_bytes is not None:
             self.weight_bytes = parse_bytes(self.weight_bytes, "weight_bytes")
         if self.segment_bytes is not None:

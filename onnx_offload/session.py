@@ -17,6 +17,7 @@ scratch zone by the meter (``ort_memory.py``); a split model's IOBinding is
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -49,6 +50,7 @@ from .residency import Counters, ResidencyManager
 from .runner import SegmentRunner
 from .segmenter import Segment, plan_segments, segment_weights, split
 from .slots import slot_kind
+from .streaming import StreamEngine, StreamingUnavailable, choose_engine, plan_stream
 from .stats import OffloadStats
 from .workdir import make_workdir, remove_workdir
 
@@ -157,12 +159,6 @@ class OffloadSession:
             point_weights_at_placeholder(model, names)
         else:
             weights_as_inputs(model, weights)
-        if plan.streaming:
-            segments = split(model, groups_by_target[plan.segment_target], names.__contains__)
-        else:
-            segments = [Segment(0, list(range(len(model.graph.node))), [w.name for w in weights],
-                                [v.name for v in self._graph_inputs if v.name not in names],
-                                [v.name for v in self._graph_outputs], model)]
 
         safe, why = structural_safety(model)
         override, source = cfg.graph_override, ""
@@ -173,18 +169,51 @@ class OffloadSession:
             on_cuda=self._on_cuda, offload=cfg.offload, stable_addresses=stable, override=override,
             override_source=source, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why,
             decoder=self._is_decoder() and not self._op_types & CONTROL_FLOW_OPS)
+        engine = choose_engine(cfg, self._on_cuda, plan.streaming, stable, capture)
+        layout = None
+        if engine == "graph":
+            # The streaming engine's weights budget holds the resident weights and the ring.
+            usable = plan.budget - plan.zones["scratch"].reserve - plan.zones["kv"].reserve
+            allowance = min(cfg.weight_bytes or plan.budget, usable)
+            readers = collections.Counter(i for node in model.graph.node for i in node.input if i in names)
+            try:
+                layout = plan_stream(weights, allowance, dev.granularity, cost, cfg.policy,
+                                     shared=[n for n, c in readers.items() if c > 1])
+            except StreamingUnavailable as e:
+                if cfg.engine == "graph":
+                    raise
+                self._notes.append(f"the weights run in segments: {e}")
+                engine = "segments"
 
         self._store = HostStore(dev.backend, weights)
         self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, progress)
-        self._residency = ResidencyManager(dev, self._store, weights, [s.weights for s in segments],
-                                           cfg.policy, vmm=stable, record_timeline=record_timeline)
-        if not plan.streaming:
-            self._residency.make_all_resident()
         self._meter = OrtMemoryMeter(dev)
         factory = SessionFactory(dev, self._user_options, self._cuda_options, cfg.device_id, plan.ort_memory_cap)
-        self._runner = SegmentRunner(dev, self._residency, factory, self._meter, segments, self._workdir,
-                                     [o.name for o in self._graph_outputs], streaming=plan.streaming,
-                                     stable=stable, capture=capture, device_id=cfg.device_id)
+        outputs = [o.name for o in self._graph_outputs]
+        if layout is not None:
+            dev.ledger.set_zone("weights", allowance=layout.allowance - layout.ring_bytes, reserve=0)
+            dev.ledger.set_zone("transient", allowance=plan.budget, reserve=layout.ring_bytes)
+            kept = set(layout.resident)
+            self._residency = ResidencyManager(dev, self._store, [w for w in weights if w.name in kept],
+                                               [layout.resident], cfg.policy, vmm=True,
+                                               record_timeline=record_timeline)
+            self._residency.make_all_resident()
+            self._runner = StreamEngine(dev, self._residency, self._store, weights, layout, factory, self._meter,
+                                        model, self._workdir, self._required_inputs, outputs, capture.reason,
+                                        cfg.device_id)
+        else:
+            if plan.streaming:
+                segments = split(model, groups_by_target[plan.segment_target], names.__contains__)
+            else:
+                segments = [Segment(0, list(range(len(model.graph.node))), [w.name for w in weights],
+                                    [v.name for v in self._graph_inputs if v.name not in names], outputs, model)]
+            self._residency = ResidencyManager(dev, self._store, weights, [s.weights for s in segments],
+                                               cfg.policy, vmm=stable, record_timeline=record_timeline)
+            if not plan.streaming:
+                self._residency.make_all_resident()
+            self._runner = SegmentRunner(dev, self._residency, factory, self._meter, segments, self._workdir,
+                                         outputs, streaming=plan.streaming, stable=stable, capture=capture,
+                                         device_id=cfg.device_id)
         self._notes.extend(self._runner.notes)
         self._residency.reset_counters()  # count runs, not the page-ins of construction
 
@@ -304,6 +333,13 @@ class OffloadSession:
     @property
     def graph_capture(self) -> GraphCaptureDecision:
         return self._runner.capture
+
+    @property
+    def engine(self) -> str:
+        """"graph": the streaming engine runs the model (one ORT session, captured, with
+        the page-ins in its graph); "segments": one ORT session per segment (one in all
+        when every weight is resident)."""
+        return "graph" if isinstance(self._runner, StreamEngine) else "segments"
 
     @property
     def segments(self) -> List[Segment]:

@@ -222,3 +222,17 @@ def test_scratch_allocator_caches_and_gives_back(rig_factory):
     assert rig.ledger.snapshot().zones["scratch"].committed.current == 0
     with pytest.raises(StateError):
         sa.deallocate(12345)
+
+
+def test_plain_allocations_free_exactly_what_they_took(rig_factory):
+    """A plain allocation is charged in whole granules once it is large; freeing one
+    must give back that span and nothing of its neighbour's."""
+    rig = rig_factory()
+    n = 15 * rig.g + 100  # not a whole number of granules, nor of pages
+    upper = rig.arena.plain_alloc("weights", n)
+    lower = rig.arena.plain_alloc("weights", n)
+    rig.write(upper, np.full(n, 7, np.uint8))
+    rig.arena.plain_free(lower)
+    np.testing.assert_array_equal(rig.read(upper, n), np.full(n, 7, np.uint8))
+    rig.arena.plain_free(upper)
+    assert rig.ledger.committed == 0 and not rig.invariants()

@@ -164,7 +164,7 @@ def test_offload_on_cuda_matches_plain_and_keeps_addresses(policy):
     budget = 3 << 30
     with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True, vram_limit=budget,
                         weight_bytes=weight_bytes(model) // 4, policy=policy, scratch_bytes=2 << 30) as s:
-        assert len(s.segments) > 1
+        assert len(s.segments) > 1 or s.engine == "graph"
         addresses = {n: sl.va for n, sl in s.residency.slots.items()}
         for _ in range(2):
             np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
@@ -262,7 +262,7 @@ def test_segments_are_captured_once_and_replayed_while_weights_page(policy, capf
         capfd.readouterr()
         with OffloadSession(model.SerializeToString(), so, providers=[CUDA], offload=True, vmm=True,
                             vram_limit="1GiB", weight_bytes=weight_bytes(model) // 2, scratch_bytes=256 * MiB,
-                            cuda_graph=True, policy=policy) as s:
+                            cuda_graph=True, policy=policy, engine="segments") as s:
             segments = len(s.segments)
             assert segments > 1 and s.graph_capture.enabled, s.graph_capture.reason
             assert f"{segments} of {segments} captured" in s.graph_capture.reason
@@ -323,7 +323,7 @@ def test_callers_own_iobinding_with_enable_cuda_graph_and_a_dynamic_batch(weight
     allowance = 64 * MiB if weights_fit else 10 * MiB
     with OffloadSession(model.SerializeToString(), providers=[(CUDA, {"enable_cuda_graph": "1"})], offload=True,
                         vmm=True, vram_limit="1GiB", weight_bytes=allowance, scratch_bytes=256 * MiB) as s:
-        assert (len(s.segments) > 1) != weights_fit
+        assert (len(s.segments) > 1 or s.engine == "graph") != weights_fit
         assert s.graph_capture.enabled and "enable_cuda_graph=1" in s.graph_capture.reason, s.graph_capture.reason
         io = s.io_binding()
         X = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)

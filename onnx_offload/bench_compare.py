@@ -1,0 +1,236 @@
+"""``onnx-offload bench compare``: decode under weight budgets of 25, 50 and 75%, for
+every way of running the same architecture, in one run.
+
+Rows, each in a process of its own (see ``bench_decode``):
+- plain ORT, every weight resident, the KV cache on the device, one CUDA graph per
+  decode step: the anchor of the bound;
+- OffloadSession with the streaming engine (one ORT session, page-ins in its graph);
+- the non-VMM baseline: segments whose weights are paged into fresh ``cuMemAlloc``
+  memory at every page-in, uncaptured;
+- HF accelerate's CPU offload (``device_map`` from ``max_memory``) of a
+  ``transformers`` Llama of the same shape with random weights, decoding with its KV
+  cache, when torch, transformers and accelerate import (else skipped, saying why).
+
+The model is the TinyLlama shape in onnxruntime-genai's builder layout (fp16) on
+CUDA, a small one on the CPU. The bound is max(anchor ms/token, (1 - f) x weight bytes
+/ H2D), with H2D measured in this run. Peak device bytes are everything the process
+took on the device after its CUDA context existed: the device's free memory, sampled
+after loading and after every token, against its value before the session was made.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Dict, List
+
+import numpy as np
+
+from .bench import PinnedBuffer, _backend, h2d_bandwidth
+from .bench_decode import WARMUP, build_model, in_process_of_its_own
+from .config import GiB, MiB
+from .stats import fmt_bytes, table
+
+STEADY = ("creates", "releases", "maps", "unmaps", "set_access", "plain_allocs", "plain_frees")
+
+
+def _kv_bytes(shape: dict, batch: int, length: int) -> int:
+    hd = shape["hidden"] // shape["heads"]
+    return 2 * shape["layers"] * batch * shape["kv_heads"] * length * hd * np.dtype(shape["dtype"]).itemsize
+
+
+def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, cache: str, weights: int,
+                fraction: float, engine: str, scratch: int) -> Dict:
+    """OffloadSession at a weights budget of `fraction`: engine "graph" (the streaming
+    engine) or "baseline" (segments paged into fresh device memory, no graphs)."""
+    from . import _core
+    from .session import OffloadSession
+    provider = "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
+    backend = _core.make_cuda_backend(0) if kind == "cuda" else None
+    free0 = backend.mem_info()[0] if backend else 0
+    low = [free0]
+
+    def sample():
+        if backend:
+            low[0] = min(low[0], backend.mem_info()[0])
+
+    kw = dict(offload=True, vram_limit=int(weights * fraction) + scratch, scratch_bytes=scratch, cache_dir=cache)
+    if engine == "graph":
+        kw.update(vmm=True, engine="graph" if kind == "cuda" else "segments")
+    else:
+        kw.update(vmm=False, cuda_graph=False)
+    if kind != "cuda":
+        kw["host_granularity"] = 64 << 10
+    t0 = time.perf_counter()
+    s = OffloadSession(path, providers=[provider], **kw)
+    load_s = time.perf_counter() - t0
+    try:
+        sample()
+        tokens, stamps = [], []
+        d0 = c0 = None
+        t0 = time.perf_counter()
+        for tok in s.generate_iter(ids, new):
+            stamps.append(time.perf_counter())
+            tokens.append(tok)
+            sample()
+            if len(tokens) == WARMUP + 1:
+                st = s.stats()
+                d0, c0, g0 = st.driver.as_dict(), st.counters, st.graph_steps
+            if len(tokens) == new - 1:  # before the last: the cache is given back with it
+                st = s.stats()
+                d1, c1, g1 = st.driver.as_dict(), st.counters, st.graph_steps
+        steps = np.diff(stamps) * 1e3
+        measured = new - 2 - WARMUP
+        access = c1.access_bytes - c0.access_bytes
+        st = s.stats()
+        snap = st.ledger.zones
+        return dict(engine=engine, ran=s.engine, fraction=fraction, segments=len(s.segments), load_s=load_s,
+                    ms_per_token=float(np.median(steps[WARMUP:])), prompt_ms=(stamps[0] - t0) * 1e3,
+                    byte_hit_rate=(c1.hit_bytes - c0.hit_bytes) / access if access else 1.0,
+                    driver_per_step={k: (d1[k] - d0[k]) / measured for k in STEADY},
+                    graph_steps=(g1 - g0) / measured, peak_device=free0 - low[0],
+                    ort_bytes=st.outside_bytes, peak_committed=st.peak_committed,
+                    weights_budget=snap["weights"].allowance + snap["transient"].reserve,
+                    tokens=np.stack(tokens, 1))
+    finally:
+        s.close()
+
+
+def accelerate_row(shape: dict, ids: np.ndarray, new: int, weights: int, fraction: float) -> Dict:
+    """HF accelerate's CPU offload of a random-weight transformers Llama of the same shape."""
+    import torch
+    from accelerate import dispatch_model, infer_auto_device_map
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_utils import no_init_weights
+    cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                      num_key_value_heads=shape["kv_heads"], max_position_embeddings=shape["max_length"],
+                      torch_dtype=torch.float16)
+    with no_init_weights():
+        model = LlamaForCausalLM(cfg).to(torch.float16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(torch.float16))
+    model.eval()
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    device_map = infer_auto_device_map(model, max_memory={0: int(weights * fraction), "cpu": 512 * GiB},
+                                       no_split_module_classes=["LlamaDecoderLayer"], dtype=torch.float16)
+    model = dispatch_model(model, device_map=device_map, main_device=0)
+    on_gpu = sum(1 for v in device_map.values() if v == 0)
+    low = torch.cuda.mem_get_info()[0]
+    x = torch.tensor(ids, device="cuda")
+    times = []
+    with torch.no_grad():
+        out = model(x, use_cache=True)
+        past = out.past_key_values
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(new - 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model(tok, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+            low = min(low, torch.cuda.mem_get_info()[0])
+    return dict(engine="accelerate", fraction=fraction, ms_per_token=statistics.median(times[WARMUP:]),
+                peak_device=free0 - low, modules_on_gpu=on_gpu, modules=len(device_map),
+                tokens=np.zeros((1, 1), np.int64))
+
+
+def accelerate_missing() -> str:
+    """Why the accelerate rows cannot run here ("" when they can)."""
+    import importlib.util
+    for name in ("torch", "transformers", "accelerate"):
+        if importlib.util.find_spec(name) is None:
+            return f"{name} is not importable"
+    import torch
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    return ""
+
+
+def bench_compare(kind: str, out_dir: str, prompt: int = 128, new: int = 64, fractions=(0.25, 0.5, 0.75),
+                  accelerate_new: int = 16) -> Dict:
+    os.makedirs(out_dir, exist_ok=True)
+    path, shape = build_model(kind, out_dir)
+    weights = os.path.getsize(path + ".data")
+    backend = _backend(kind)
+    pinned = PinnedBuffer(backend, GiB if kind == "cuda" else 128 * MiB)
+    bw = h2d_bandwidth(backend, backend.create_stream(), pinned, pinned.array.nbytes)
+    pinned.close()
+    del backend
+    ids = np.random.default_rng(0).integers(0, shape["vocab"], (1, prompt))
+    a = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new, kind=kind)
+    print(f"  anchor: {a['ms_per_token']:.2f} ms/token; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)
+    scratch = 512 * MiB if kind == "cuda" else 4 * MiB
+    cache = os.path.join(out_dir, "cache")
+    rows: List[Dict] = []
+    why_not = accelerate_missing() if kind == "cuda" else "the accelerate rows need CUDA"
+    for frac in fractions:
+        bound = max(a["ms_per_token"], (1 - frac) * weights / bw * 1e3)
+        engines = ("graph", "baseline") + (("accelerate",) if not why_not else ())
+        for engine in engines:
+            if engine == "accelerate":
+                r = in_process_of_its_own("bench_compare", "accelerate_row", shape=shape, ids=ids.tolist(),
+                                          new=accelerate_new, weights=weights, fraction=frac)
+            else:
+                r = in_process_of_its_own("bench_compare", "offload_row", path=path, shape=shape, ids=ids.tolist(),
+                                          new=new, kind=kind, cache=cache, weights=weights, fraction=frac,
+                                          engine=engine, scratch=scratch)
+            tokens = r.pop("tokens")
+            r.update(bound_ms=bound, vs_bound=r["ms_per_token"] / bound,
+                     tokens_equal=bool(np.array_equal(tokens, a["tokens"])) if engine != "accelerate" else None,
+                     kv_bytes=_kv_bytes(shape, 1, prompt + new))
+            rows.append(r)
+            print(f"  {int(frac * 100)}% {engine}: {r['ms_per_token']:.2f} ms/token (bound {bound:.2f})", flush=True)
+    for r in rows:
+        acc = [x for x in rows if x["engine"] == "accelerate" and x["fraction"] == r["fraction"]]
+        r["vs_accelerate"] = acc[0]["ms_per_token"] / r["ms_per_token"] if acc else None
+    a.pop("tokens")
+    return dict(kind=kind, weights=weights, h2d_gbps=bw / 1e9, prompt=prompt, new=new, anchor=a, rows=rows,
+                shape=shape, accelerate=why_not or "ran", accelerate_new=accelerate_new)
+
+
+NAMES = {"graph": "OffloadSession (streaming engine)", "baseline": "non-VMM baseline (segments, cuMemAlloc)",
+         "accelerate": "HF accelerate CPU offload"}
+
+
+def print_compare(res: Dict) -> str:
+    a = res["anchor"]
+    rows: List = [("100%", "plain ORT, all resident (anchor)", f"{a['ms_per_token']:.2f}",
+                   f"{1e3 / a['ms_per_token']:.1f}", "-", "-", "-", "-", "-", "-", "-")]
+    for r in res["rows"]:
+        driver = r.get("driver_per_step")
+        name = NAMES[r["engine"]] if r.get("ran", "graph") == "graph" or r["engine"] != "graph" else \
+            "OffloadSession (segments: no graphs here)"
+        rows.append((f"{int(r['fraction'] * 100)}%", name, f"{r['ms_per_token']:.2f}",
+                     f"{1e3 / r['ms_per_token']:.1f}", f"{r['bound_ms']:.2f}", f"{r['vs_bound']:.2f}x",
+                     fmt_bytes(r["peak_device"]),
+                     f"{r['vs_accelerate']:.1f}x" if r.get("vs_accelerate") else "-",
+                     f"{r['byte_hit_rate']:.1%}" if "byte_hit_rate" in r else "-",
+                     f"{sum(driver.values()):.1f}" if driver else "-",
+                     "-" if r["tokens_equal"] is None else ("yes" if r["tokens_equal"] else "NO")))
+    text = (f"compare on {res['kind']}: {fmt_bytes(res['weights'])} of weights (TinyLlama shape, builder layout), "
+            f"prompt {res['prompt']}, {res['new']} new tokens ({res['accelerate_new']} for accelerate), batch 1; "
+            f"pinned H2D {res['h2d_gbps']:.1f} GB/s (this run); bound = max(anchor ms/token, (1 - f) x weights / H2D); "
+            f"peak device = all the process took after its CUDA context\n"
+            + table(rows, ("weight budget", "engine", "ms/token", "tokens/s", "bound ms", "vs bound", "peak device",
+                           "vs accelerate", "byte hit", "driver calls/step", "= anchor tokens")))
+    if res["accelerate"] != "ran":
+        text += f"\naccelerate rows skipped: {res['accelerate']}"
+    for r in res["rows"]:
+        if r.get("ran") == "graph":
+            text += (f"\n{int(r['fraction'] * 100)}% streaming engine: weights budget {fmt_bytes(r['weights_budget'])}, "
+                     f"KV {fmt_bytes(r['kv_bytes'])}, peak device {fmt_bytes(r['peak_device'])} "
+                     f"(budget + KV + {fmt_bytes(r['peak_device'] - r['weights_budget'] - r['kv_bytes'])}), "
+                     f"ORT's own memory {fmt_bytes(r['ort_bytes'])}, graph steps per step {r['graph_steps']:.2f}")
+    return text
+
+
+if __name__ == "__main__":
+    from .bench_decode import _main
+    import sys
+    _main(sys.argv[1], sys.argv[2], module=sys.modules[__name__])

@@ -1,0 +1,511 @@
+"""The streaming engine: one ORT session for the whole model, its run captured into a
+CUDA graph that the package owns, and the page-ins of the streamed weights added to
+that graph as copies.
+
+Layout (``plan_stream``, a pure function). The weights that stay resident live in
+the arena's weights zone, pinned for the session's life. Each of the others is a
+unit that streams: it has stable addresses of its own, from a granule boundary,
+inside one reservation. Behind those addresses lies the ring, a small set of
+physical granules (the largest streamed weight, or RING_FRACTION of the weights
+budget if that is more). A unit's granules are mapped onto ring granules once: in
+turn at construction, then, when the first captured graph shows the order ORT reads
+the weights in, each unit onto the ring granules whose readers finish earliest.
+Every streamed weight keeps one address for the session's life, and many units
+share each ring granule.
+
+A step (``StreamEngine``). For each input-shape signature ORT runs once uncaptured,
+on the package's compute stream (it takes its memory and picks its kernels; what the
+streamed addresses hold then does not matter), and a second ``run_with_iobinding`` is
+captured into a graph. The captured nodes' parameters are scanned for the units'
+addresses, which gives each weight's readers. One H2D copy node per streamed weight
+is then added, from the pinned host store to the weight's address, with these edges:
+- each copy after the one before it, so one copy at a time runs at the link's rate;
+- each copy after every reader of the units that held its ring granules earlier
+  in the step;
+- each reader of a weight after that weight's copy.
+A replay is one graph launch: the copies run on the copy engine while the kernels
+run, a kernel waits only for its own weights, and nothing in a step maps, unmaps,
+sets access, creates, releases or waits on the host.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import onnxruntime as ort
+
+from .errors import OffloadError
+from .graph_capture import GraphCaptureDecision
+from .model import WeightInfo, save_model
+from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at
+from .residency import Counters
+from .segmenter import Segment
+
+RING_FRACTION = 0.04  # the ring's floor, as a share of the weights budget: room to copy ahead of compute
+GRAPH_SIGNATURES = 8  # input-shape signatures kept captured
+
+
+class StreamingUnavailable(OffloadError):
+    """The streaming engine cannot run this model or these shapes; says why."""
+
+
+def choose_engine(config, on_cuda: bool, streaming: bool, stable: bool, capture: GraphCaptureDecision) -> str:
+    """"graph" (the streaming engine) or "segments", for the configuration's `engine`."""
+    if config.engine == "segments" or not streaming:
+        return "segments"
+    why = None
+    if not on_cuda:
+        why = "it replays CUDA graphs, and the CPU execution provider runs segments"
+    elif not stable:
+        why = "it needs stable addresses (vmm=True)"
+    elif not capture.enabled:
+        why = f"graph capture is off ({capture.reason})"
+    elif config.policy not in ("planned", "stable"):
+        why = f"policy {config.policy!r} changes the resident set from step to step; a replayed graph cannot"
+    if why is None:
+        return "graph"
+    if config.engine == "graph":
+        raise StreamingUnavailable(f"engine='graph' cannot run this session: {why}")
+    return "segments"
+
+
+def _round_up(n: int, g: int) -> int:
+    return -(-n // g) * g
+
+
+@dataclasses.dataclass
+class Unit:
+    names: List[str]
+    offsets: List[int]  # each weight's offset in the unit's addresses
+    nbytes: int  # content bytes, from the unit's start to its last weight's end
+    granules: int
+    va: int = 0
+    ring: List[int] = dataclasses.field(default_factory=list)  # the ring granule behind each of its granules
+
+
+@dataclasses.dataclass
+class StreamPlan:
+    resident: List[str]  # in first-use order
+    units: List[Unit]  # in first-use order
+    ring_bytes: int
+    allowance: int  # the weights budget: resident bytes + the ring
+
+    @property
+    def streamed(self) -> List[str]:
+        return [n for u in self.units for n in u.names]
+
+
+def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
+                cost: Callable[[Sequence[str]], int], policy: str, shared: Sequence[str] = ()) -> StreamPlan:
+    """Which weights stay resident, and the units and ring of the others, for a weights
+    budget of `allowance` committed bytes (the resident weights' packed `cost` plus the ring).
+
+    The ring holds the largest streamed weight, and at least RING_FRACTION of the
+    budget. The resident set: first the `shared` weights, read by more than one node
+    (a rotary table read by every layer would hold its ring granules for the whole
+    step); then `planned` takes the largest weights first (the ring then only has to
+    hold a smaller one), `stable` the model's first weights. Either way the set is
+    fixed for the session's life, since a replayed graph copies the same weights
+    every step.
+    """
+    order = sorted(weights, key=lambda w: (w.first_use, w.name))
+    floor = _round_up(int(allowance * RING_FRACTION), granularity)
+
+    def ring_for(largest: int) -> int:
+        return max(_round_up(largest, granularity), floor) if largest else 0
+
+    if policy == "planned":
+        candidates = sorted(order, key=lambda w: (-w.nbytes, w.first_use))
+    elif policy == "stable":
+        candidates = list(order)
+    else:
+        raise StreamingUnavailable(f"the streaming engine fixes the resident set; policy {policy!r} changes it "
+                                   f"every step")
+    must = set(shared)
+    resident: List[str] = [w.name for w in order if w.name in must]
+    left = collections.Counter(w.nbytes for w in weights if w.name not in must)
+    if resident and cost(resident) + ring_for(max(left, default=0)) > allowance:
+        raise StreamingUnavailable(f"the weights budget of {allowance} bytes cannot hold the {len(resident)} weights "
+                                   f"read by several nodes ({cost(resident)} bytes) and a ring")
+    for w in candidates:
+        if w.name in must:
+            continue
+        left[w.nbytes] -= 1
+        largest_left = max((s for s, c in left.items() if c > 0), default=0)
+        trial = resident + [w.name]
+        if cost(trial) + ring_for(largest_left) <= allowance:
+            resident = trial
+        else:
+            left[w.nbytes] += 1
+    streamed = [w for w in order if w.name not in set(resident)]
+    largest = max((w.nbytes for w in streamed), default=0)
+    ring = ring_for(largest)
+    if streamed and ring > allowance:
+        raise StreamingUnavailable(f"the weights budget of {allowance} bytes cannot hold a ring for the largest "
+                                   f"streamed weight ({largest} bytes)")
+    # One weight per unit, from a granule boundary: ORT may read weights in another
+    # order than the model lists them, and a unit never shares a granule with another.
+    units = [Unit([w.name], [0], w.nbytes, _round_up(w.nbytes, granularity) // granularity) for w in streamed]
+    keep = set(resident)
+    return StreamPlan([w.name for w in order if w.name in keep], units, ring, allowance)
+
+
+class _Graph:
+    """One signature's captured step: the graph and the buffers it reads and writes."""
+
+    def __init__(self, graph, buffers: Dict[str, FixedBuffer], outputs: Dict[str, ort.OrtValue]):
+        self.graph = graph
+        self.buffers = buffers  # the engine's own: inputs it copies into, outputs the caller did not bind
+        self.outputs = outputs  # every output's value, where the graph writes it
+
+
+class StreamEngine:
+    """Runs a model whose weights do not fit as one captured ORT session, streaming
+    through the ring. Offers the runner's interface to the session."""
+
+    streaming = True
+
+    def __init__(self, device, residency, store, weights: Sequence[WeightInfo], plan: StreamPlan, factory, meter,
+                 model, workdir: str, inputs: Sequence[str], graph_outputs: List[str], capture_reason: str,
+                 device_id: int):
+        self.device = device
+        self.residency = residency
+        self.store = store
+        self.plan = plan
+        self._meter = meter
+        self._graph_outputs = list(graph_outputs)
+        self._device_id = device_id
+        self.info = {w.name: w for w in weights}
+        self.capture = GraphCaptureDecision(True, f"{capture_reason}; the streaming engine captures one ORT run per "
+                                                  f"input-shape signature and adds the page-ins to that graph")
+        self.notes: List[str] = []
+        self.steps = 0
+        self.graph_steps = 0
+        self.last_step = Counters()
+        self._graphs: "collections.OrderedDict[tuple, _Graph]" = collections.OrderedDict()
+        self._oneshot: Optional[_Graph] = None
+        self._handles: List[int] = []
+        self._placed_by_reads = False
+        self._mapped: List[Tuple[int, int]] = []
+        self._reservation: Optional[Tuple[int, int]] = None
+        self._charged = 0
+        self._initializer_values: List[ort.OrtValue] = []
+        self.session = None
+        self.runs = []
+        self.address: Dict[str, int] = {}
+        self._step_counts = self._count_step()
+        self._map_ring()
+        so = factory.session_options()
+        for w in weights:
+            va = residency.slots[w.name].va if w.name in residency.slots else self.address[w.name]
+            value = ortvalue_at(va, w.shape, w.dtype, True, device_id)
+            so.add_initializer(w.name, value)
+            self._initializer_values.append(value)
+        path = save_model(model, os.path.join(workdir, "model.onnx"))
+        mark = meter.mark()
+        self.session = factory.create(path, so, False)[0]
+        meter.charge_since(mark, creating=True)
+        segment = Segment(0, list(range(len(model.graph.node))), [w.name for w in weights], list(inputs),
+                          list(graph_outputs), model)
+        self.runs = [_Run(segment, self.session)]
+        self._run_options = ort.RunOptions()
+        # ORT would wait for its stream at the end of each run; the graph is what runs.
+        self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+
+    # ------------------------------------------------------------------ the ring
+    def _map_ring(self) -> None:
+        dev, plan = self.device, self.plan
+        backend, g = dev.backend, dev.granularity
+        if not plan.units:
+            return
+        total = sum(u.granules for u in plan.units) * g
+        dev.ledger.charge("transient", plan.ring_bytes, outside=True)
+        self._charged = plan.ring_bytes
+        base = backend.reserve(total)
+        self._reservation = (base, total)
+        for _ in range(plan.ring_bytes // g):
+            self._handles.append(backend.create(g))
+        va = base
+        for u in plan.units:
+            u.va = va
+            for n, off in zip(u.names, u.offsets):
+                self.address[n] = va + off
+            va += u.granules * g
+        # Until ORT's reads are seen, the units take the ring in turn.
+        ring, cursor, first = len(self._handles), 0, []
+        for u in plan.units:
+            first.append([(cursor + k) % ring for k in range(u.granules)])
+            cursor = (cursor + u.granules) % ring
+        self._place(first)
+
+    def _place(self, ring_of: List[List[int]]) -> None:
+        """Maps granule k of unit i onto ring granule ring_of[i][k]."""
+        backend, g = self.device.backend, self.device.granularity
+        for va, n in self._mapped:
+            backend.unmap(va, n)
+        self._mapped = []
+        for u, ring in zip(self.plan.units, ring_of):
+            u.ring = list(ring)
+            for k, r in enumerate(ring):
+                backend.map(u.va + k * g, g, self._handles[r])
+                self._mapped.append((u.va + k * g, g))
+            backend.set_access(u.va, u.granules * g)
+
+    def _unmap_ring(self) -> None:
+        backend = self.device.backend
+        try:
+            for va, n in self._mapped:
+                backend.unmap(va, n)
+            self._mapped = []
+            for h in self._handles:
+                backend.release(h)
+            self._handles = []
+            if self._reservation is not None:
+                backend.free_reservation(*self._reservation)
+                self._reservation = None
+        finally:
+            if self._charged:
+                self.device.ledger.refund("transient", self._charged, outside=True)
+                self._charged = 0
+
+    # ------------------------------------------------------------------ building a step's graph
+    def _bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue]) -> ort.IOBinding:
+        io = self.session.io_binding()
+        for k, v in feeds.items():
+            io.bind_ortvalue_input(k, v)
+        for name in self._graph_outputs:
+            if name in outputs:
+                io.bind_ortvalue_output(name, outputs[name])
+            else:
+                io.bind_output(name, "cuda", self._device_id)
+        return io
+
+    def _build(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue],
+               buffers: Dict[str, FixedBuffer]) -> _Graph:
+        """Warm-up, capture, page-in copies, instantiate: one signature's graph."""
+        dev = self.device
+        stream = dev.compute_stream
+        # The warm-up: ORT takes its memory and picks its kernels. The streamed weights'
+        # addresses hold whatever the ring last held; the outputs it writes are
+        # overwritten by the graph's own run.
+        io = self._bind(feeds, outputs)
+        self.session.run_with_iobinding(io, self._run_options)
+        bound = dict(outputs)
+        for name, v in zip(self._graph_outputs, io.get_outputs()):
+            if name not in outputs:
+                dtype = numpy_dtype(v.data_type())
+                ptr = dev.scratch.allocate(max(1, nbytes_of(v.shape(), dtype)))
+                buffers[name] = FixedBuffer.on(dev, ptr, v.shape(), dtype)
+                bound[name] = buffers[name].value
+        io = self._bind(feeds, bound)
+        self.session.run_with_iobinding(io, self._run_options)  # at the addresses the capture uses
+        stream.synchronize()
+        dev.backend.begin_graph_capture(stream)
+        try:
+            self.session.run_with_iobinding(io, self._run_options)
+        finally:
+            graph = dev.backend.end_graph_capture(stream)
+        self._add_page_ins(graph)
+        graph.instantiate(stream)
+        return _Graph(graph, buffers, bound)
+
+    def _ring_by_reads(self, copied: List[int], readers: List[List[int]], first_from: Dict[int, int]) -> List[List[int]]:
+        """Ring granules for each unit, in read order: a unit takes the granules whose
+        last readers finish earliest, so its copy waits as little as it can."""
+        units, ring = self.plan.units, len(self._handles)
+        done = {gr: -1 for gr in range(ring)}  # ring granule -> the last reader of what it holds
+        ring_of = [list(u.ring) for u in units]
+        for i in copied:
+            picked = sorted(range(ring), key=lambda gr: (done[gr], gr))[:units[i].granules]
+            if done[picked[-1]] >= first_from[i]:
+                raise StreamingUnavailable(
+                    f"the ring of {self.plan.ring_bytes} bytes is too small for the order this graph reads its "
+                    f"weights in: unit {i} ({units[i].names[0]!r}...) would overwrite weights read after it")
+            ring_of[i] = sorted(picked)
+            for gr in picked:
+                done[gr] = readers[i][-1]
+        return ring_of
+
+    def _add_page_ins(self, graph) -> None:
+        units = self.plan.units
+        if not units:
+            return
+        names = [n for u in units for n in u.names]
+        ranges = [(self.address[n], self.address[n] + self.info[n].nbytes) for n in names]
+        found = dict(zip(names, graph.readers(ranges)))
+        if graph.opaque:
+            raise StreamingUnavailable(f"{graph.opaque} captured nodes do not show what they read (child graphs or "
+                                       f"kernels without readable parameters)")
+        readers = [sorted({r for n in u.names for r in found[n]}) for u in units]
+        copied = sorted((i for i, r in enumerate(readers) if r), key=lambda i: readers[i][0])
+        # The earliest reader of any unit copied from i on: everything a copy leads to comes after it.
+        first_from: Dict[int, int] = {}
+        low = None
+        for i in reversed(copied):
+            low = readers[i][0] if low is None else min(low, readers[i][0])
+            first_from[i] = low
+        if not self._placed_by_reads:
+            # ORT's reads, seen for the first time: the ring follows them from now on.
+            self._place(self._ring_by_reads(copied, readers, first_from))
+            self._placed_by_reads = True
+        holder: Dict[int, int] = {}  # ring granule -> the unit that last held it in this step
+        copies = []
+        for i in copied:
+            u = units[i]
+            after = sorted({r for k in {holder[gr] for gr in u.ring if gr in holder} for r in readers[k]})
+            if after and after[-1] >= first_from[i]:
+                raise StreamingUnavailable(
+                    f"the ring of {self.plan.ring_bytes} bytes is too small for the order this graph reads its "
+                    f"weights in: unit {i} ({u.names[0]!r}...) would overwrite weights read after it")
+            for n in u.names:
+                if not found[n]:
+                    continue
+                copies.append((self.address[n], self.store.ptr(n), self.info[n].nbytes, after, found[n]))
+                after = []
+            for gr in u.ring:
+                holder[gr] = i
+        graph.add_copies(copies)
+        self._streamed_bytes = sum(c[2] for c in copies)
+
+    # ------------------------------------------------------------------ running
+    def _signature(self, feeds, outputs) -> tuple:
+        return (tuple(sorted((k, tuple(v.shape()), v.data_type(), v.data_ptr()) for k, v in feeds.items()))
+                + tuple(sorted(("->" + k, tuple(v.shape()), v.data_type(), v.data_ptr())
+                               for k, v in outputs.items())))
+
+    def _launch(self, g: _Graph) -> None:
+        stream = self.device.compute_stream
+        g.graph.launch(stream)
+        # As after ORT's own run, the outputs are complete on return: the caller reads
+        # them from the host (the step's one host wait) or from any stream.
+        stream.synchronize()
+        self.steps += 1
+        self.graph_steps += 1
+        self._step_counts()
+
+    def _count_step(self):
+        res = self.residency
+        resident = list(res.slots)
+        streamed = self.plan.streamed
+        sizes = self.info
+        resident_bytes = sum(sizes[n].nbytes for n in resident)
+        streamed_bytes = sum(sizes[n].nbytes for n in streamed)
+
+        def count():
+            step = Counters(steps=1, accesses=len(resident) + len(streamed), hits=len(resident),
+                            page_ins=len(streamed), access_bytes=resident_bytes + streamed_bytes,
+                            hit_bytes=resident_bytes, bypassed=len(streamed), bypassed_bytes=streamed_bytes,
+                            htod_bytes=streamed_bytes)
+            c = res.counters
+            for f in dataclasses.fields(Counters):
+                setattr(c, f.name, getattr(c, f.name) + getattr(step, f.name))
+            self.last_step = step
+        return count
+
+    def _keep(self, sig, g: _Graph) -> None:
+        self._graphs[sig] = g
+        while len(self._graphs) > GRAPH_SIGNATURES:
+            self._free(self._graphs.popitem(last=False)[1])
+
+    def _free(self, g: Optional[_Graph]) -> None:
+        if g is None:
+            return
+        self.device.compute_stream.synchronize()  # nothing may still replay onto the buffers
+        g.graph = None
+        for buf in g.buffers.values():
+            self.device.scratch.deallocate(buf.ptr)
+        g.buffers.clear()
+
+    def run_bound(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue], *,
+                  fixed: bool, key: Optional[tuple] = None) -> Tuple[Dict[str, ort.OrtValue], bool]:
+        """One step with the caller's values bound where they are (see SegmentRunner.run_bound).
+        Every step runs as a graph: `fixed` keeps it for the steps to come."""
+        sig = ("bound", key if key is not None else self._signature(feeds, outputs))
+        g = self._graphs.get(sig) if fixed else None
+        if g is None:
+            self._free(self._oneshot)
+            self._oneshot = None
+            g = self._build(feeds, outputs, {})
+            if fixed:
+                self._keep(sig, g)
+            else:
+                self._oneshot = g
+        else:
+            self._graphs.move_to_end(sig)
+        self._launch(g)
+        values = dict(feeds)
+        values.update(g.outputs)
+        return values, True
+
+    def run_segments(self, input_feed, run_options=None) -> Dict[str, ort.OrtValue]:
+        """One step on the caller's values (host or device); returns every output's value."""
+        feeds = {k: as_ortvalue(v) for k, v in input_feed.items()}
+        sig = ("run",) + tuple(sorted((k, tuple(v.shape()), v.data_type()) for k, v in feeds.items()))
+        g = self._graphs.get(sig)
+        if g is None:
+            buffers: Dict[str, FixedBuffer] = {}
+            try:
+                for k, v in feeds.items():
+                    dtype = numpy_dtype(v.data_type())
+                    ptr = self.device.scratch.allocate(max(1, nbytes_of(v.shape(), dtype)))
+                    buffers[k] = FixedBuffer.on(self.device, ptr, v.shape(), dtype)
+                for k, v in feeds.items():
+                    copy_into(self.device, buffers[k], v)
+                g = self._build({k: buffers[k].value for k in feeds}, {}, buffers)
+            except BaseException:
+                for buf in buffers.values():
+                    self.device.scratch.deallocate(buf.ptr)
+                raise
+            self._keep(sig, g)
+        else:
+            self._graphs.move_to_end(sig)
+            for k, v in feeds.items():
+                copy_into(self.device, g.buffers[k], v)
+        self._launch(g)
+        values = dict(feeds)
+        values.update(g.outputs)
+        return values
+
+    def run(self, output_names, input_feed, run_options):
+        values = self.run_segments(input_feed, run_options)
+        return [values[n].numpy() for n in (output_names or self._graph_outputs)]
+
+    @property
+    def single(self) -> ort.InferenceSession:
+        return self.session
+
+    @property
+    def plan_count(self) -> int:
+        return len(self._graphs)
+
+    def drop_plans(self, keys) -> None:
+        for key in keys:
+            g = self._graphs.pop(("bound", key), None)
+            self._free(g)
+        if self._oneshot is not None:
+            self._free(self._oneshot)
+            self._oneshot = None
+
+    def close(self) -> None:
+        """The graphs, then the ORT session (it may free scratch), then the ring."""
+        try:
+            if not self.device.compute_stream.closed:
+                self.device.compute_stream.synchronize()
+            for g in list(self._graphs.values()) + [self._oneshot]:
+                self._free(g)
+            self._graphs.clear()
+            self._oneshot = None
+            self.runs = []
+            self.session = None
+            self._initializer_values = []
+        finally:
+            self._unmap_ring()
+
+
+class _Run:
+    def __init__(self, seg: Segment, session):
+        self.seg = seg
+        self.session = session
+        self.captured = True

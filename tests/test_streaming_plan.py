@@ -1,0 +1,110 @@
+"""The streaming engine's layout (a pure function) and when the engine runs: on CUDA,
+with stable addresses, graphs on and a fixed resident set; the CPU execution provider
+runs segments, and asking it for the engine is a clear error."""
+import numpy as np
+import pytest
+
+from onnx_offload import OffloadConfig, OffloadSession
+from onnx_offload.graph_capture import GraphCaptureDecision
+from onnx_offload.model import WeightInfo
+from onnx_offload.models import mlp_stack, weight_bytes
+from onnx_offload.slots import slot_kind
+from onnx_offload.streaming import RING_FRACTION, StreamingUnavailable, choose_engine, plan_stream
+
+MiB = 1 << 20
+G = 2 * MiB
+
+
+def tinyllama_weights():
+    """The weights of a TinyLlama-shape decoder (fp16) in the order the model reads them."""
+    sizes = [("embed", 32000 * 2048 * 2)]
+    for i in range(22):
+        sizes += [(f"l{i}.q", 2048 * 2048 * 2), (f"l{i}.k", 2048 * 256 * 2), (f"l{i}.v", 2048 * 256 * 2),
+                  (f"l{i}.o", 2048 * 2048 * 2), (f"l{i}.gate", 2048 * 5632 * 2), (f"l{i}.up", 2048 * 5632 * 2),
+                  (f"l{i}.down", 5632 * 2048 * 2)]
+    sizes += [("rotary", 2048 * 32 * 2), ("lm_head", 32000 * 2048 * 2)]
+    return [WeightInfo(n, np.dtype(np.float16), (b // 2,), b, 0, i) for i, (n, b) in enumerate(sizes)]
+
+
+def cost(weights):
+    size = {w.name: w.nbytes for w in weights}
+    return lambda names: slot_kind(True).packed_cost([size[n] for n in names], G)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+@pytest.mark.parametrize("policy", ["planned", "stable"])
+def test_layout_fills_the_budget_with_a_small_ring(fraction, policy):
+    weights = tinyllama_weights()
+    total = sum(w.nbytes for w in weights)
+    allowance = int(total * fraction)
+    plan = plan_stream(weights, allowance, G, cost(weights), policy, shared=["rotary"])
+    size = {w.name: w.nbytes for w in weights}
+    resident = sum(size[n] for n in plan.resident)
+    assert "rotary" in plan.resident
+    assert cost(weights)(plan.resident) + plan.ring_bytes <= allowance
+    # Every unit is one weight, at most a layer; the ring holds the largest streamed one.
+    assert all(len(u.names) == 1 for u in plan.units)
+    largest = max(size[n] for n in plan.streamed)
+    assert plan.ring_bytes >= largest and plan.ring_bytes % G == 0
+    assert plan.ring_bytes <= max(-(-largest // G) * G, -(-int(allowance * RING_FRACTION) // G) * G)
+    assert set(plan.resident) | set(plan.streamed) == set(size) and not set(plan.resident) & set(plan.streamed)
+    if policy == "planned":
+        # The byte hit rate: at least 0.95 of what the weights budget allows.
+        assert resident / total >= 0.95 * allowance / total, (resident / total, fraction)
+        assert "lm_head" in plan.resident and "embed" in plan.resident  # the largest first
+    else:
+        assert "embed" in plan.resident  # the model's first weights
+
+
+def test_shared_weights_that_do_not_fit_are_a_clear_error():
+    weights = tinyllama_weights()
+    with pytest.raises(StreamingUnavailable, match="read by several nodes"):
+        plan_stream(weights, 100 * MiB, G, cost(weights), "planned", shared=["embed"])
+
+
+def test_a_budget_below_the_ring_is_a_clear_error():
+    weights = tinyllama_weights()
+    with pytest.raises(StreamingUnavailable, match="cannot hold a ring"):
+        plan_stream(weights, 10 * MiB, G, cost(weights), "planned")
+
+
+@pytest.mark.parametrize("policy", ["lru", "mru"])
+def test_policies_that_move_the_resident_set_are_refused_by_the_layout(policy):
+    weights = tinyllama_weights()
+    with pytest.raises(StreamingUnavailable, match=policy):
+        plan_stream(weights, 600 * MiB, G, cost(weights), policy)
+
+
+ON = GraphCaptureDecision(True, "on")
+
+
+@pytest.mark.parametrize("engine,on_cuda,streaming,stable,capture,policy,want", [
+    ("auto", True, True, True, ON, "planned", "graph"),
+    ("auto", True, True, True, ON, "stable", "graph"),
+    ("auto", True, True, True, ON, "lru", "segments"),
+    ("auto", False, True, True, ON, "planned", "segments"),
+    ("auto", True, True, False, ON, "planned", "segments"),
+    ("auto", True, True, True, GraphCaptureDecision(False, "off"), "planned", "segments"),
+    ("auto", True, False, True, ON, "planned", "segments"),
+    ("segments", True, True, True, ON, "planned", "segments"),
+    ("graph", True, True, True, ON, "planned", "graph"),
+])
+def test_choose_engine(engine, on_cuda, streaming, stable, capture, policy, want):
+    cfg = OffloadConfig(engine=engine, policy=policy)
+    assert choose_engine(cfg, on_cuda, streaming, stable, capture) == want
+
+
+def test_engine_from_the_environment_and_bad_values():
+    assert OffloadConfig.from_env({"ONNX_OFFLOAD_ENGINE": "segments"}).engine == "segments"
+    assert OffloadConfig.from_env({}).engine == "auto"
+    with pytest.raises(ValueError, match="ONNX_OFFLOAD_ENGINE"):
+        OffloadConfig.from_env({"ONNX_OFFLOAD_ENGINE": "fast"})
+
+
+def test_asking_the_cpu_for_the_graph_engine_is_a_clear_error():
+    m = mlp_stack(layers=4, hidden=256, batch=2)
+    with pytest.raises(StreamingUnavailable, match="CPU execution provider runs segments"):
+        OffloadSession(m.SerializeToString(), offload=True, vmm=True, weight_bytes=weight_bytes(m) // 2,
+                       engine="graph")
+    with OffloadSession(m.SerializeToString(), offload=True, vmm=True, weight_bytes=weight_bytes(m) // 2) as s:
+        assert s.engine == "segments"
