@@ -54,7 +54,11 @@ def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, ca
         if backend:
             low[0] = min(low[0], backend.mem_info()[0])
 
-    kw = dict(offload=True, vram_limit=int(weights * fraction) + scratch, scratch_bytes=scratch, cache_dir=cache)
+    # The weights budget is f of the weights; the KV cache and ORT's scratch are reserved
+    # on top of it (the streaming engine's resident weights cannot lend to the cache).
+    kv = _kv_bytes(shape, ids.shape[0], ids.shape[1] + new)
+    kw = dict(offload=True, vram_limit=int(weights * fraction) + kv + scratch, kv_bytes=kv, scratch_bytes=scratch,
+              cache_dir=cache)
     if engine == "graph":
         kw.update(vmm=True, engine="graph" if kind == "cuda" else "segments")
     else:

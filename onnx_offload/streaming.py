@@ -195,7 +195,7 @@ class StreamEngine:
         self.session = None
         self.runs = []
         self.address: Dict[str, int] = {}
-        self._step_counts = self._count_step()
+        self._per_step: Optional[Counters] = None
         self._map_ring()
         so = factory.session_options()
         for w in weights:
@@ -383,26 +383,22 @@ class StreamEngine:
         stream.synchronize()
         self.steps += 1
         self.graph_steps += 1
-        self._step_counts()
+        self._count_step()
 
-    def _count_step(self):
-        res = self.residency
-        resident = list(res.slots)
-        streamed = self.plan.streamed
-        sizes = self.info
-        resident_bytes = sum(sizes[n].nbytes for n in resident)
-        streamed_bytes = sum(sizes[n].nbytes for n in streamed)
-
-        def count():
-            step = Counters(steps=1, accesses=len(resident) + len(streamed), hits=len(resident),
-                            page_ins=len(streamed), access_bytes=resident_bytes + streamed_bytes,
-                            hit_bytes=resident_bytes, bypassed=len(streamed), bypassed_bytes=streamed_bytes,
-                            htod_bytes=streamed_bytes)
-            c = res.counters
-            for f in dataclasses.fields(Counters):
-                setattr(c, f.name, getattr(c, f.name) + getattr(step, f.name))
-            self.last_step = step
-        return count
+    def _count_step(self) -> None:
+        """Counts a replayed step: every resident weight hits, every streamed one is copied."""
+        if self._per_step is None:
+            resident, streamed = list(self.residency.slots), self.plan.streamed
+            resident_bytes = sum(self.info[n].nbytes for n in resident)
+            streamed_bytes = sum(self.info[n].nbytes for n in streamed)
+            self._per_step = Counters(steps=1, accesses=len(resident) + len(streamed), hits=len(resident),
+                                      page_ins=len(streamed), access_bytes=resident_bytes + streamed_bytes,
+                                      hit_bytes=resident_bytes, bypassed=len(streamed), bypassed_bytes=streamed_bytes,
+                                      htod_bytes=streamed_bytes)
+        c, step = self.residency.counters, self._per_step
+        for f in dataclasses.fields(Counters):
+            setattr(c, f.name, getattr(c, f.name) + getattr(step, f.name))
+        self.last_step = step
 
     def _keep(self, sig, g: _Graph) -> None:
         self._graphs[sig] = g
