@@ -56,7 +56,9 @@ def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, ca
 
     # The weights budget is f of the weights; the KV cache and ORT's scratch are reserved
     # on top of it (the streaming engine's resident weights cannot lend to the cache).
-    kv = _kv_bytes(shape, ids.shape[0], ids.shape[1] + new)
+    # The cache's buffers are carved from whole granules: one more covers their padding.
+    g = 2 * MiB if kind == "cuda" else 64 << 10
+    kv = -(-_kv_bytes(shape, ids.shape[0], ids.shape[1] + new) // g) * g + g
     kw = dict(offload=True, vram_limit=int(weights * fraction) + kv + scratch, kv_bytes=kv, scratch_bytes=scratch,
               cache_dir=cache)
     if engine == "graph":
