@@ -174,18 +174,25 @@ def bench_compare(kind: str, out_dir: str, prompt: int = 128, new: int = 64, fra
     scratch = 512 * MiB if kind == "cuda" else 4 * MiB
     cache = os.path.join(out_dir, "cache")
     rows: List[Dict] = []
+    failures: List[str] = []
     why_not = accelerate_missing() if kind == "cuda" else "the accelerate rows need CUDA"
     for frac in fractions:
         bound = max(a["ms_per_token"], (1 - frac) * weights / bw * 1e3)
         engines = ("graph", "baseline") + (("accelerate",) if not why_not else ())
         for engine in engines:
-            if engine == "accelerate":
-                r = in_process_of_its_own("bench_compare", "accelerate_row", shape=shape, ids=ids.tolist(),
-                                          new=accelerate_new, weights=weights, fraction=frac)
-            else:
-                r = in_process_of_its_own("bench_compare", "offload_row", path=path, shape=shape, ids=ids.tolist(),
-                                          new=new, kind=kind, cache=cache, weights=weights, fraction=frac,
-                                          engine=engine, scratch=scratch)
+            try:
+                if engine == "accelerate":
+                    r = in_process_of_its_own("bench_compare", "accelerate_row", shape=shape, ids=ids.tolist(),
+                                              new=accelerate_new, weights=weights, fraction=frac)
+                else:
+                    r = in_process_of_its_own("bench_compare", "offload_row", path=path, shape=shape,
+                                              ids=ids.tolist(), new=new, kind=kind, cache=cache, weights=weights,
+                                              fraction=frac, engine=engine, scratch=scratch)
+            except RuntimeError as e:  # a row that fails is reported, and the others still run
+                last = [ln for ln in str(e).splitlines() if ln.strip()][-1]
+                failures.append(f"{int(frac * 100)}% {engine}: {last.strip()[:600]}")
+                print(f"  {int(frac * 100)}% {engine}: FAILED: {last.strip()[:600]}", flush=True)
+                continue
             tokens = r.pop("tokens")
             r.update(bound_ms=bound, vs_bound=r["ms_per_token"] / bound,
                      tokens_equal=bool(np.array_equal(tokens, a["tokens"])) if engine != "accelerate" else None,
@@ -197,7 +204,7 @@ def bench_compare(kind: str, out_dir: str, prompt: int = 128, new: int = 64, fra
         r["vs_accelerate"] = acc[0]["ms_per_token"] / r["ms_per_token"] if acc else None
     a.pop("tokens")
     return dict(kind=kind, weights=weights, h2d_gbps=bw / 1e9, prompt=prompt, new=new, anchor=a, rows=rows,
-                shape=shape, accelerate=why_not or "ran", accelerate_new=accelerate_new)
+                shape=shape, accelerate=why_not or "ran", accelerate_new=accelerate_new, failures=failures)
 
 
 NAMES = {"graph": "OffloadSession (streaming engine)", "baseline": "non-VMM baseline (segments, cuMemAlloc)",
@@ -225,6 +232,8 @@ def print_compare(res: Dict) -> str:
             f"peak device = all the process took after its CUDA context\n"
             + table(rows, ("weight budget", "engine", "ms/token", "tokens/s", "bound ms", "vs bound", "peak device",
                            "vs accelerate", "byte hit", "driver calls/step", "= anchor tokens")))
+    for f in res.get("failures", ()):
+        text += f"\nFAILED {f}"
     if res["accelerate"] != "ran":
         text += f"\naccelerate rows skipped: {res['accelerate']}"
     for r in res["rows"]:

@@ -316,16 +316,19 @@ class StreamEngine:
         last readers finish earliest, so its copy waits as little as it can."""
         units, ring = self.plan.units, len(self._handles)
         done = {gr: -1 for gr in range(ring)}  # ring granule -> the last reader of what it holds
+        held = {gr: None for gr in range(ring)}
         ring_of = [list(u.ring) for u in units]
         for i in copied:
             picked = sorted(range(ring), key=lambda gr: (done[gr], gr))[:units[i].granules]
             if done[picked[-1]] >= first_from[i]:
+                k = held[picked[-1]]
                 raise StreamingUnavailable(
                     f"the ring of {self.plan.ring_bytes} bytes is too small for the order this graph reads its "
-                    f"weights in: unit {i} ({units[i].names[0]!r}...) would overwrite weights read after it")
+                    f"weights in: {units[i].names[0]!r} (first read by node {readers[i][0]}) needs the ring "
+                    f"granules of {units[k].names[0]!r} (read by nodes {readers[k]})")
             ring_of[i] = sorted(picked)
             for gr in picked:
-                done[gr] = readers[i][-1]
+                done[gr], held[gr] = readers[i][-1], i
         return ring_of
 
     def _add_page_ins(self, graph) -> None:
