@@ -44,7 +44,8 @@ from .residency import Counters
 from .segmenter import Segment
 
 RING_FRACTION = 0.04  # the ring's floor, as a share of the weights budget: room to copy ahead of compute
-GRAPH_SIGNATURES = 8  # input-shape signatures kept captured
+GRAPH_SIGNATURES = 8
+GIANT = 4  # a weight over this many times the median size is resident first under `planned`  # input-shape signatures kept captured
 
 
 class StreamingUnavailable(OffloadError):
@@ -105,8 +106,9 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
     The ring holds the largest streamed weight, and at least RING_FRACTION of the
     budget. The resident set: first the `shared` weights, read by more than one node
     (a rotary table read by every layer would hold its ring granules for the whole
-    step); then `planned` takes the largest weights first (the ring then only has to
-    hold a smaller one), `stable` the model's first weights. Either way the set is
+    step); then `planned` takes the weights far above the median size (embeddings, the
+    LM head: the ring then only has to hold a typical one), then the smallest, so that
+    the streamed weights are few and large; `stable` takes the model's first weights. Either way the set is
     fixed for the session's life, since a replayed graph copies the same weights
     every step.
     """
@@ -117,7 +119,13 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
         return max(_round_up(largest, granularity), floor) if largest else 0
 
     if policy == "planned":
-        candidates = sorted(order, key=lambda w: (-w.nbytes, w.first_use))
+        # The few weights far above the typical size first (one streamed would size the
+        # ring), then the smallest: the weights that stream are then the large ones, which
+        # copy at the link's rate with the fewest copies.
+        typical = sorted(w.nbytes for w in order)[len(order) // 2] if order else 0
+        giants = sorted((w for w in order if w.nbytes > GIANT * typical), key=lambda w: (-w.nbytes, w.first_use))
+        rest = sorted((w for w in order if w.nbytes <= GIANT * typical), key=lambda w: (w.nbytes, w.first_use))
+        candidates = giants + rest
     elif policy == "stable":
         candidates = list(order)
     else:
@@ -220,7 +228,9 @@ class StreamEngine:
         backend, g = dev.backend, dev.granularity
         if not plan.units:
             return
-        total = sum(u.granules for u in plan.units) * g
+        # One unmapped granule after each unit: an address one past a weight's end, which
+        # kernels take as a bound, falls in no other weight's range.
+        total = sum(u.granules + 1 for u in plan.units) * g
         dev.ledger.charge("transient", plan.ring_bytes, outside=True)
         self._charged = plan.ring_bytes
         base = backend.reserve(total)
@@ -232,7 +242,7 @@ class StreamEngine:
             u.va = va
             for n, off in zip(u.names, u.offsets):
                 self.address[n] = va + off
-            va += u.granules * g
+            va += (u.granules + 1) * g
         # Until ORT's reads are seen, the units take the ring in turn.
         ring, cursor, first = len(self._handles), 0, []
         for u in plan.units:
