@@ -271,7 +271,7 @@ class Generation:
             for i in range(spec.layers):
                 for kv in ("key", "value"):
                     feeds[f"past_key_values.{i}.{kv}"] = ort.OrtValue.ortvalue_from_numpy(empty)
-        values = s._runner.run_bound(feeds, outputs, fixed=False)[0]
+        values = s._run_bound(feeds, outputs, fixed=False)[0]
         if spec.layout != "gqa":
             self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers) for kv in ("key", "value")], p)
         logits = np.asarray(values["logits"].numpy())
@@ -314,11 +314,11 @@ class Generation:
             self._bound = (key, feeds, outputs)
             self._keys.add(key)
         _, feeds, outputs = self._bound
-        _, replayed = s._runner.run_bound(feeds, outputs, fixed=True, key=key)
+        _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
         if not replayed and s._runner.streaming and s._runner.capture.enabled:
             # The first step of these shapes learned the boundaries' sizes; the same step
             # again writes the same cache positions and runs under the new plan's graphs.
-            _, replayed = s._runner.run_bound(feeds, outputs, fixed=True, key=key)
+            _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
         if spec.layout != "gqa":
             self.cache.append(cur)  # in order on the stream; the next step's write waits for it
         # ORT waited for its work before returning, so the logits are complete; numpy()

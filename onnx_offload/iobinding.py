@@ -17,9 +17,9 @@ from .ortvalues import FixedBuffer, copy_into, detached, numpy_dtype, ortvalue_a
 
 
 class OffloadIOBinding:
-    def __init__(self, runner, graph_outputs: List[str], device_id: int):
-        self._runner = runner
-        self._device = runner.device
+    def __init__(self, runner_of, graph_outputs: List[str], device_id: int):
+        self._runner_of = runner_of  # the session's runner at the time of each run
+        self._device = runner_of().device
         self._graph_outputs = graph_outputs
         self._device_id = device_id
         self._inputs: Dict[str, ort.OrtValue] = {}
@@ -60,7 +60,7 @@ class OffloadIOBinding:
         self._device.compute_stream.synchronize()
 
     def run(self, run_options) -> None:
-        values = self._runner.run_segments(self._inputs, run_options)
+        values = self._runner_of().run_segments(self._inputs, run_options)
         names = list(self._outputs) or self._graph_outputs
         self._results = {}
         for n in names:

@@ -201,21 +201,53 @@ class OffloadSession:
             self._runner = StreamEngine(dev, self._residency, self._store, weights, layout, factory, self._meter,
                                         model, self._workdir, self._required_inputs, outputs, capture.reason,
                                         cfg.device_id)
-        else:
-            if plan.streaming:
-                segments = split(model, groups_by_target[plan.segment_target], names.__contains__)
-            else:
-                segments = [Segment(0, list(range(len(model.graph.node))), [w.name for w in weights],
-                                    [v.name for v in self._graph_inputs if v.name not in names], outputs, model)]
-            self._residency = ResidencyManager(dev, self._store, weights, [s.weights for s in segments],
-                                               cfg.policy, vmm=stable, record_timeline=record_timeline)
-            if not plan.streaming:
-                self._residency.make_all_resident()
-            self._runner = SegmentRunner(dev, self._residency, factory, self._meter, segments, self._workdir,
-                                         outputs, streaming=plan.streaming, stable=stable, capture=capture,
-                                         device_id=cfg.device_id)
+        self._segments_from = (plan, model, groups_by_target, names, stable, capture, outputs, factory,
+                               record_timeline)
+        if layout is None:
+            self._make_segment_runner()
         self._notes.extend(self._runner.notes)
         self._residency.reset_counters()  # count runs, not the page-ins of construction
+
+    def _make_segment_runner(self) -> None:
+        plan, model, groups_by_target, names, stable, capture, outputs, factory, record_timeline = self._segments_from
+        dev, cfg, weights = self._device, self.config, self._weights
+        if plan.streaming:
+            segments = split(model, groups_by_target[plan.segment_target], names.__contains__)
+        else:
+            segments = [Segment(0, list(range(len(model.graph.node))), [w.name for w in weights],
+                                [v.name for v in self._graph_inputs if v.name not in names], outputs, model)]
+        self._residency = ResidencyManager(dev, self._store, weights, [s.weights for s in segments],
+                                           cfg.policy, vmm=stable, record_timeline=record_timeline)
+        if not plan.streaming:
+            self._residency.make_all_resident()
+        self._runner = SegmentRunner(dev, self._residency, factory, self._meter, segments, self._workdir,
+                                     outputs, streaming=plan.streaming, stable=stable, capture=capture,
+                                     device_id=cfg.device_id)
+
+    def _with_fallback(self, call):
+        """`call()`; when the streaming engine cannot build a step's graph (and the engine
+        was not asked for by name), the session moves to segments, says so, and calls
+        again. The caller holds the session's lock."""
+        try:
+            return call()
+        except StreamingUnavailable as e:
+            if self.config.engine == "graph" or not isinstance(self._runner, StreamEngine):
+                raise
+            why = f"the streaming engine cannot run this model, so its weights run in segments: {e}"
+            warnings.warn(why, OffloadWarning, stacklevel=3)
+            self._notes.append(why)
+            counters = self._residency.counters
+            self._runner.close()
+            self._residency.close()
+            self._meter.refund()  # the engine's ORT session is gone; the segments' are measured anew
+            self._device.apply(self._segments_from[0])  # the zones as the segment plan has them
+            self._make_segment_runner()
+            self._residency.counters = counters
+            return call()
+
+    def _run_bound(self, feeds, outputs, *, fixed: bool, key=None):
+        """The runner's run_bound, for generate()'s steps."""
+        return self._with_fallback(lambda: self._runner.run_bound(feeds, outputs, fixed=fixed, key=key))
 
     # ------------------------------------------------------------------ running
     def _check_open(self):
@@ -238,13 +270,13 @@ class OffloadSession:
             if self._runner.streaming or self._runner.capture.enabled:  # else ORT checks them itself
                 check_feeds(self._required_inputs, self._graph_inputs, [o.name for o in self._graph_outputs],
                             input_feed, output_names)
-            return self._runner.run(output_names, input_feed, run_options)
+            return self._with_fallback(lambda: self._runner.run(output_names, input_feed, run_options))
 
     def io_binding(self):
         self._check_open()
         if not self._runner.streaming:
             return self._runner.single.io_binding()
-        return OffloadIOBinding(self._runner, [o.name for o in self._graph_outputs], self.config.device_id)
+        return OffloadIOBinding(lambda: self._runner, [o.name for o in self._graph_outputs], self.config.device_id)
 
     def run_with_iobinding(self, iobinding, run_options=None):
         with self._step():
@@ -253,7 +285,7 @@ class OffloadSession:
                 return
             if not isinstance(iobinding, OffloadIOBinding):
                 raise TypeError("a split OffloadSession takes the binding from its own io_binding()")
-            iobinding.run(run_options)
+            self._with_fallback(lambda: iobinding.run(run_options))
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,

@@ -208,7 +208,7 @@ class StreamEngine:
         so = factory.session_options()
         for w in weights:
             va = residency.slots[w.name].va if w.name in residency.slots else self.address[w.name]
-            value = ortvalue_at(va, w.shape, w.dtype, True, device_id)
+            value = ortvalue_at(va, w.shape, w.dtype, device.is_cuda, device_id)
             so.add_initializer(w.name, value)
             self._initializer_values.append(value)
         path = save_model(model, os.path.join(workdir, "model.onnx"))
@@ -289,7 +289,7 @@ class StreamEngine:
             if name in outputs:
                 io.bind_ortvalue_output(name, outputs[name])
             else:
-                io.bind_output(name, "cuda", self._device_id)
+                io.bind_output(name, "cuda" if self.device.is_cuda else "cpu", self._device_id)
         return io
 
     def _build(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue],
@@ -303,23 +303,47 @@ class StreamEngine:
         io = self._bind(feeds, outputs)
         self.session.run_with_iobinding(io, self._run_options)
         bound = dict(outputs)
-        for name, v in zip(self._graph_outputs, io.get_outputs()):
-            if name not in outputs:
-                dtype = numpy_dtype(v.data_type())
-                ptr = dev.scratch.allocate(max(1, nbytes_of(v.shape(), dtype)))
-                buffers[name] = FixedBuffer.on(dev, ptr, v.shape(), dtype)
-                bound[name] = buffers[name].value
-        io = self._bind(feeds, bound)
-        self.session.run_with_iobinding(io, self._run_options)  # at the addresses the capture uses
-        stream.synchronize()
-        dev.backend.begin_graph_capture(stream)
+        made: List[str] = []
+        try:
+            for name, v in zip(self._graph_outputs, io.get_outputs()):
+                if name not in outputs:
+                    dtype = numpy_dtype(v.data_type())
+                    ptr = dev.scratch.allocate(max(1, nbytes_of(v.shape(), dtype)))
+                    buffers[name] = FixedBuffer.on(dev, ptr, v.shape(), dtype)
+                    made.append(name)
+                    bound[name] = buffers[name].value
+            io = self._bind(feeds, bound)
+            self.session.run_with_iobinding(io, self._run_options)  # at the addresses the capture uses
+            stream.synchronize()
+            graph = self._capture(io)
+            self._add_page_ins(graph)
+            graph.instantiate(stream)
+        except BaseException:
+            for name in made:
+                dev.scratch.deallocate(buffers.pop(name).ptr)
+            raise
+        return _Graph(graph, buffers, bound)
+
+    def _capture(self, io):
+        """One ORT run captured into a graph; StreamingUnavailable when it cannot be."""
+        backend, stream = self.device.backend, self.device.compute_stream
+        try:
+            backend.begin_graph_capture(stream)
+        except OffloadError as e:  # no device graphs on this backend
+            raise StreamingUnavailable(f"the step cannot be captured: {e}") from e
+        failure = graph = None
         try:
             self.session.run_with_iobinding(io, self._run_options)
+        except Exception as e:  # noqa: BLE001 - ORT's own types: what it did broke the capture
+            failure = e
         finally:
-            graph = dev.backend.end_graph_capture(stream)
-        self._add_page_ins(graph)
-        graph.instantiate(stream)
-        return _Graph(graph, buffers, bound)
+            try:
+                graph = backend.end_graph_capture(stream)
+            except OffloadError as e:
+                failure = failure or e
+        if failure is not None:
+            raise StreamingUnavailable(f"ORT's run cannot be captured into a graph: {failure}") from failure
+        return graph
 
     def _ring_by_reads(self, copied: List[int], readers: List[List[int]], first_from: Dict[int, int]) -> List[List[int]]:
         """Ring granules for each unit, in read order: a unit takes the granules whose

@@ -110,3 +110,44 @@ def test_asking_the_cpu_for_the_graph_engine_is_a_clear_error():
                        engine="graph")
     with OffloadSession(m.SerializeToString(), offload=True, vmm=True, weight_bytes=weight_bytes(m) // 2) as s:
         assert s.engine == "segments"
+
+
+@pytest.mark.parametrize("call", ["run", "generate", "iobinding"])
+def test_a_model_the_engine_cannot_capture_moves_to_segments_and_says_so(monkeypatch, call):
+    """The engine is built (ring, addresses, one ORT session); when its first step
+    cannot be captured (here: the host backend has no device graphs) the session moves
+    to segments with a warning, gives back everything the engine held, and answers."""
+    import onnx_offload.session as session_module
+    from onnx_offload.errors import OffloadWarning
+    from onnx_offload.models.decoder import decoder_lm
+    from conftest import reference_greedy
+    monkeypatch.setattr(session_module, "choose_engine", lambda *a: "graph")
+    model = decoder_lm("gqa", layers=2, hidden=64, max_length=64)
+    ids = np.random.default_rng(0).integers(0, 97, (1, 5))
+    feeds = {"input_ids": ids, "attention_mask": np.ones((1, 5), np.int64)}
+    for i in range(2):
+        for kv in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kv}"] = np.zeros((1, 2, 0, 16), np.float32)
+    import onnxruntime as ort
+    want_run = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    with OffloadSession(model.SerializeToString(), offload=True, vmm=True, host_granularity=4096,
+                        vram_limit="64MiB", weight_bytes=weight_bytes(model) // 2) as s:
+        assert s.engine == "graph"
+        with pytest.warns(OffloadWarning, match="run in segments"):
+            if call == "run":
+                got = s.run(None, feeds)
+                for a, b in zip(got, want_run):
+                    np.testing.assert_array_equal(a, b)
+            elif call == "generate":
+                np.testing.assert_array_equal(s.generate(ids, 6), reference_greedy(model, ids, 6))
+            else:
+                io = s.io_binding()
+                for k, v in feeds.items():
+                    io.bind_cpu_input(k, v)
+                io.bind_output("logits")
+                s.run_with_iobinding(io)
+                np.testing.assert_array_equal(io.copy_outputs_to_cpu()[0], want_run[0])
+        assert s.engine == "segments" and any("run in segments" in n for n in s.stats().notes)
+        assert s.stats().ledger.zones["transient"].outside == 0  # the ring went back
+        final = s.close()
+    assert final.committed == 0
