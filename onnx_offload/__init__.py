@@ -1,14 +1,42 @@
 """onnx-offload: run ONNX Runtime models whose weights exceed their VRAM budget, with
 every weight at a stable address (CUDA VMM) under one committed-byte budget owner."""
-from ._core import Arena, BudgetOwner, ScratchAllocator, WeightSlot, Zone
+import importlib.metadata as _metadata
+import os as _os
+import warnings as _warnings
+
+try:
+    from ._core import Arena, BudgetOwner, ScratchAllocator, WeightSlot, Zone
+except ModuleNotFoundError as _e:  # the source tree, whose compiled core is built only on install
+    if _e.name != f"{__name__}._core":
+        raise
+    raise ModuleNotFoundError(
+        f"onnx_offload's compiled core (_core) is not in {_os.path.dirname(__file__)}: this is the source tree, "
+        f"imported because Python looks in the current folder first. Install the package ('pip install .') and "
+        f"run from another folder, or run 'pytest' (not 'python -m pytest') from the repository root.",
+        name=_e.name) from None
 from .config import OffloadConfig, parse_bytes
 from .device import Device, cuda_available
 from .errors import BudgetExceeded, CorruptModel, CudaDriverError, CudaUnavailable, OffloadError, StateError
 from .graph_capture import GraphCaptureDecision, resolve_graph_capture_enabled
 from .session import OffloadSession
 from .stats import OffloadStats
+from .install import conflict as _conflict, installed_versions as _installed_versions
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("onnx-offload")  # written once, in pyproject.toml
+except _metadata.PackageNotFoundError:  # pragma: no cover - imported without being installed
+    __version__ = "unknown"
+
+
+def _check_ort_install() -> None:
+    import onnxruntime
+    from .errors import OffloadWarning
+    why = _conflict(_installed_versions(), f"{onnxruntime.__version__} with {', '.join(onnxruntime.get_available_providers())}")
+    if why:
+        _warnings.warn(why, OffloadWarning, stacklevel=3)
+
+
+_check_ort_install()
 
 __all__ = [
     "Arena", "BudgetExceeded", "BudgetOwner", "CorruptModel", "CudaDriverError", "CudaUnavailable", "Device",

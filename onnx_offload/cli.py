@@ -367,7 +367,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
+    import onnxruntime
+    from . import __version__
     p = _Parser(prog="onnx-offload", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version",
+                   version=f"onnx-offload {__version__} (onnxruntime {onnxruntime.__version__})")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a model under a VRAM budget and print the offload counters")
     r.add_argument("model")

@@ -11,7 +11,6 @@ from typing import Sequence
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnxruntime.capi import _pybind_state as C
 
 from . import _core
 from .errors import OffloadError
@@ -23,13 +22,47 @@ except ImportError:  # pragma: no cover - a build without it
     InvalidArgument = ValueError
 
 
+class _DLPackTensor:
+    """A DLPack capsule with the dtype beside it: what ORT's public OrtValue.from_dlpack
+    reads (before 1.32 it learns that a tensor is bool from the dtype alone)."""
+
+    def __init__(self, capsule, dtype: np.dtype, device: tuple):
+        self._capsule, self.dtype, self._device = capsule, dtype, device
+
+    def __dlpack__(self, stream=None):
+        return self._capsule
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+_BOOL_CODE = []  # whether this ORT takes DLPack's own bool code (1.32 and later)
+
+
+def _takes_dlpack_bool() -> bool:
+    """ORT 1.32 takes bool tensors with DLPack's bool code and reads flagged uint8 as
+    uint8; earlier versions reject the bool code and take uint8 flagged as bool. Asked
+    once, of ORT itself, with a one-element host tensor."""
+    if not _BOOL_CODE:
+        probe = np.ones(1, np.bool_)
+        try:
+            cap = _core.make_dlpack(probe.ctypes.data, [1], "bool", 1, 0)
+            v = ort.OrtValue.from_dlpack(_DLPackTensor(cap, np.dtype(np.bool_), (1, 0)))
+            _BOOL_CODE.append(v.data_type() == "tensor(bool)" and bool(v.numpy()[0]))
+        except Exception:  # noqa: BLE001 - ORT's own types: the code is refused
+            _BOOL_CODE.append(False)
+    return _BOOL_CODE[0]
+
+
 def ortvalue_at(ptr: int, shape: Sequence[int], dtype: np.dtype, on_cuda: bool, device_id: int) -> ort.OrtValue:
-    """A non-owning OrtValue over memory the arena owns (DLPack, zero-copy). A bool
-    tensor crosses as uint8 with ORT's bool flag: ORT rejects DLPack's bool code."""
-    is_bool = np.dtype(dtype) == np.bool_
-    name = "uint8" if is_bool else np.dtype(dtype).name
-    cap = _core.make_dlpack(ptr, [int(d) for d in shape], name, 2 if on_cuda else 1, device_id)
-    return ort.OrtValue(C.OrtValue.from_dlpack(cap, is_bool))
+    """A non-owning OrtValue over memory the arena owns (DLPack, zero-copy), through
+    ORT's public OrtValue.from_dlpack."""
+    dtype = np.dtype(dtype)
+    is_bool = dtype == np.bool_
+    name = "uint8" if is_bool and not _takes_dlpack_bool() else dtype.name
+    device = (2, device_id) if on_cuda else (1, 0)
+    cap = _core.make_dlpack(ptr, [int(d) for d in shape], name, device[0], device[1])
+    return ort.OrtValue.from_dlpack(_DLPackTensor(cap, dtype, device))
 
 
 _ORT_TO_NP = {

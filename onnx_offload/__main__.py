@@ -1,0 +1,6 @@
+"""``python -m onnx_offload``: the command line, as ``onnx-offload``."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,53 @@
+"""What a fresh install offers: the version written once, the command line as a module,
+typed metadata, a clear message from the source tree, and a warning when both ORT
+distributions share the one 'onnxruntime' folder."""
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import onnx_offload
+from onnx_offload.install import conflict, installed_versions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_version_is_written_once_and_the_cli_says_it(tmp_path):
+    assert onnx_offload.__version__ == importlib.metadata.version("onnx-offload")
+    for argv in (["onnx-offload", "--version"], [sys.executable, "-m", "onnx_offload", "--version"]):
+        r = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"onnx-offload {onnx_offload.__version__} (onnxruntime "), r.stdout
+
+
+def test_metadata_license_classifiers_and_types():
+    meta = importlib.metadata.metadata("onnx-offload")
+    assert "License :: OSI Approved :: MIT License" in meta.get_all("Classifier")
+    assert "Typing :: Typed" in meta.get_all("Classifier")
+    requires = " ".join(meta.get_all("Requires-Dist"))
+    assert "onnxruntime-gpu<1.33,>=1.31" in requires and "ml_dtypes" in requires
+    assert os.path.exists(os.path.join(os.path.dirname(onnx_offload.__file__), "py.typed"))
+    assert os.path.exists(os.path.join(ROOT, "LICENSE"))
+
+
+def test_importing_the_source_tree_says_what_to_do():
+    r = subprocess.run([sys.executable, "-c", "import onnx_offload"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0
+    assert "ModuleNotFoundError" in r.stderr and "pip install ." in r.stderr and "source tree" in r.stderr, r.stderr
+
+
+def test_both_ort_distributions_installed_is_named_with_the_fix():
+    versions = {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"}
+
+    def version_of(name):
+        if name not in versions:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    found = installed_versions(version_of)
+    assert found == versions
+    why = conflict(found, "1.32.0 with CPUExecutionProvider")
+    assert "onnxruntime 1.32.0 and onnxruntime-gpu 1.31.1" in why
+    assert "pip uninstall onnxruntime'" in why and "pip uninstall onnxruntime-gpu'" in why
+    del versions["onnxruntime"]
+    assert conflict(installed_versions(version_of), "1.31.1") is None
