@@ -118,6 +118,34 @@ def plan_budget(config: OffloadConfig, *, free: int, total: int, granularity: in
                       _ort_cap(budget, zones, resident, granularity), note)
 
 
+def smallest_budget(config: OffloadConfig, *, free: int, total: int, granularity: int,
+                    weight_costs: Dict[str, int], cost: Callable[[Sequence[str]], int],
+                    plan_segments: Callable[[int], List[Sequence[str]]]) -> int:
+    """The smallest device budget, in whole granules, for which ``plan_budget`` plans this
+    model under this configuration (its offload flag, reserves and allowance), or 0 when
+    not even the device's total memory would do. A binary search over plan_budget itself,
+    so it always agrees with what a session would accept."""
+    def works(budget: int) -> bool:
+        trial = dataclasses.replace(config, vram_limit=budget)
+        try:
+            plan_budget(trial, free=max(free, budget), total=total, granularity=granularity,
+                        weight_costs=weight_costs, cost=cost, plan_segments=plan_segments)
+            return True
+        except BudgetExceeded:
+            return False
+
+    lo, hi = 1, -(-total // granularity)  # in granules: lo fails or is the answer, hi is the limit
+    if not works(hi * granularity):
+        return 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if works(mid * granularity):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi * granularity
+
+
 def _ort_cap(budget: int, zones: Dict[str, ZonePlan], weights: int, granularity: int) -> int:
     """What ORT's arena may take: the budget less the weights and the other reserves."""
     others = zones["kv"].reserve + zones["transient"].reserve

@@ -19,6 +19,26 @@ _COPIED_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads", "execution_mo
                    "use_deterministic_compute", "logid", "enable_profiling", "profile_file_prefix")
 
 
+def choose_providers(names: List[str], options: List[dict], cuda_status) -> Tuple[List[str], List[dict], List[str]]:
+    """The providers the session runs, as ORT takes a list: the ones the package does not
+    run are skipped, and CUDA that cannot run here gives way to the CPU when the list has
+    it. Returns (names, options, what to warn about). `cuda_status()` is '' when CUDA
+    can run, else why not."""
+    notes = []
+    skipped = [n for n in names if n not in (CUDA_EP, CPU_EP)]
+    kept = [(n, o) for n, o in zip(names, options) if n in (CUDA_EP, CPU_EP)]
+    if not kept:
+        raise ValueError(f"OffloadSession runs {CUDA_EP} and {CPU_EP}, and none of {', '.join(names)}")
+    if skipped:
+        notes.append(f"OffloadSession runs {CUDA_EP} and {CPU_EP}; skipping {', '.join(skipped)}")
+    if kept[0][0] == CUDA_EP and any(n == CPU_EP for n, _ in kept):
+        why = cuda_status()
+        if why:
+            notes.append(f"{CUDA_EP} cannot run here ({why}); running on {CPU_EP}, with the host backend")
+            kept = [(n, o) for n, o in kept if n == CPU_EP]
+    return [n for n, _ in kept], [o for _, o in kept], notes
+
+
 def normalize_providers(providers, provider_options) -> Tuple[List[str], List[dict]]:
     if not providers:  # None or []: the CPU, as ORT's CPU build defaults
         providers = [CPU_EP]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -30,10 +31,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .budget import plan_budget
-from .config import OffloadConfig, parse_flag
-from .device import Device
-from .errors import CudaUnavailable, OffloadWarning, StateError
+from .budget import plan_budget, smallest_budget
+from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag
+from .device import Device, cuda_available
+from .errors import BudgetExceeded, CudaUnavailable, OffloadWarning, StateError
 from .generation import (Generation, Sampling, UnsupportedModel, check_generate_args, decoder_spec,
                          generate_tokens, rotary_rows)
 from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
@@ -44,15 +45,33 @@ from .model import (OPTIMIZED_DATA, keep_in_model, materialize, optimization_lev
                     point_weights_at_placeholder, read_weights, weights_as_inputs)
 from .model_cache import cache_key
 from .ort_memory import OrtMemoryMeter
-from .ort_sessions import CPU_EP, CUDA_EP, SessionFactory, normalize_providers
+from .ort_sessions import CUDA_EP, SessionFactory, choose_providers, normalize_providers
 from .ortvalues import IOInfo, check_feeds, shareable
 from .residency import Counters, ResidencyManager
 from .runner import SegmentRunner
 from .segmenter import Segment, plan_segments, segment_weights, split
 from .slots import slot_kind
 from .streaming import StreamEngine, StreamingUnavailable, choose_engine, plan_stream
-from .stats import OffloadStats
+from .stats import OffloadStats, fmt_bytes
 from .workdir import make_workdir, remove_workdir
+
+
+def _cuda_status() -> str:
+    """'' when CUDA can run here, else why not."""
+    if CUDA_EP not in ort.get_available_providers():
+        return "this onnxruntime has no CUDA execution provider"
+    ok, why = cuda_available()
+    return "" if ok else why
+
+
+def _provider_int(value, name: str) -> int:
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{name}={value!r} in the CUDA provider options is not an integer") from None
+    if n < 0:
+        raise ValueError(f"{name}={value!r} in the CUDA provider options is negative")
+    return n
 
 
 class OffloadSession:
@@ -64,12 +83,25 @@ class OffloadSession:
             raise TypeError("pass either config= or configuration keywords, not both")
         self.config = config if config is not None else OffloadConfig.from_env(**config_kwargs)
         names, options = normalize_providers(providers, provider_options)
-        unknown = [n for n in names if n not in (CUDA_EP, CPU_EP)]
-        if unknown:
-            raise ValueError(f"OffloadSession supports {CUDA_EP} and {CPU_EP}, not {', '.join(unknown)}")
+        cuda_given = next((o for n, o in zip(names, options) if n == CUDA_EP), {})
+        names, options, notes = choose_providers(names, options, _cuda_status)
+        for note in notes:
+            warnings.warn(note, OffloadWarning, stacklevel=2)
         self._on_cuda = names[0] == CUDA_EP
         if self._on_cuda and CUDA_EP not in ort.get_available_providers():
             raise CudaUnavailable("this onnxruntime has no CUDA execution provider: install onnxruntime-gpu")
+        # The CUDA provider's device_id and gpu_mem_limit, as ORT reads them, unless the
+        # configuration names a device or a limit itself.
+        given = set(config_kwargs) | ({"vram_limit"} if env_is_set(ENV_VRAM_LIMIT) else set())
+        if config is not None:
+            given |= {f for f in ("device_id", "vram_limit") if getattr(config, f) != getattr(OffloadConfig(), f)}
+        taken = {}
+        if "device_id" in cuda_given and "device_id" not in given and self._on_cuda:
+            taken["device_id"] = _provider_int(cuda_given["device_id"], "device_id")
+        if "gpu_mem_limit" in cuda_given and "vram_limit" not in given:
+            taken["vram_limit"] = _provider_int(cuda_given["gpu_mem_limit"], "gpu_mem_limit")
+        if taken:
+            self.config = dataclasses.replace(self.config, **taken)
         self._cuda_options = options[0] if self._on_cuda else {}
         # enable_cuda_graph in the provider options is the caller's explicit request, as
         # plain ORT takes it; the runner sets it on the sessions that capture.
@@ -152,8 +184,20 @@ class OffloadSession:
             groups_by_target[target] = groups
             return [segment_weights(model, g, names.__contains__) for g in groups]
 
-        plan = plan_budget(cfg, free=dev.device_free, total=dev.device_total, granularity=dev.granularity,
-                           weight_costs={n: cost([n]) for n in names}, cost=cost, plan_segments=segments_for)
+        inputs = dict(free=dev.device_free, total=dev.device_total, granularity=dev.granularity,
+                      weight_costs={n: cost([n]) for n in names}, cost=cost, plan_segments=segments_for)
+        try:
+            plan = plan_budget(cfg, **inputs)
+        except BudgetExceeded as e:
+            least = smallest_budget(cfg, **inputs)
+            why = str(e).rstrip(".") + "."
+            if not least:
+                raise BudgetExceeded(f"{why} Not even the device's {fmt_bytes(dev.device_total)} would run this "
+                                     f"model with this configuration.") from None
+            raise BudgetExceeded(f"{why} The smallest budget that runs it with this configuration is "
+                                 f"{fmt_bytes(least)} ({least} bytes): pass vram_limit={least} (or set "
+                                 f"ONNX_GENAI_VRAM_LIMIT)"
+                                 f"{'' if cfg.offload else ', or turn offload on to stream the weights'}.") from None
         dev.apply(plan)
         if stable:
             point_weights_at_placeholder(model, names)

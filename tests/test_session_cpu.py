@@ -1,6 +1,7 @@
 """OffloadSession on the CPU EP through the host backend, against plain onnxruntime."""
 import ctypes
 import os
+import re
 
 import numpy as np
 import onnxruntime as ort
@@ -8,6 +9,7 @@ import pytest
 from onnx import numpy_helper
 
 from onnx_offload import BudgetExceeded, CorruptModel, CudaUnavailable, OffloadSession, StateError, cuda_available
+from onnx_offload.errors import OffloadWarning
 from onnx_offload.models import mlp_stack, save, transformer_block, weight_bytes
 
 CPU = ["CPUExecutionProvider"]
@@ -97,9 +99,18 @@ def test_budget_below_weights_without_offload_is_refused(mlp):
     assert isinstance(e.value, MemoryError)
 
 
-def test_budget_below_the_largest_weight_is_refused(mlp):
-    with pytest.raises(BudgetExceeded, match="largest weight"):
-        session(mlp, vram_limit=128 << 10, offload=True, vmm=True)
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_budget_too_small_names_the_smallest_that_runs(mlp, x, offload):
+    kw = dict(offload=True, vmm=True) if offload else {}
+    with pytest.raises(BudgetExceeded, match="largest weight") as e:
+        session(mlp, vram_limit=128 << 10, **kw)
+    m = re.search(r"The smallest budget that runs it with this configuration is [^(]+\((\d+) bytes\)", str(e.value))
+    assert m, str(e.value)
+    least = int(m.group(1))
+    with session(mlp, vram_limit=least, **kw) as s:  # it runs at that budget ...
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(mlp, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(BudgetExceeded):  # ... and not one granule below
+        session(mlp, vram_limit=least - G, **kw)
 
 
 def test_corrupt_model_is_a_typed_error(tmp_path):
@@ -127,6 +138,32 @@ def test_env_flags_drive_the_session(mlp, x, monkeypatch):
 def test_cuda_without_a_driver_is_a_typed_error(mlp):
     with pytest.raises(CudaUnavailable, match="driver|CUDA"):
         OffloadSession(mlp.SerializeToString(), providers=["CUDAExecutionProvider"])
+
+
+@pytest.mark.skipif(cuda_available()[0], reason="checks the fallback on machines without CUDA")
+def test_providers_as_ort_takes_them_without_cuda(mlp, x):
+    """CUDA then CPU on a machine without CUDA runs on the CPU with a warning, as ORT
+    does; providers the package does not run are skipped with a warning; the CUDA
+    provider's gpu_mem_limit is the VRAM limit unless the configuration sets one."""
+    want = reference(mlp, {"x": x})[0]
+    cuda = ("CUDAExecutionProvider", {"device_id": 0, "gpu_mem_limit": str(96 << 20)})
+    with pytest.warns(OffloadWarning) as caught:
+        s = OffloadSession(mlp.SerializeToString(), providers=["TensorrtExecutionProvider", cuda, "CPUExecutionProvider"],
+                           host_granularity=G)
+    text = " ".join(str(w.message) for w in caught)
+    assert "skipping TensorrtExecutionProvider" in text and "running on CPUExecutionProvider" in text, text
+    with s:
+        assert s.device.kind == "host" and s.stats().ledger.budget == 96 << 20
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    with pytest.warns(OffloadWarning, match="running on CPUExecutionProvider"):
+        with OffloadSession(mlp.SerializeToString(), providers=[cuda, "CPUExecutionProvider"], host_granularity=G,
+                            vram_limit="64MiB") as s:
+            assert s.stats().ledger.budget == 64 << 20  # the configuration's limit wins
+    with pytest.raises(ValueError, match="none of TensorrtExecutionProvider"):
+        OffloadSession(mlp.SerializeToString(), providers=["TensorrtExecutionProvider"])
+    with pytest.raises(ValueError, match="gpu_mem_limit"), pytest.warns(OffloadWarning):
+        OffloadSession(mlp.SerializeToString(), providers=[("CUDAExecutionProvider", {"gpu_mem_limit": "lots"}),
+                                                           "CPUExecutionProvider"])
 
 
 def test_model_from_path_with_sess_options(mlp, x, tmp_path):
