@@ -26,8 +26,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from .bench import PinnedBuffer, _backend, h2d_bandwidth
-from .bench_decode import WARMUP, build_model, in_process_of_its_own
+from .bench_decode import WARMUP, in_process_of_its_own, setup
 from .config import GiB, MiB
 from .stats import fmt_bytes, table
 
@@ -159,17 +158,7 @@ def accelerate_missing() -> str:
 
 def bench_compare(kind: str, out_dir: str, prompt: int = 128, new: int = 64, fractions=(0.25, 0.5, 0.75),
                   accelerate_new: int = 16) -> Dict:
-    os.makedirs(out_dir, exist_ok=True)
-    path, shape = build_model(kind, out_dir)
-    weights = os.path.getsize(path + ".data")
-    backend = _backend(kind)
-    pinned = PinnedBuffer(backend, GiB if kind == "cuda" else 128 * MiB)
-    bw = h2d_bandwidth(backend, backend.create_stream(), pinned, pinned.array.nbytes)
-    pinned.close()
-    del backend
-    ids = np.random.default_rng(0).integers(0, shape["vocab"], (1, prompt))
-    a = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new, kind=kind)
-    print(f"  anchor: {a['ms_per_token']:.2f} ms/token; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)
+    path, shape, weights, bw, ids, a = setup(kind, out_dir, prompt, new)
     scratch = 512 * MiB if kind == "cuda" else 4 * MiB
     cache = os.path.join(out_dir, "cache")
     rows: List[Dict] = []

@@ -63,6 +63,25 @@ def build_model(kind: str, out_dir: str) -> tuple:
     return path, shape
 
 
+def setup(kind: str, out_dir: str, prompt: int, new: int) -> tuple:
+    """The model, its weight bytes, the pinned H2D bandwidth, the prompt and the anchor
+    row (plain ORT, in a process of its own): what every decode benchmark starts from."""
+    os.makedirs(out_dir, exist_ok=True)
+    t = time.perf_counter()
+    path, shape = build_model(kind, out_dir)
+    print(f"  model ready in {time.perf_counter() - t:.1f} s", flush=True)
+    weights = os.path.getsize(path + ".data")
+    backend = _backend(kind)
+    pinned = PinnedBuffer(backend, GiB if kind == "cuda" else 128 * MiB)
+    bw = h2d_bandwidth(backend, backend.create_stream(), pinned, pinned.array.nbytes)
+    pinned.close()
+    del backend
+    ids = np.random.default_rng(0).integers(0, shape["vocab"], (1, prompt))
+    a = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new, kind=kind)
+    print(f"  anchor: {a['ms_per_token']:.2f} ms/token; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)
+    return path, shape, weights, bw, ids, a
+
+
 def anchor(path: str, shape: dict, ids: np.ndarray, new: int, kind: str) -> Dict:
     """The best plain-ORT loop: device KV shared between past and present, IOBinding bound
     once, a CUDA graph replayed per decode step (on CUDA)."""
@@ -176,19 +195,7 @@ def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, ca
 
 def bench_decode(kind: str, out_dir: str, prompt: int = 128, new: int = 128,
                  fractions=(1.0, 0.75, 0.5, 0.25)) -> Dict:
-    os.makedirs(out_dir, exist_ok=True)
-    t = time.perf_counter()
-    path, shape = build_model(kind, out_dir)
-    print(f"  model ready in {time.perf_counter() - t:.1f} s", flush=True)
-    weights = os.path.getsize(path + ".data")
-    backend = _backend(kind)
-    pinned = PinnedBuffer(backend, GiB if kind == "cuda" else 128 * MiB)
-    bw = h2d_bandwidth(backend, backend.create_stream(), pinned, pinned.array.nbytes)
-    pinned.close()
-    del backend
-    ids = np.random.default_rng(0).integers(0, shape["vocab"], (1, prompt))
-    a = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new, kind=kind)
-    print(f"  anchor: {a['ms_per_token']:.2f} ms/token; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)
+    path, shape, weights, bw, ids, a = setup(kind, out_dir, prompt, new)
     scratch = 2 * GiB if kind == "cuda" else 4 * MiB
     cache = os.path.join(out_dir, "cache")
     rows = []
