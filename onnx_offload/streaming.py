@@ -204,17 +204,23 @@ class StreamEngine:
         self.runs = []
         self.address: Dict[str, int] = {}
         self._per_step: Optional[Counters] = None
-        self._map_ring()
-        so = factory.session_options()
-        for w in weights:
-            va = residency.slots[w.name].va if w.name in residency.slots else self.address[w.name]
-            value = ortvalue_at(va, w.shape, w.dtype, device.is_cuda, device_id)
-            so.add_initializer(w.name, value)
-            self._initializer_values.append(value)
-        path = save_model(model, os.path.join(workdir, "model.onnx"))
-        mark = meter.mark()
-        self.session = factory.create(path, so, False)[0]
-        meter.charge_since(mark, creating=True)
+        try:
+            self._map_ring()
+            so = factory.session_options()
+            for w in weights:
+                va = residency.slots[w.name].va if w.name in residency.slots else self.address[w.name]
+                value = ortvalue_at(va, w.shape, w.dtype, device.is_cuda, device_id)
+                so.add_initializer(w.name, value)
+                self._initializer_values.append(value)
+            path = save_model(model, os.path.join(workdir, "model.onnx"))
+            mark = meter.mark()
+            self.session = factory.create(path, so, False)[0]
+            meter.charge_since(mark, creating=True)
+        except BaseException:
+            self.session = None
+            self._initializer_values = []
+            self._unmap_ring()  # the session never sees a half-built engine: give the ring back here
+            raise
         segment = Segment(0, list(range(len(model.graph.node))), [w.name for w in weights], list(inputs),
                           list(graph_outputs), model)
         self.runs = [_Run(segment, self.session)]

@@ -151,3 +151,35 @@ def test_a_model_the_engine_cannot_capture_moves_to_segments_and_says_so(monkeyp
         assert s.stats().ledger.zones["transient"].outside == 0  # the ring went back
         final = s.close()
     assert final.committed == 0
+
+
+@pytest.mark.parametrize("op,after", [("create", 2), ("map", 3), ("set_access", 2)])
+def test_an_engine_that_fails_half_way_gives_everything_back(monkeypatch, op, after):
+    """A driver call that fails while the engine maps its ring: the session raises, and
+    every physical handle it made is given back."""
+    import onnx_offload.device as device_module
+    import onnx_offload.session as session_module
+    from onnx_offload import OffloadError, _core
+    from onnx_offload.models.decoder import decoder_lm
+    monkeypatch.setattr(session_module, "choose_engine", lambda *a: "graph")
+    made = []
+
+    def backend(kind, config):
+        b = _core.make_host_backend(config.host_granularity)
+        made.append(b)
+        return b
+
+    monkeypatch.setattr(device_module, "make_backend", backend)
+    model = decoder_lm("gqa", layers=2, hidden=64, max_length=64)
+    real_map_ring = session_module.StreamEngine._map_ring
+
+    def failing_map_ring(self):
+        self.device.backend.inject_failure(op, after)
+        real_map_ring(self)
+
+    monkeypatch.setattr(session_module.StreamEngine, "_map_ring", failing_map_ring)
+    with pytest.raises(OffloadError, match="injected failure"):
+        OffloadSession(model.SerializeToString(), offload=True, vmm=True, host_granularity=4096,
+                       vram_limit="64MiB", weight_bytes=weight_bytes(model) // 2)
+    c = made[0].counters()
+    assert c.creates == c.releases, c.as_dict()  # the ring's handles and the arena's, all given back
