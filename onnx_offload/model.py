@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import shutil
 from typing import Dict, Optional, Sequence
 
 import numpy as np
@@ -60,12 +61,57 @@ def optimization_level(name: Optional[str], sess_options: Optional[ort.SessionOp
     return ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 
 
-def materialize(path_or_bytes, workdir: str) -> str:
-    """A path to the model on disk, checked to parse."""
+EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+
+
+def external_data_folder(sess_options: Optional[ort.SessionOptions]) -> str:
+    """Where ORT looks for the external data of a model given as bytes: the folder the
+    SessionOptions name, else the current working directory."""
+    if sess_options is not None:
+        try:
+            return os.path.abspath(sess_options.get_session_config_entry(EXTERNAL_FOLDER_KEY))
+        except RuntimeError:  # ORT raises when the entry is not set
+            pass
+    return os.getcwd()
+
+
+def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = None) -> str:
+    """A path to the model on disk, checked to parse. A model given as bytes finds its
+    external data where ORT would (`external_folder`, see external_data_folder): its
+    files are hard-linked (copied across filesystems) beside the copy written to
+    `workdir`."""
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         path = os.path.join(workdir, "input.onnx")
         with open(path, "wb") as f:
             f.write(path_or_bytes)
+        try:
+            model = onnx.load(path, load_external_data=False)
+        except Exception as e:  # protobuf raises its own DecodeError types
+            raise CorruptModel(f"the model bytes are not a valid ONNX model: {e}") from e
+        folder = external_folder or os.getcwd()
+        for t in all_tensors(model.graph):
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            location = next((e.value for e in t.external_data if e.key == "location"), "")
+            parts = location.replace("\\", "/").split("/")
+            if not location or os.path.isabs(location) or ".." in parts:
+                raise CorruptModel(f"initializer {t.name!r} of the model bytes names external data {location!r} "
+                                   f"outside the folder they are read from ({folder})")
+            target, link = os.path.join(folder, location), os.path.join(workdir, location)
+            if not os.path.exists(target):
+                raise FileNotFoundError(f"initializer {t.name!r} of the model bytes has its data in {location!r}, "
+                                        f"which is not in {folder} (a model given as bytes reads its external data "
+                                        f"from the working directory, or from {EXTERNAL_FOLDER_KEY} in the "
+                                        f"SessionOptions, as ORT does)")
+            if not os.path.lexists(link):
+                # ORT refuses data that resolves outside the model's folder, so a symbolic
+                # link will not do: a hard link (no copy), else a copy across filesystems.
+                os.makedirs(os.path.dirname(link), exist_ok=True)
+                try:
+                    os.link(target, link)
+                except OSError:
+                    shutil.copyfile(target, link)
+        return path
     else:
         path = os.fspath(path_or_bytes)
         if not os.path.exists(path):

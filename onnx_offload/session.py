@@ -41,7 +41,7 @@ from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph
 from .host_store import HostStore
 from .interrupts import deferred_interrupts
 from .iobinding import OffloadIOBinding
-from .model import (OPTIMIZED_DATA, keep_in_model, materialize, optimization_level, optimize_once,
+from .model import (OPTIMIZED_DATA, external_data_folder, keep_in_model, materialize, optimization_level, optimize_once,
                     point_weights_at_placeholder, read_weights, weights_as_inputs)
 from .model_cache import cache_key
 from .ort_memory import OrtMemoryMeter
@@ -152,7 +152,7 @@ class OffloadSession:
 
     def _build(self, path_or_bytes, progress, record_timeline):
         cfg, dev = self.config, self._device
-        src = materialize(path_or_bytes, self._workdir)
+        src = materialize(path_or_bytes, self._workdir, external_data_folder(self._user_options))
         level = optimization_level(cfg.optimization_level, self._user_options)
         opt_dir = self._optimized_dir(src, level)
         opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)

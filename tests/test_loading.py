@@ -399,3 +399,40 @@ def test_session_folder_does_not_outlive_its_process(how, private_tmp):
         assert os.path.isdir(path)
         remove_workdir(make_workdir())
         assert not os.path.exists(path)
+
+
+def test_a_model_given_as_bytes_finds_its_external_data_where_ort_would(tmp_path, monkeypatch):
+    """ORT reads the external data of a model given as bytes from the working directory,
+    or from the folder SessionOptions names; so does OffloadSession."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx_offload import CorruptModel, OffloadSession
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    onnx.save(m, str(folder / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="m.data", size_threshold=0)
+    data = (folder / "m.onnx").read_bytes()
+    x = np.ones((2, 64), np.float32)
+    monkeypatch.chdir(folder)
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    with OffloadSession(data) as s:
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
+    monkeypatch.chdir(tmp_path)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    with OffloadSession(data, so) as s:
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
+    with pytest.raises(FileNotFoundError, match="working directory"):
+        OffloadSession(data)  # neither here nor named: ORT fails too
+    escaping = onnx.load_from_string(data)
+    for e in escaping.graph.initializer[0].external_data:
+        if e.key == "location":
+            e.value = "../m.data"
+    m = escaping
+    with pytest.raises(CorruptModel, match="outside the folder"):
+        OffloadSession(m.SerializeToString())
