@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -61,6 +62,11 @@ class DeviceGraph {
   // For each [lo, hi) range, the topological index of every captured node whose
   // parameters hold an address inside it.
   virtual std::vector<std::vector<int>> readers(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) = 0;
+  // What a node is, for a message: a kernel's name where the driver tells it, and for
+  // each place in its parameters that holds an address in [lo, hi), the parameter's
+  // index, its size and the byte offset inside it.
+  virtual std::string kernel_name(int node) = 0;
+  virtual std::vector<std::tuple<int, uint64_t, uint64_t>> address_in_params(int node, uint64_t lo, uint64_t hi) = 0;
   virtual void add_copies(const std::vector<GraphCopy>& copies) = 0;
   virtual void instantiate(Stream& s) = 0;  // no edits after this; uploads on `s`
   virtual void launch(Stream& s) = 0;

@@ -73,6 +73,9 @@ void bind_backend(py::module_& m) {
       .def_property_readonly("opaque", &DeviceGraph::opaque)
       .def_property_readonly("launches", &DeviceGraph::launches)
       .def("readers", &DeviceGraph::readers, py::arg("ranges"), Release())
+      .def("kernel_name", &DeviceGraph::kernel_name, py::arg("node"), Release())
+      .def("address_in_params", &DeviceGraph::address_in_params, py::arg("node"), py::arg("lo"), py::arg("hi"),
+           Release())
       .def("add_copies", [](DeviceGraph& g, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, std::vector<int>,
                                                                          std::vector<int>>>& copies) {
         std::vector<GraphCopy> list;

@@ -213,6 +213,47 @@ class CudaGraph : public DeviceGraph {
     return found;
   }
 
+  std::string kernel_name(int node) override {
+    ctx_->make_current();
+    CUgraphNode n = node_at(node);
+    CUgraphNodeType t;
+    CU_CHECK(DRV(cuGraphNodeGetType)(n, &t));
+    if (t != CU_GRAPH_NODE_TYPE_KERNEL) return concat("(node type ", int(t), ")");
+    CUDA_KERNEL_NODE_PARAMS p{};
+    CU_CHECK(DRV(cuGraphKernelNodeGetParams)(n, &p));
+    const char* name = nullptr;
+    const DriverApi& d = driver();
+    if (p.func != nullptr && d.cuFuncGetName_ != nullptr) d.cuFuncGetName_(&name, p.func);
+    if (p.func == nullptr && p.kern != nullptr && d.cuKernelGetName_ != nullptr) d.cuKernelGetName_(&name, p.kern);
+    return name != nullptr ? std::string(name) : std::string("(kernel name unknown)");
+  }
+
+  std::vector<std::tuple<int, uint64_t, uint64_t>> address_in_params(int node, uint64_t lo, uint64_t hi) override {
+    ctx_->make_current();
+    std::vector<std::tuple<int, uint64_t, uint64_t>> found;
+    CUgraphNode n = node_at(node);
+    CUgraphNodeType t;
+    CU_CHECK(DRV(cuGraphNodeGetType)(n, &t));
+    if (t != CU_GRAPH_NODE_TYPE_KERNEL) return found;
+    CUDA_KERNEL_NODE_PARAMS p{};
+    CU_CHECK(DRV(cuGraphKernelNodeGetParams)(n, &p));
+    if (p.kernelParams == nullptr || (p.func == nullptr && p.kern == nullptr)) return found;
+    for (size_t i = 0;; ++i) {
+      size_t offset = 0, size = 0;
+      CUresult r = p.func != nullptr ? DRV(cuFuncGetParamInfo)(p.func, i, &offset, &size)
+                                     : DRV(cuKernelGetParamInfo)(p.kern, i, &offset, &size);
+      if (r == CUDA_ERROR_INVALID_VALUE) break;
+      CU_CHECK(r);
+      const auto* bytes = static_cast<const unsigned char*>(p.kernelParams[i]);
+      for (size_t o = 0; bytes != nullptr && o + 8 <= size; o += 4) {
+        uint64_t w;
+        std::memcpy(&w, bytes + o, 8);
+        if (w >= lo && w < hi) found.emplace_back(int(i), uint64_t(size), uint64_t(o));
+      }
+    }
+    return found;
+  }
+
   void add_copies(const std::vector<GraphCopy>& copies) override {
     if (exec_ != nullptr) throw StateError("the graph is instantiated: no more edits");
     ctx_->make_current();

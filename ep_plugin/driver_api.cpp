@@ -52,6 +52,16 @@ std::unique_ptr<Loaded> load() {
   }
   OFFLOAD_DRIVER_FUNCS(OFFLOAD_LOAD_MEMBER)
 #undef OFFLOAD_LOAD_MEMBER
+#define OFFLOAD_LOAD_OPTIONAL(name, version)                                               \
+  {                                                                                        \
+    void* fn = nullptr;                                                                    \
+    CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;          \
+    if (get_proc(#name, &fn, version, CU_GET_PROC_ADDRESS_DEFAULT, &status) == CUDA_SUCCESS && \
+        status == CU_GET_PROC_ADDRESS_SUCCESS)                                             \
+      api.name##_ = reinterpret_cast<decltype(api.name##_)>(fn);                           \
+  }
+  OFFLOAD_DRIVER_OPTIONAL_FUNCS(OFFLOAD_LOAD_OPTIONAL)
+#undef OFFLOAD_LOAD_OPTIONAL
   CUresult r = api.cuInit_(0);
   if (r != CUDA_SUCCESS) {
     out->error = concat("cuInit failed with ", name_of(api, r));

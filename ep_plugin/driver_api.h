@@ -78,9 +78,15 @@ namespace offload {
   _(cuGetErrorName, 6000)                  \
   _(cuGetErrorString, 6000)
 
+// Entries used only to describe what went wrong: nullptr where the driver lacks them.
+#define OFFLOAD_DRIVER_OPTIONAL_FUNCS(_) \
+  _(cuFuncGetName, 12030)                \
+  _(cuKernelGetName, 12030)
+
 struct DriverApi {
 #define OFFLOAD_DECLARE_MEMBER(name, version) decltype(&name) name##_ = nullptr;
   OFFLOAD_DRIVER_FUNCS(OFFLOAD_DECLARE_MEMBER)
+  OFFLOAD_DRIVER_OPTIONAL_FUNCS(OFFLOAD_DECLARE_MEMBER)
 #undef OFFLOAD_DECLARE_MEMBER
   int driver_version = 0;
 };

@@ -281,6 +281,10 @@ class DeviceGraph:
     def launches(self) -> int: ...
     def readers(self, ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
         """For each [lo, hi) range, the topological index of every node whose parameters hold an address in it."""
+    def kernel_name(self, node: int) -> str:
+        """A kernel node's name where the driver tells it (for messages)."""
+    def address_in_params(self, node: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(parameter index, parameter size, byte offset) of each address in [lo, hi) in a kernel's parameters."""
     def add_copies(self, copies: Sequence[tuple[int, int, int, Sequence[int], Sequence[int]]]) -> None:
         """(dst, src host, bytes, after nodes, before nodes): H2D copies, each after the one before it."""
     def instantiate(self, stream: Stream) -> None: ...

@@ -351,7 +351,20 @@ class StreamEngine:
             raise StreamingUnavailable(f"ORT's run cannot be captured into a graph: {failure}") from failure
         return graph
 
-    def _ring_by_reads(self, copied: List[int], readers: List[List[int]], first_from: Dict[int, int]) -> List[List[int]]:
+    def _describe(self, graph, node: int, name: str) -> str:
+        """One captured node, for a message: its kernel and where `name`'s address sits in
+        its parameters."""
+        lo = self.address[name]
+        try:
+            where = graph.address_in_params(node, lo, lo + self.info[name].nbytes)
+            kernel = graph.kernel_name(node)[:120]
+        except OffloadError as e:  # a message must not fail where the error it explains did not
+            return f"node {node} (not described: {e})"
+        places = ", ".join(f"parameter {i} ({size} bytes) at +{off}" for i, size, off in where[:3])
+        return f"node {node} {kernel}" + (f" [{places}]" if places else "")
+
+    def _ring_by_reads(self, graph, copied: List[int], readers: List[List[int]],
+                       first_from: Dict[int, int]) -> List[List[int]]:
         """Ring granules for each unit, in read order: a unit takes the granules whose
         last readers finish earliest, so its copy waits as little as it can."""
         units, ring = self.plan.units, len(self._handles)
@@ -362,10 +375,11 @@ class StreamEngine:
             picked = sorted(range(ring), key=lambda gr: (done[gr], gr))[:units[i].granules]
             if done[picked[-1]] >= first_from[i]:
                 k = held[picked[-1]]
+                seen = "; ".join(self._describe(graph, r, units[k].names[0]) for r in sorted({readers[k][0], readers[k][-1]}))
                 raise StreamingUnavailable(
                     f"the ring of {self.plan.ring_bytes} bytes is too small for the order this graph reads its "
                     f"weights in: {units[i].names[0]!r} (first read by node {readers[i][0]}) needs the ring "
-                    f"granules of {units[k].names[0]!r} (read by nodes {readers[k]})")
+                    f"granules of {units[k].names[0]!r} (read by nodes {readers[k]}: {seen})")
             ring_of[i] = sorted(picked)
             for gr in picked:
                 done[gr], held[gr] = readers[i][-1], i
@@ -391,7 +405,7 @@ class StreamEngine:
             first_from[i] = low
         if not self._placed_by_reads:
             # ORT's reads, seen for the first time: the ring follows them from now on.
-            self._place(self._ring_by_reads(copied, readers, first_from))
+            self._place(self._ring_by_reads(graph, copied, readers, first_from))
             self._placed_by_reads = True
         holder: Dict[int, int] = {}  # ring granule -> the unit that last held it in this step
         copies = []
