@@ -34,6 +34,7 @@ import onnxruntime as ort
 from .budget import plan_budget, smallest_budget
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag
 from .device import Device, cuda_available
+from .dropin import InferenceSessionMembers, model_facts
 from .errors import BudgetExceeded, CudaUnavailable, OffloadWarning, StateError
 from .generation import (Generation, Sampling, UnsupportedModel, check_generate_args, decoder_spec,
                          generate_tokens, rotary_rows)
@@ -74,7 +75,7 @@ def _provider_int(value, name: str) -> int:
     return n
 
 
-class OffloadSession:
+class OffloadSession(InferenceSessionMembers):
     def __init__(self, path_or_bytes, sess_options: Optional[ort.SessionOptions] = None, providers=None,
                  provider_options=None, *, config: Optional[OffloadConfig] = None, progress=None,
                  record_timeline: bool = False, **config_kwargs):
@@ -153,6 +154,7 @@ class OffloadSession:
     def _build(self, path_or_bytes, progress, record_timeline):
         cfg, dev = self.config, self._device
         src = materialize(path_or_bytes, self._workdir, external_data_folder(self._user_options))
+        self._modelmeta, self._overridable = model_facts(src)
         level = optimization_level(cfg.optimization_level, self._user_options)
         opt_dir = self._optimized_dir(src, level)
         opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)

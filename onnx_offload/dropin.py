@@ -1,0 +1,137 @@
+"""The rest of InferenceSession's public members, for OffloadSession.
+
+Where one ORT session runs underneath (the streaming engine, or an unsplit model) a
+member forwards to it; where several do (segments), the answer is made from all of
+them: profiles are merged into one file, fallback is switched on each. What cannot
+work under offload raises an error that says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from typing import Dict, List
+
+import onnx
+import onnxruntime as ort
+
+from .errors import StateError
+from .ortvalues import IOInfo, check_feeds, detached
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelMeta:
+    """What ORT's ModelMetadata says, read from the caller's model."""
+
+    producer_name: str
+    graph_name: str
+    domain: str
+    description: str
+    graph_description: str
+    version: int
+    custom_metadata_map: Dict[str, str]
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> "ModelMeta":
+        return cls(model.producer_name, model.graph.name, model.domain, model.doc_string, model.graph.doc_string,
+                   model.model_version, {p.key: p.value for p in model.metadata_props})
+
+
+class InferenceSessionMembers:
+    """Mixed into OffloadSession; uses its _step(), _runner, _with_fallback() and the
+    model facts it records at construction (_modelmeta, _overridable)."""
+
+    def get_modelmeta(self) -> ModelMeta:
+        self._check_open()
+        return self._modelmeta
+
+    def get_overridable_initializers(self) -> List[IOInfo]:
+        """Initializers the model also lists as inputs. Under offload they are weights in
+        slots, so feeding one is refused (as an unknown input) rather than silently ignored."""
+        self._check_open()
+        return list(self._overridable)
+
+    def get_provider_options(self) -> dict:
+        self._check_open()
+        return self._runner.single.get_provider_options()
+
+    def set_providers(self, providers=None, provider_options=None) -> None:
+        raise StateError("an OffloadSession's providers are fixed when it is made: its weights, budget, streams and "
+                         "memory belong to that device. Create a new OffloadSession with the providers you want")
+
+    def disable_fallback(self) -> None:
+        self._check_open()
+        for run in self._runner.runs:
+            run.session.disable_fallback()
+
+    def enable_fallback(self) -> None:
+        self._check_open()
+        for run in self._runner.runs:
+            run.session.enable_fallback()
+
+    def get_profiling_start_time_ns(self) -> int:
+        self._check_open()
+        return min(run.session.get_profiling_start_time_ns() for run in self._runner.runs)
+
+    def end_profiling(self) -> str:
+        """Ends profiling; returns the profile's file. With several segment sessions their
+        profiles are merged into one file (each event's args name its segment)."""
+        with self._step():
+            files = [run.session.end_profiling() for run in self._runner.runs]
+            files = [f for f in files if f]
+            if len(files) <= 1:
+                return files[0] if files else ""
+            events = []
+            for k, path in enumerate(files):
+                with open(path) as f:
+                    for event in json.load(f):
+                        event.setdefault("args", {})["offload_segment"] = k
+                        events.append(event)
+            prefix = self._user_options.profile_file_prefix if self._user_options is not None else ""
+            merged = f"{prefix or 'onnxruntime_profile_'}_{time.strftime('%Y-%m-%d_%H-%M-%S')}_merged.json"
+            with open(merged, "w") as f:
+                json.dump(events, f)
+            for path in files:
+                os.remove(path)
+            return os.path.abspath(merged)
+
+    def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None) -> List[ort.OrtValue]:
+        """As InferenceSession.run_with_ort_values: OrtValues in, OrtValues out (each in
+        memory of its own, on the device the output was made on)."""
+        with self._step():
+            runner = self._runner
+            if not runner.streaming and not runner.capture.enabled and self._stable:
+                return runner.single.run_with_ort_values(output_names, input_dict_ort_values, run_options)
+            outputs = [o.name for o in self._graph_outputs]
+            check_feeds(self._required_inputs, self._graph_inputs, outputs, input_dict_ort_values, output_names)
+            values = self._with_fallback(lambda: self._runner.run_segments(input_dict_ort_values, run_options))
+            return [detached(self._device, values[n], self.config.device_id) for n in (output_names or outputs)]
+
+    def run_async(self, output_names, input_feed, callback, user_data, run_options=None) -> None:
+        """As InferenceSession.run_async: runs on a thread of its own and calls
+        callback(outputs, user_data, error message), the message empty on success."""
+        self._check_open()
+
+        def work():
+            try:
+                out = self.run(output_names, input_feed, run_options)
+            except Exception as e:  # noqa: BLE001 - handed to the callback, as ORT does
+                callback(None, user_data, f"{type(e).__name__}: {e}")
+                return
+            callback(out, user_data, "")
+
+        threading.Thread(target=work, name="OffloadSession.run_async", daemon=True).start()
+
+
+def overridable_initializers(model: onnx.ModelProto) -> List[IOInfo]:
+    inits = {t.name for t in model.graph.initializer}
+    return [IOInfo(v) for v in model.graph.input if v.name in inits]
+
+
+def model_facts(path: str) -> tuple:
+    """(ModelMeta, overridable initializers) of the caller's model file."""
+    model = onnx.load(path, load_external_data=False)
+    return ModelMeta.of(model), overridable_initializers(model)
+

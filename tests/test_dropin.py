@@ -1,0 +1,86 @@
+"""A script written for onnxruntime.InferenceSession runs unchanged with OffloadSession
+in its place, split into segments by the environment (the second way users turn
+offload on), and gives the same answers."""
+import json
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from onnx_offload import OffloadSession, StateError
+from onnx_offload.models import mlp_stack, weight_bytes
+
+
+def script(cls, path, x, prefix):
+    """What an InferenceSession user writes; `cls` is the only thing that changes."""
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = prefix
+    sess = cls(path, so, providers=["CPUExecutionProvider"])
+    inputs = [(i.name, i.type, i.shape) for i in sess.get_inputs()]
+    outputs = [(o.name, o.type) for o in sess.get_outputs()]
+    y = sess.run(None, {"x": x})[0]
+    ov = sess.run_with_ort_values(["y"], {"x": ort.OrtValue.ortvalue_from_numpy(x)})[0]
+    y_ov = ov.numpy().copy()  # numpy() views the OrtValue's memory: copy before it goes
+    io = sess.io_binding()
+    io.bind_cpu_input("x", x)
+    io.bind_output("y")
+    sess.run_with_iobinding(io)
+    y_io = io.copy_outputs_to_cpu()[0]
+    meta = sess.get_modelmeta()
+    done, got = threading.Event(), {}
+
+    def callback(results, user_data, err):
+        got.update(results=results, user_data=user_data, err=err)
+        done.set()
+
+    sess.run_async(None, {"x": x}, callback, "token")
+    assert done.wait(30)
+    sess.disable_fallback()
+    sess.enable_fallback()
+    options = sess.get_provider_options()
+    start = sess.get_profiling_start_time_ns()
+    with open(sess.end_profiling()) as f:
+        events = json.load(f)
+    return dict(inputs=inputs, outputs=outputs, y=y, y_ov=y_ov, y_io=y_io, async_y=got["results"][0],
+                async_user=got["user_data"], async_err=got["err"], providers=sess.get_providers(),
+                cpu_options="CPUExecutionProvider" in options, started=start > 0,
+                meta=(meta.producer_name, meta.graph_name, meta.version, meta.custom_metadata_map),
+                overridable=[i.name for i in sess.get_overridable_initializers()],
+                kernel_events=sum(1 for e in events if e.get("cat") == "Node"),
+                segments=len(getattr(sess, "segments", [None])))
+
+
+def test_an_inference_session_script_runs_unchanged(tmp_path, monkeypatch):
+    model = mlp_stack(layers=6, hidden=1024, batch=4)  # 4 MiB weights: a third of them is several segments
+    model.producer_name, model.model_version = "a test", 7
+    onnx.helper.set_model_props(model, {"owner": "onnx-offload"})
+    path = str(tmp_path / "m.onnx")
+    onnx.save(model, path)
+    x = np.random.default_rng(0).standard_normal((4, 1024)).astype(np.float32)
+    want = script(ort.InferenceSession, path, x, str(tmp_path / "plain"))
+    monkeypatch.setenv("ONNX_GENAI_WEIGHT_OFFLOAD", "1")
+    monkeypatch.setenv("ONNX_GENAI_WEIGHT_OFFLOAD_VMM", "1")
+    monkeypatch.setenv("ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES", str(weight_bytes(model) // 3))
+    got = script(OffloadSession, path, x, str(tmp_path / "offload"))
+    for key in ("inputs", "outputs", "providers", "cpu_options", "started", "meta", "overridable", "async_user",
+                "async_err"):
+        assert got[key] == want[key], key
+    for key in ("y", "y_ov", "y_io", "async_y"):
+        np.testing.assert_allclose(got[key], want["y"], rtol=1e-5, atol=1e-6, err_msg=key)
+    # Every segment's kernels are in the one merged profile.
+    assert got["segments"] > 1
+    assert got["kernel_events"] >= want["kernel_events"] > 0
+    assert len(list(tmp_path.glob("offload*.json"))) == 1
+
+
+def test_what_cannot_work_under_offload_says_why():
+    model = mlp_stack(layers=2, hidden=64, batch=2)
+    with OffloadSession(model.SerializeToString()) as s:
+        with pytest.raises(StateError, match="providers are fixed"):
+            s.set_providers(["CPUExecutionProvider"])
+        done, got = threading.Event(), {}
+        s.run_async(None, {"nope": np.zeros(1)}, lambda r, u, e: (got.update(r=r, e=e), done.set()), None)
+        assert done.wait(30) and got["r"] is None and "nope" in got["e"]
