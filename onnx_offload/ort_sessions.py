@@ -14,9 +14,42 @@ import onnxruntime as ort
 CUDA_EP = "CUDAExecutionProvider"
 CPU_EP = "CPUExecutionProvider"
 
-_COPIED_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads", "execution_mode", "log_severity_level",
-                   "log_verbosity_level", "enable_cpu_mem_arena", "enable_mem_pattern", "enable_mem_reuse",
-                   "use_deterministic_compute", "logid", "enable_profiling", "profile_file_prefix")
+# SessionOptions settings the package sets itself: the graph was optimized once already
+# (and written where the package keeps it).
+_OWN_OPTIONS = ("graph_optimization_level", "optimized_model_filepath")
+# Config entries a caller may set, copied when set: ORT offers no way to list them.
+KNOWN_CONFIG_KEYS = (
+    "session.use_env_allocators", "session.set_denormal_as_zero", "session.enable_quant_qdq",
+    "session.inter_op.allow_spinning", "session.intra_op.allow_spinning", "session.intra_op_thread_affinities",
+    "session.dynamic_block_base", "session.force_spinning_stop", "session.strict_shape_type_inference",
+    "session.allow_released_opsets_only", "session.use_device_allocator_for_initializers",
+    "session.disable_cpu_ep_fallback", "session.use_deterministic_compute", "session.x64quantprecision",
+    "session.qdqisint8allowed", "session.enable_quant_qdq_cleanup", "session.disable_quant_qdq",
+    "session.disable_double_qdq_remover", "session.disable_aot_function_inlining", "session.node_partition_config_file",
+    "session.record_ep_graph_assignment_info", "session.inter_op.thread_pool_size",
+    "optimization.enable_gelu_approximation", "optimization.disable_specified_optimizers",
+    "optimization.enable_cast_chain_elimination", "mlas.enable_gemm_fastmath_arm64_bfloat16",
+    "mlas.use_lut_gemm", "ep.context_enable", "ep.context_file_path", "ep.context_embed_mode",
+)
+
+
+def copy_options(user: Optional[ort.SessionOptions]) -> ort.SessionOptions:
+    """A SessionOptions with every setting the caller made that ORT lets us read: each
+    property, and each known config entry that is set."""
+    so = ort.SessionOptions()
+    if user is None:
+        return so
+    for name in dir(type(user)):
+        attr = getattr(type(user), name, None)
+        if isinstance(attr, property) and attr.fset is not None and name not in _OWN_OPTIONS \
+                and not name.startswith("_"):
+            setattr(so, name, getattr(user, name))
+    for key in KNOWN_CONFIG_KEYS:
+        try:
+            so.add_session_config_entry(key, user.get_session_config_entry(key))
+        except RuntimeError:  # not set
+            pass
+    return so
 
 
 def choose_providers(names: List[str], options: List[dict], cuda_status) -> Tuple[List[str], List[dict], List[str]]:
@@ -65,10 +98,7 @@ class SessionFactory:
         self._ort_memory_cap = ort_memory_cap
 
     def session_options(self) -> ort.SessionOptions:
-        so = ort.SessionOptions()
-        if self._user is not None:
-            for attr in _COPIED_OPTIONS:
-                setattr(so, attr, getattr(self._user, attr))
+        so = copy_options(self._user)
         # The graph was optimized once already: nothing may replace the weights now.
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.add_session_config_entry("session.disable_prepacking", "1")

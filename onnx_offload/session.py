@@ -405,8 +405,11 @@ class OffloadSession(InferenceSessionMembers):
         return self._runner.single.get_providers()
 
     def get_session_options(self):
+        """The SessionOptions as the caller gave them (ORT's defaults when none were).
+        The ORT sessions underneath run the graph optimized once, with optimizations
+        off; those settings are the package's own, not reported here."""
         self._check_open()
-        return self._runner.single.get_session_options()
+        return self._user_options if self._user_options is not None else ort.SessionOptions()
 
     @property
     def graph_capture(self) -> GraphCaptureDecision:

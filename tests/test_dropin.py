@@ -84,3 +84,31 @@ def test_what_cannot_work_under_offload_says_why():
         done, got = threading.Event(), {}
         s.run_async(None, {"nope": np.zeros(1)}, lambda r, u, e: (got.update(r=r, e=e), done.set()), None)
         assert done.wait(30) and got["r"] is None and "nope" in got["e"]
+
+
+def test_session_options_as_given():
+    """Every readable setting of the caller's SessionOptions reaches the ORT sessions that
+    run the model, and get_session_options() reports the caller's, not the package's."""
+    from onnx_offload.ort_sessions import copy_options
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 3
+    so.use_per_session_threads = False
+    so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.set_denormal_as_zero", "1")
+    copied = copy_options(so)
+    assert copied.intra_op_num_threads == 3 and copied.use_per_session_threads is False
+    assert copied.execution_order == ort.ExecutionOrder.PRIORITY_BASED
+    assert copied.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert copied.get_session_config_entry("session.set_denormal_as_zero") == "1"
+    model = mlp_stack(layers=2, hidden=64, batch=2)
+    so.use_per_session_threads = True  # without, ORT itself needs an environment with global pools
+    with OffloadSession(model.SerializeToString(), so) as s:
+        got = s.get_session_options()
+        assert got.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        assert got.intra_op_num_threads == 3
+        x = np.ones((2, 64), np.float32)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0],
+                                   ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0],
+                                   rtol=1e-5, atol=1e-6)
