@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from .config import (ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_OFFLOAD, ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT,
+from .config import (ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_OFFLOAD, ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT,
                      env_is_set)
 from .device import cuda_available
 from .errors import OffloadError
@@ -83,6 +83,7 @@ _CONFIG_FLAGS = (
     ("offload", "offload", ENV_OFFLOAD, True),
     ("vmm", "vmm", ENV_VMM, True),
     ("cuda_graph", "cuda_graph", ENV_CUDA_GRAPH, None),
+    ("cache_dir", "cache_dir", ENV_CACHE_DIR, None),
 )
 
 
@@ -356,6 +357,8 @@ def _config_flags(p) -> None:
                         f"(overrides {ENV_VMM}; default on)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
                    help=f"capture CUDA graphs (overrides {ENV_CUDA_GRAPH}; default: when the graph is safe)")
+    p.add_argument("--cache-dir", help=f"where optimized models are kept between runs: a folder, auto (the user "
+                                         f"cache directory, the default) or off (overrides {ENV_CACHE_DIR})")
     p.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
 
 

@@ -27,6 +27,7 @@ ENV_POLICY = "ONNX_GENAI_WEIGHT_OFFLOAD_POLICY"
 ENV_VRAM_LIMIT = "ONNX_GENAI_VRAM_LIMIT"
 ENV_CUDA_GRAPH = "ONNX_GENAI_CUDA_GRAPH"
 ENV_ENGINE = "ONNX_OFFLOAD_ENGINE"
+ENV_CACHE_DIR = "ONNX_OFFLOAD_CACHE_DIR"
 # How streamed weights run: "graph", the streaming engine (one ORT session captured into
 # a graph with the page-ins in it; CUDA only); "segments", one ORT session per segment,
 # each paged in before it runs; "auto", the graph where it can run, else segments.
@@ -138,6 +139,24 @@ def parse_policy(value: str, name: str = ENV_POLICY) -> str:
     return text
 
 
+def parse_cache_dir(value, name: str = ENV_CACHE_DIR) -> str:
+    """A folder, "auto" (the user cache directory) or "off" (no cache)."""
+    text = str(value).strip()
+    if text.lower() in ("auto", "off"):
+        return text.lower()
+    if text.lower() in ("0", "none", "false"):
+        return "off"
+    if not text:
+        raise ValueError(f"{name}={value!r} is not valid: expected a folder, 'auto' or 'off'")
+    return os.path.expanduser(text)
+
+
+def default_cache_dir() -> str:
+    """The user cache directory's onnx-offload folder (platformdirs: $XDG_CACHE_HOME on Linux)."""
+    import platformdirs
+    return platformdirs.user_cache_dir("onnx-offload")
+
+
 def parse_engine(value: str, name: str = ENV_ENGINE) -> str:
     text = str(value).strip().lower()
     if text not in ENGINES:
@@ -159,6 +178,7 @@ _ENV_FIELDS = (
     (ENV_VRAM_LIMIT, "vram_limit", parse_vram_limit),
     (ENV_CUDA_GRAPH, "cuda_graph", parse_flag),
     (ENV_ENGINE, "engine", parse_engine),
+    (ENV_CACHE_DIR, "cache_dir", parse_cache_dir),
 )
 
 
@@ -183,7 +203,9 @@ class OffloadConfig:
     handle_classes: tuple = ()  # () means the arena's defaults: 1, 16, 64 and 256 granules
     zone_va_bytes: Optional[int] = None
     optimization_level: Optional[str] = None  # None: the SessionOptions' level
-    cache_dir: Optional[str] = None  # keeps optimized models between sessions
+    # Keeps optimized models between sessions, keyed by the content of every file the model
+    # reads: a folder, "auto" (the user cache directory) or "off".
+    cache_dir: Optional[str] = "auto"
     engine: str = "auto"  # one of ENGINES
 
 
@@ -191,6 +213,7 @@ class OffloadConfig:
         self.vram_limit = parse_vram_limit(self.vram_limit, "vram_limit", smallest_budget(self.host_granularity))
         self.policy = parse_policy(self.policy, "policy")
         self.engine = parse_engine(self.engine, "engine")
+        self.cache_dir = parse_cache_dir("off" if self.cache_dir is None else self.cache_dir, "cache_dir")
         if self.weight_bytes is not None:
             self.weight_bytes = parse_bytes(self.weight_bytes, "weight_bytes")
         if self.segment_bytes is not None:
@@ -221,6 +244,13 @@ class OffloadConfig:
             raise TypeError(f"unknown OffloadConfig options: {', '.join(sorted(unknown))}")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    @property
+    def cache_path(self) -> Optional[str]:
+        """The cache folder, or None when the cache is off."""
+        if self.cache_dir == "off":
+            return None
+        return default_cache_dir() if self.cache_dir == "auto" else self.cache_dir
 
     def resolve_budget(self, free: int, total: int) -> int:
         """The device budget in bytes, given the device's free and total memory."""

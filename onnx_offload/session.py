@@ -138,12 +138,13 @@ class OffloadSession(InferenceSessionMembers):
         """Where the optimized model lives: a cache entry, published with one rename, or
         the session's own folder."""
         cfg, dev = self.config, self._device
-        if not cfg.cache_dir:
+        cache = cfg.cache_path
+        if not cache:
             return self._workdir
-        opt_dir = os.path.join(cfg.cache_dir, cache_key(src, self._on_cuda, level, cfg.min_weight_bytes))
+        opt_dir = os.path.join(cache, cache_key(src, self._on_cuda, level, cfg.min_weight_bytes))
         if not os.path.isdir(opt_dir):
-            os.makedirs(cfg.cache_dir, exist_ok=True)
-            tmp = tempfile.mkdtemp(dir=cfg.cache_dir, prefix=".partial-")
+            os.makedirs(cache, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=cache, prefix=".partial-")
             optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)
             try:
                 os.rename(tmp, opt_dir)

@@ -1,7 +1,14 @@
 import functools
+import os
+import tempfile
 
 import numpy as np
 import pytest
+
+# Sessions keep optimized models in the user cache directory by default: the tests (and
+# the processes they start) keep theirs in a folder of their own.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="onnx-offload-tests-cache-")
+os.environ.pop("ONNX_OFFLOAD_CACHE_DIR", None)
 
 from onnx_offload import WeightSlot, _core, cuda_available
 from onnx_offload.host_store import read_bytes

@@ -436,3 +436,34 @@ def test_a_model_given_as_bytes_finds_its_external_data_where_ort_would(tmp_path
     m = escaping
     with pytest.raises(CorruptModel, match="outside the folder"):
         OffloadSession(m.SerializeToString())
+
+
+def test_optimized_models_are_kept_in_the_user_cache_by_default(tmp_path, monkeypatch):
+    """The second session of a model reuses the optimized model of the first: ORT's
+    optimization pass runs once per content, in the user cache directory unless
+    ONNX_OFFLOAD_CACHE_DIR (or cache_dir=) says otherwise."""
+    import onnx_offload.model as model_module
+    from onnx_offload import OffloadConfig, OffloadSession
+    from onnx_offload.config import default_cache_dir
+    from onnx_offload.models import mlp_stack
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert OffloadConfig().cache_path == default_cache_dir() == str(tmp_path / "xdg" / "onnx-offload")
+    assert OffloadConfig.from_env({"ONNX_OFFLOAD_CACHE_DIR": "off"}).cache_path is None
+    assert OffloadConfig.from_env({"ONNX_OFFLOAD_CACHE_DIR": str(tmp_path / "c")}).cache_path == str(tmp_path / "c")
+    passes = []
+    real = model_module._optimize
+    monkeypatch.setattr(model_module, "_optimize", lambda *a, **k: (passes.append(a[0]), real(*a, **k))[1])
+    model = mlp_stack(layers=3, hidden=128, batch=2)
+    path = str(tmp_path / "m.onnx")
+    onnx.save(model, path)
+    x = np.ones((2, 128), np.float32)
+    outs = []
+    for _ in range(2):
+        with OffloadSession(path) as s:
+            outs.append(s.run(None, {"x": x})[0])
+    assert len(passes) == 1
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert len(os.listdir(default_cache_dir())) == 1
+    with OffloadSession(path, cache_dir="off") as s:  # off: the pass runs in the session's own folder
+        s.run(None, {"x": x})
+    assert len(passes) == 2
