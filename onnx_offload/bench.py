@@ -219,7 +219,6 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
                   fractions=(0.25, 0.5, 0.75), policies=("planned", "stable", "lru", "mru")) -> Dict:
     from .models import decoder_like
     from .session import OffloadSession
-    from .timeline import residency_png
     os.makedirs(out_dir, exist_ok=True)
     if kind == "cuda":
         hidden, ffn, dtype = 4096, 11008, np.float16
@@ -285,8 +284,11 @@ def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 
             record = policy == "planned" and vmm and graph is None and abs(frac - 0.5) < 1e-9
             s, r, got = measure(vmm=vmm, policy=policy, vram_limit=budget + scratch, scratch_bytes=scratch,
                                 record_timeline=record, cuda_graph=graph)
-            if record:
-                timeline = residency_png(os.path.join(out_dir, "residency_timeline.png"), s.residency.timeline)
+            if record and s.residency.timeline:  # the streaming engine records none
+                try:
+                    timeline = s.timeline_png(os.path.join(out_dir, "residency_timeline.png"))
+                except ImportError as e:
+                    print(f"  no residency timeline: {e}", flush=True)
             s.close()
             bound = max(resident["step_ms"], r["htod_bytes"] / bw * 1e3)
             r.update(fraction=frac, weight_budget=budget, policy=policy if vmm else f"{policy} (plain cudaMalloc)",

@@ -199,8 +199,7 @@ def cmd_run(args) -> int:
                   f"min {min(times):.2f} ms over {len(times)} steps")
             print("segments: " + ", ".join(f"{i}:{len(seg.weights)}w" for i, seg in enumerate(s.segments)))
         if args.timeline:
-            from .timeline import residency_png
-            print(f"residency timeline: {residency_png(args.timeline, s.residency.timeline)}")
+            print(f"residency timeline: {s.timeline_png(args.timeline)}")
     return 0
 
 
@@ -410,7 +409,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (OffloadError, MemoryError, ValueError, TypeError, OSError, ArithmeticError, RuntimeError) as e:
+    except (OffloadError, MemoryError, ValueError, TypeError, OSError, ArithmeticError, RuntimeError,
+            ImportError) as e:
         # OSError: FileNotFoundError, PermissionError, ...; RuntimeError: ORT's own errors.
         print(f"onnx-offload: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -87,6 +87,8 @@ class ResidencyManager:
             self.slots[n] = slot
         self.counters = Counters()
         self.timeline: Optional[List[bytes]] = [] if record_timeline else None
+        # With the timeline: every zone's committed bytes at each of its columns.
+        self.zone_timeline: Optional[List[Dict[str, int]]] = [] if record_timeline else None
         self.policy = make_policy(policy)
         self.policy.prepare(PolicyInputs(
             order=tuple(self.order), sizes={n: s.length for n, s in self.slots.items()}, segments=self.segments,
@@ -189,7 +191,7 @@ class ResidencyManager:
         c.htod_bytes += sum(nbytes[n] for n in paged)
         self._pending[k] = (start, ready, bypass)
         if self.timeline is not None:
-            self.timeline.append(self._snapshot_states())
+            self._record()
         return ready
 
     def release(self, k: int, reader_event=None) -> None:
@@ -221,7 +223,7 @@ class ResidencyManager:
         c.access_bytes += nbytes
         c.hit_bytes += nbytes
         if self.timeline is not None:
-            self.timeline.append(self._snapshot_states())
+            self._record()
 
     def reset_counters(self) -> None:
         self.counters = Counters()
@@ -239,6 +241,11 @@ class ResidencyManager:
             self._evict_resident(victim)
             freed = before - ledger.snapshot().zones["weights"].committed.current
         return freed
+
+    def _record(self) -> None:
+        self.timeline.append(self._snapshot_states())
+        zones = self.device.ledger.snapshot().zones
+        self.zone_timeline.append({z: v.committed.current for z, v in zones.items()})
 
     def _snapshot_states(self) -> bytes:
         code = {"evicted": 0, "resident": 1, "paging_in": 1, "pinned": 1}

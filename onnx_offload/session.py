@@ -156,6 +156,7 @@ class OffloadSession(InferenceSessionMembers):
         cfg, dev = self.config, self._device
         src = materialize(path_or_bytes, self._workdir, external_data_folder(self._user_options))
         self._modelmeta, self._overridable = model_facts(src)
+        self._model_name = os.path.basename(path_or_bytes) if isinstance(path_or_bytes, str) else "model (bytes)"
         level = optimization_level(cfg.optimization_level, self._user_options)
         opt_dir = self._optimized_dir(src, level)
         opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)
@@ -415,6 +416,16 @@ class OffloadSession(InferenceSessionMembers):
     @property
     def graph_capture(self) -> GraphCaptureDecision:
         return self._runner.capture
+
+    def timeline_png(self, path: str) -> str:
+        """Draws the residency timeline (a session made with record_timeline=True) with
+        matplotlib, the optional extra [plot]; returns the path."""
+        from .timeline import residency_png
+        res = self._residency
+        budget = self._final_ledger.budget if self._closed else self._device.ledger.snapshot().budget
+        title = (f"{self._model_name}: budget {fmt_bytes(budget)}, policy {self.config.policy}, "
+                 f"{len(self.segments)} segment(s)")
+        return residency_png(path, res.timeline or (), res.zone_timeline or (), budget=budget, title=title)
 
     @property
     def engine(self) -> str:
