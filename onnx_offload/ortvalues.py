@@ -65,14 +65,6 @@ def ortvalue_at(ptr: int, shape: Sequence[int], dtype: np.dtype, on_cuda: bool, 
     return ort.OrtValue.from_dlpack(_DLPackTensor(cap, dtype, device))
 
 
-_ORT_TO_NP = {
-    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-    "tensor(int8)": np.int8, "tensor(int16)": np.int16, "tensor(int32)": np.int32, "tensor(int64)": np.int64,
-    "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64,
-    "tensor(bool)": np.bool_,
-}
-
-
 # Element types a weight can be handed to ORT in place as (DLPack, bool as flagged uint8).
 _SHAREABLE = frozenset(("float32", "float16", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8",
                         "uint16", "uint32", "uint64", "bool"))
@@ -83,13 +75,17 @@ def shareable(dtype: np.dtype) -> bool:
 
 
 def numpy_dtype(type_str: str) -> np.dtype:
-    """The numpy dtype of an ORT type string such as 'tensor(float16)'."""
-    if type_str == "tensor(bfloat16)":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    if type_str not in _ORT_TO_NP:
+    """The numpy dtype of an ORT type string such as 'tensor(float16)', through onnx's own
+    mapping (float8, int4 and bfloat16 come from ml_dtypes)."""
+    name = type_str[len("tensor("):-1] if type_str.startswith("tensor(") and type_str.endswith(")") else ""
+    code = {"float": "FLOAT", "double": "DOUBLE"}.get(name, name.upper())
+    elem = getattr(onnx.TensorProto, code, None) if code else None
+    if not isinstance(elem, int) or code in ("STRING", "UNDEFINED"):
         raise OffloadError(f"boundary tensors of type {type_str} are not supported")
-    return np.dtype(_ORT_TO_NP[type_str])
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+    except (KeyError, TypeError, ValueError):
+        raise OffloadError(f"boundary tensors of type {type_str} are not supported") from None
 
 
 def nbytes_of(shape: Sequence[int], dtype: np.dtype) -> int:
@@ -198,8 +194,9 @@ def check_feeds(required: Sequence[str], inputs: Sequence[IOInfo], known_outputs
 
 
 def _type_string(dtype: np.dtype) -> str:
-    """ORT's type string of a numpy dtype, such as 'tensor(float)'."""
-    names = {np.dtype(v): k for k, v in _ORT_TO_NP.items()}
-    if np.dtype(dtype) in names:
-        return names[np.dtype(dtype)]
-    return f"tensor({np.dtype(dtype).name})"
+    """ORT's type string of a numpy dtype, such as 'tensor(float)', through onnx's mapping."""
+    try:
+        elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    except (KeyError, TypeError, ValueError):
+        return f"tensor({np.dtype(dtype).name})"
+    return f"tensor({onnx.TensorProto.DataType.Name(elem).lower()})"

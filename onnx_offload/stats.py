@@ -101,9 +101,10 @@ class OffloadStats:
             ("budget", fmt_bytes(self.ledger.budget)),
             ("peak committed", fmt_bytes(self.peak_committed)),
             ("peak content", fmt_bytes(self.peak_content)),
-            ("granule overhead", fmt_bytes(self.granule_overhead)),
-            ("ORT-owned initializers", fmt_bytes(self.ort_owned_bytes)),
-            ("outside bytes (cuBLAS, ORT arena)", fmt_bytes(self.outside_bytes)),
+            ("granule overhead", f"{fmt_bytes(self.granule_overhead)} (peak committed less peak content: memory "
+                                 f"is committed in whole granules)"),
+            ("ORT's own memory at creation", fmt_bytes(self.ort_owned_bytes)),
+            ("ORT's own memory (its arena, cuBLAS)", fmt_bytes(self.outside_bytes)),
         ]
         zones = [(z, fmt_bytes(v.committed.current), fmt_bytes(v.committed.peak),
                   fmt_bytes(v.allowance), fmt_bytes(v.reserve))

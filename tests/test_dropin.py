@@ -112,3 +112,12 @@ def test_session_options_as_given():
         np.testing.assert_allclose(s.run(None, {"x": x})[0],
                                    ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0],
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("type_str,name", [("tensor(float)", "float32"), ("tensor(bfloat16)", "bfloat16"),
+                                           ("tensor(float8e4m3fn)", "float8_e4m3fn"), ("tensor(int4)", "int4"),
+                                           ("tensor(bool)", "bool"), ("tensor(double)", "float64")])
+def test_ort_types_map_through_onnx_float8_and_int4_included(type_str, name):
+    from onnx_offload.ortvalues import _type_string, numpy_dtype
+    assert numpy_dtype(type_str).name == name
+    assert _type_string(numpy_dtype(type_str)) == type_str
