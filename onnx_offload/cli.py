@@ -39,23 +39,6 @@ def _provider(kind: str) -> str:
     return "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
 
 
-class Progress:
-    """A one-line progress bar on stderr while weights load."""
-
-    def __init__(self, label: str):
-        self.label, self.last = label, -1
-
-    def __call__(self, done: int, total: int):
-        pct = int(100 * done / total) if total else 100
-        if pct != self.last:
-            self.last = pct
-            bar = "#" * (pct // 4)
-            sys.stderr.write(f"\r{self.label} [{bar:<25}] {pct:3d}% of {total / 2**20:.0f} MiB")
-            if pct == 100:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 def make_feeds(inputs, seed: int = 0):
     """Random feeds from the model's input shapes; dynamic dimensions become 1."""
     from .ortvalues import numpy_dtype
@@ -183,7 +166,7 @@ def cmd_run(args) -> int:
     kind = _kind(args)
     kw = config_kwargs(args)
     kw["record_timeline"] = bool(args.timeline)
-    with OffloadSession(args.model, providers=[_provider(kind)], progress=Progress("loading weights"), **kw) as s:
+    with OffloadSession(args.model, providers=[_provider(kind)], **kw) as s:
         if feeds is not None:
             check_feeds(feeds, s.get_inputs())
         else:
@@ -248,7 +231,7 @@ def cmd_generate(args) -> int:
     else:
         ids = parse_prompt_ids(args.prompt_ids)
     kind = _kind(args)
-    with OffloadSession(args.model, providers=[_provider(kind)], progress=Progress("loading weights"),
+    with OffloadSession(args.model, providers=[_provider(kind)],
                         **config_kwargs(args)) as s:
         spec = s.decoder_spec  # an unsupported model fails here, before any step
         t0 = time.perf_counter()
@@ -293,8 +276,7 @@ def cmd_demo(args) -> int:
         print(f"demo: a 16-layer MLP with {weights / 2**20:.0f} MiB of weights under a {budget / 2**20:.0f} MiB "
               f"budget, on {'the GPU (CUDA VMM)' if kind == 'cuda' else 'the CPU (host backend)'}")
         want = ort.InferenceSession(path, providers=[_provider(kind)]).run(None, {"x": x})[0]
-        with OffloadSession(path, providers=[_provider(kind)], offload=True, vmm=True, vram_limit=budget,
-                            progress=Progress("loading weights")) as s:
+        with OffloadSession(path, providers=[_provider(kind)], offload=True, vmm=True, vram_limit=budget) as s:
             for _ in range(3):
                 got = s.run(None, {"x": x})[0]
             st = s.stats()

@@ -48,6 +48,7 @@ from .model_cache import cache_key
 from .ort_memory import OrtMemoryMeter
 from .ort_sessions import CUDA_EP, SessionFactory, choose_providers, normalize_providers
 from .ortvalues import IOInfo, check_feeds, shareable
+from .progress import LoadProgress
 from .residency import Counters, ResidencyManager
 from .runner import SegmentRunner
 from .segmenter import Segment, plan_segments, segment_weights, split
@@ -158,8 +159,10 @@ class OffloadSession(InferenceSessionMembers):
         self._modelmeta, self._overridable = model_facts(src)
         self._model_name = os.path.basename(path_or_bytes) if isinstance(path_or_bytes, str) else "model (bytes)"
         level = optimization_level(cfg.optimization_level, self._user_options)
-        opt_dir = self._optimized_dir(src, level)
-        opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)
+        self._progress = LoadProgress(progress)
+        with self._progress.phase("optimizing the model"):
+            opt_dir = self._optimized_dir(src, level)
+            opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)
         model = onnx.load(opt_path, load_external_data=False)
         inside = keep_in_model(model, os.path.join(opt_dir, OPTIMIZED_DATA), shareable)
         if inside:
@@ -234,7 +237,8 @@ class OffloadSession(InferenceSessionMembers):
                 engine = "segments"
 
         self._store = HostStore(dev.backend, weights)
-        self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, progress)
+        with self._progress.phase("reading weights", sum(w.nbytes for w in weights), "B") as update:
+            self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, update)
         self._meter = OrtMemoryMeter(dev)
         factory = SessionFactory(dev, self._user_options, self._cuda_options, cfg.device_id, plan.ort_memory_cap)
         outputs = [o.name for o in self._graph_outputs]
@@ -246,13 +250,15 @@ class OffloadSession(InferenceSessionMembers):
                                                [layout.resident], cfg.policy, vmm=True,
                                                record_timeline=record_timeline)
             self._residency.make_all_resident()
-            self._runner = StreamEngine(dev, self._residency, self._store, weights, layout, factory, self._meter,
-                                        model, self._workdir, self._required_inputs, outputs, capture.reason,
-                                        cfg.device_id)
+            with self._progress.phase("creating the ORT session"):
+                self._runner = StreamEngine(dev, self._residency, self._store, weights, layout, factory,
+                                            self._meter, model, self._workdir, self._required_inputs, outputs,
+                                            capture.reason, cfg.device_id)
         self._segments_from = (plan, model, groups_by_target, names, stable, capture, outputs, factory,
                                record_timeline)
         if layout is None:
-            self._make_segment_runner()
+            with self._progress.phase("creating ORT sessions"):
+                self._make_segment_runner()
         self._notes.extend(self._runner.notes)
         self._residency.reset_counters()  # count runs, not the page-ins of construction
 

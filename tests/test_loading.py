@@ -467,3 +467,24 @@ def test_optimized_models_are_kept_in_the_user_cache_by_default(tmp_path, monkey
     with OffloadSession(path, cache_dir="off") as s:  # off: the pass runs in the session's own folder
         s.run(None, {"x": x})
     assert len(passes) == 2
+
+
+def test_progress_covers_the_whole_load(tmp_path):
+    """With progress=True, the load shows its phases on stderr (tqdm); a callable still
+    receives the weights' bytes as they are read."""
+    import contextlib
+    import io
+    from onnx_offload import OffloadSession
+    from onnx_offload.models import mlp_stack
+    model = mlp_stack(layers=4, hidden=256, batch=2)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        with OffloadSession(model.SerializeToString(), progress=True, cache_dir="off"):
+            pass
+    text = err.getvalue()
+    for phase in ("optimizing the model", "reading weights", "creating ORT sessions"):
+        assert phase in text, text
+    seen = []
+    with OffloadSession(model.SerializeToString(), progress=lambda done, total: seen.append((done, total))):
+        pass
+    assert seen and seen[-1][0] == seen[-1][1] > 0
