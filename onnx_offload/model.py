@@ -147,14 +147,14 @@ def _subgraphs(attr) -> list:
 
 
 def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes: int,
-                  device=None, notes: Optional[list] = None) -> str:
+                  device=None, notes: Optional[list] = None, disabled_optimizers: Sequence[str] = ()) -> str:
     """Runs ORT's graph optimizations once; returns the optimized model's path.
     An optimized model already in `workdir` (a cache directory) is reused."""
     out = os.path.join(workdir, OPTIMIZED)
     if _optimized_exists(out):
         return out
     if not on_cuda:
-        _optimize(src, out, level, min_weight_bytes, ["CPUExecutionProvider"])
+        _optimize(src, out, level, min_weight_bytes, ["CPUExecutionProvider"], disabled_optimizers)
         return out
     free, _ = device.backend.mem_info()
     ledger = _core.BudgetOwner(free)
@@ -165,7 +165,7 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
         "device_id": str(device.config.device_id), "gpu_external_alloc": str(alloc),
         "gpu_external_free": str(release), "gpu_external_empty_cache": str(empty)}), "CPUExecutionProvider"]
     try:
-        _optimize(src, out, level, min_weight_bytes, providers)
+        _optimize(src, out, level, min_weight_bytes, providers, disabled_optimizers)
         return out
     except OffloadError as e:
         if notes is None:
@@ -176,7 +176,8 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
         _core.unbind_external_allocator(index)
         allocator.empty_cache()
         arena.close()
-    _optimize(src, out, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, min_weight_bytes, ["CPUExecutionProvider"])
+    _optimize(src, out, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, min_weight_bytes, ["CPUExecutionProvider"],
+              disabled_optimizers)
     return out
 
 
@@ -198,7 +199,7 @@ def _locations(model: onnx.ModelProto) -> set:
             for t in all_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL}
 
 
-def _optimize(src: str, out: str, level, min_weight_bytes: int, providers) -> None:
+def _optimize(src: str, out: str, level, min_weight_bytes: int, providers, disabled_optimizers=()) -> None:
     so = ort.SessionOptions()
     so.graph_optimization_level = level
     so.optimized_model_filepath = out
@@ -209,7 +210,8 @@ def _optimize(src: str, out: str, level, min_weight_bytes: int, providers) -> No
     so.add_session_config_entry("session.disable_prepacking", "1")
     error = None
     try:
-        session = ort.InferenceSession(src, so, providers=providers)
+        kw = {"disabled_optimizers": list(disabled_optimizers)} if disabled_optimizers else {}
+        session = ort.InferenceSession(src, so, providers=providers, **kw)
         del session  # its device memory goes back before the allocator does
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         error = e

@@ -25,12 +25,12 @@ _SAMPLES = 64
 _CACHE_FORMAT = 2
 
 
-def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int) -> str:
+def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int, disabled_optimizers=()) -> str:
     """Identifies an optimized model: the content of every file the model reads (the
     .onnx and each external data file, main graph and subgraphs), the provider, the
-    level, the threshold and the ORT version."""
+    level, the threshold, the optimizers turned off and the ORT version."""
     h = hashlib.sha256()
-    for v in (_CACHE_FORMAT, on_cuda, int(level), min_weight_bytes, ort.__version__):
+    for v in (_CACHE_FORMAT, on_cuda, int(level), min_weight_bytes, ort.__version__, sorted(disabled_optimizers)):
         h.update(f"{v}|".encode())
     for path in model_files(src):  # the .onnx names the others, so their names are covered
         try:

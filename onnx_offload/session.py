@@ -81,6 +81,8 @@ class OffloadSession(InferenceSessionMembers):
                  provider_options=None, *, config: Optional[OffloadConfig] = None, progress=None,
                  record_timeline: bool = False, **config_kwargs):
         self._closed = True
+        # A keyword InferenceSession takes: ORT optimizers the caller turns off.
+        self._disabled_optimizers = sorted(config_kwargs.pop("disabled_optimizers", None) or ())
         if config is not None and config_kwargs:
             raise TypeError("pass either config= or configuration keywords, not both")
         self.config = config if config is not None else OffloadConfig.from_env(**config_kwargs)
@@ -142,11 +144,13 @@ class OffloadSession(InferenceSessionMembers):
         cache = cfg.cache_path
         if not cache:
             return self._workdir
-        opt_dir = os.path.join(cache, cache_key(src, self._on_cuda, level, cfg.min_weight_bytes))
+        opt_dir = os.path.join(cache, cache_key(src, self._on_cuda, level, cfg.min_weight_bytes,
+                                                self._disabled_optimizers))
         if not os.path.isdir(opt_dir):
             os.makedirs(cache, exist_ok=True)
             tmp = tempfile.mkdtemp(dir=cache, prefix=".partial-")
-            optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)
+            optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
+                          self._disabled_optimizers)
             try:
                 os.rename(tmp, opt_dir)
             except OSError:  # another process published it first
@@ -162,7 +166,8 @@ class OffloadSession(InferenceSessionMembers):
         self._progress = LoadProgress(progress)
         with self._progress.phase("optimizing the model"):
             opt_dir = self._optimized_dir(src, level)
-            opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes)
+            opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
+                                     self._disabled_optimizers)
         model = onnx.load(opt_path, load_external_data=False)
         inside = keep_in_model(model, os.path.join(opt_dir, OPTIMIZED_DATA), shareable)
         if inside:

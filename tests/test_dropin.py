@@ -121,3 +121,15 @@ def test_ort_types_map_through_onnx_float8_and_int4_included(type_str, name):
     from onnx_offload.ortvalues import _type_string, numpy_dtype
     assert numpy_dtype(type_str).name == name
     assert _type_string(numpy_dtype(type_str)) == type_str
+
+
+def test_disabled_optimizers_as_inference_session_takes_them():
+    model = mlp_stack(layers=2, hidden=64, batch=2)
+    x = np.ones((2, 64), np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), disabled_optimizers=["MatMulAddFusion"]).run(None, {"x": x})
+    with OffloadSession(model.SerializeToString()) as s:
+        assert "Gemm" in {n.op_type for n in s.segments[0].model.graph.node}
+    with OffloadSession(model.SerializeToString(), disabled_optimizers=["MatMulAddFusion"]) as s:
+        ops = {n.op_type for n in s.segments[0].model.graph.node}
+        assert "MatMul" in ops and "Gemm" not in ops
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], want[0], rtol=1e-6, atol=1e-6)
