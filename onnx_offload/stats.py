@@ -9,22 +9,20 @@ from .residency import Counters
 
 
 def fmt_bytes(n: float) -> str:
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
+    """Bytes as a person reads them, in binary units ("2.05 GiB")."""
+    import humanize
+    return humanize.naturalsize(n, binary=True, format="%.2f")
 
 
 def table(rows, headers=None) -> str:
+    """Rows as text. With headers, a table of figures: the first column left-aligned, the
+    others right-aligned. Without, a list of names and values, all left-aligned."""
+    from tabulate import tabulate
     rows = [[str(c) for c in r] for r in rows]
     if headers:
-        rows.insert(0, list(headers))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    if headers:
-        lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+        align = ("left",) + ("right",) * (len(headers) - 1)
+        return tabulate(rows, headers=list(headers), tablefmt="simple", colalign=align, disable_numparse=True)
+    return tabulate(rows, tablefmt="plain", disable_numparse=True)
 
 
 @dataclasses.dataclass
