@@ -88,13 +88,24 @@ def segment_weights(model: onnx.ModelProto, group: Sequence[int], is_weight: Cal
     return [n for n in read if is_weight(n)]
 
 
-def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
-    """Types of every value: ONNX shape inference, then, for ops it does not know (ORT's
-    fused contrib ops), the element type of the node's first typed input."""
+def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with value_info filled: ORT's symbolic shape inference, which knows its
+    contrib ops (GroupQueryAttention, MatMulNBits, MatMulInteger16, ...), else ONNX's."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # noqa: BLE001 - inference is best effort; the fallback below covers it
-        inferred = model
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        return SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
+    except Exception:  # noqa: BLE001 - it gives up on some graphs: ONNX's inference then
+        pass
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - inference is best effort; value_types' fallback covers it
+        return model
+
+
+def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
+    """Types of every value: shape inference (_inferred), then, for values it leaves
+    untyped, the element type of the node's first typed input."""
+    inferred = _inferred(model)
     types: Dict[str, onnx.TypeProto] = {}
     for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:

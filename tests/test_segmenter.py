@@ -67,3 +67,18 @@ def test_boundaries_are_minimal():
     for seg in segments[:-1]:
         assert len(seg.outputs) == 1
     onnx.checker.check_model(segments[0].model)
+
+
+def test_boundary_types_of_contrib_ops_come_from_ort_s_own_inference():
+    """MatMulInteger16 (a contrib op) takes int16 and gives int32: a boundary after it is
+    typed int32, as ORT's symbolic shape inference says, not as its first input."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx_offload.segmenter import value_types
+    w = numpy_helper.from_array(np.ones((8, 8), np.int16), "w")
+    g = helper.make_graph([helper.make_node("MatMulInteger16", ["x", "w"], ["y"], domain="com.microsoft"),
+                           helper.make_node("Cast", ["y"], ["z"], to=TensorProto.FLOAT)], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.INT16, [2, 8])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 8])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                          ir_version=8)
+    assert value_types(m)["y"].tensor_type.elem_type == TensorProto.INT32
