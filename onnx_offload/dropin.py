@@ -109,6 +109,66 @@ class InferenceSessionMembers:
             values = self._with_fallback(lambda: self._runner.run_segments(input_dict_ort_values, run_options))
             return [detached(self._device, values[n], self.config.device_id) for n in (output_names or outputs)]
 
+    # Members about the ORT session underneath: forwarded where there is one; with several
+    # segment sessions, questions are answered by the first (they share providers and
+    # options) and settings go to each.
+    def _sessions(self) -> list:
+        self._check_open()
+        return [run.session for run in self._runner.runs]
+
+    def get_input_memory_infos(self):
+        return self._runner_single("get_input_memory_infos", "the caller's inputs feed the first segment only")
+
+    def get_output_memory_infos(self):
+        return self._runner_single("get_output_memory_infos", "the outputs come from several segments")
+
+    def get_input_epdevices(self):
+        return self._sessions()[0].get_input_epdevices()
+
+    def get_provider_graph_assignment_info(self):
+        return [info for sess in self._sessions() for info in sess.get_provider_graph_assignment_info()]
+
+    def get_tuning_results(self):
+        return [r for sess in self._sessions() for r in sess.get_tuning_results()]
+
+    def set_tuning_results(self, results, *, error_on_invalid=False):
+        for sess in self._sessions():
+            sess.set_tuning_results(results, error_on_invalid=error_on_invalid)
+
+    def set_ep_dynamic_options(self, options):
+        for sess in self._sessions():
+            sess.set_ep_dynamic_options(options)
+
+    def release_captured_graph(self, graph_annotation_id: int = 0) -> None:
+        """Releases what ORT captured under the caller's own gpu_graph_id (the package's
+        own graphs live as long as the session)."""
+        for sess in self._sessions():
+            sess.release_captured_graph(graph_annotation_id)
+
+    def create_ortvalue_from_shape_and_type(self, shape, element_type, device_type, device_id=0, vendor_id=-1):
+        return self._sessions()[0].create_ortvalue_from_shape_and_type(shape, element_type, device_type, device_id,
+                                                                        vendor_id)
+
+    def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches, fetch_devices):
+        with self._step():
+            single = self._runner_single("run_with_ortvaluevector",
+                                         "ORT's internal value vectors cannot carry values between segments; "
+                                         "use run_with_ort_values")
+            single.run_with_ortvaluevector(run_options, feed_names, feeds, fetch_names, fetches, fetch_devices)
+
+    def _runner_single(self, member: str, why: str):
+        """The one ORT session that runs the whole model as given (no segments, graphs of
+        the package's own, or weights as inputs in between), for members that pass
+        straight through; else an error saying why not."""
+        self._check_open()
+        runner = self._runner
+        if runner.streaming or runner.capture.enabled or not self._stable:
+            raise StateError(f"{member} needs the model to run as one plain ORT session, and this session runs "
+                             f"{len(runner.runs)} segment(s) with weights paged in between: {why}")
+        if member.startswith("get_"):
+            return getattr(runner.single, member)()
+        return runner.single
+
     def run_async(self, output_names, input_feed, callback, user_data, run_options=None) -> None:
         """As InferenceSession.run_async: runs on a thread of its own and calls
         callback(outputs, user_data, error message), the message empty on success."""

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import onnxruntime as ort
 
+from .errors import StateError
 from .ortvalues import FixedBuffer, copy_into, detached, numpy_dtype, ortvalue_at
 
 
@@ -75,6 +76,10 @@ class OffloadIOBinding:
 
     def get_outputs(self):
         return list(self._results.values())
+
+    def get_outputs_as_ortvaluevector(self):
+        raise StateError("get_outputs_as_ortvaluevector returns ORT's internal value vector, which a split session's "
+                         "outputs, gathered from several segments, are not: use get_outputs()")
 
     def copy_outputs_to_cpu(self):
         return [np.array(v.numpy(), copy=True) for v in self._results.values()]

@@ -133,3 +133,25 @@ def test_disabled_optimizers_as_inference_session_takes_them():
         ops = {n.op_type for n in s.segments[0].model.graph.node}
         assert "MatMul" in ops and "Gemm" not in ops
         np.testing.assert_allclose(s.run(None, {"x": x})[0], want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_every_inference_session_member_is_there():
+    """OffloadSession has every public member of InferenceSession; where a member cannot
+    pass through segments it says why."""
+    missing = {m for m in dir(ort.InferenceSession) if not m.startswith("_")} - set(dir(OffloadSession))
+    assert not missing, missing
+    model = mlp_stack(layers=6, hidden=1024, batch=4)
+    with OffloadSession(model.SerializeToString()) as whole:  # one plain ORT session: members pass through
+        assert len(whole.get_input_memory_infos()) == 1 and len(whole.get_output_memory_infos()) == 1
+        v = whole.create_ortvalue_from_shape_and_type([2, 3], np.float32, "cpu")
+        assert v.shape() == [2, 3]
+    with OffloadSession(model.SerializeToString(), offload=True, vmm=True,
+                        weight_bytes=weight_bytes(model) // 3) as split:
+        assert len(split.segments) > 1
+        with pytest.raises(StateError, match="segment"):
+            split.get_output_memory_infos()
+        with pytest.raises(StateError, match="run_with_ort_values"):
+            split.run_with_ortvaluevector(None, [], None, [], None, [])
+        with pytest.raises(StateError, match="get_outputs"):
+            split.io_binding().get_outputs_as_ortvaluevector()
+        assert split.get_tuning_results() == []
