@@ -242,6 +242,8 @@ class OffloadConfig:
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown OffloadConfig options: {', '.join(sorted(unknown))}")
+        if "cache_dir" in overrides and overrides["cache_dir"] is None:
+            overrides["cache_dir"] = "off"  # None given by name: no cache, as OffloadConfig(cache_dir=None)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -77,25 +77,34 @@ class InferenceSessionMembers:
 
     def end_profiling(self) -> str:
         """Ends profiling; returns the profile's file. With several segment sessions their
-        profiles are merged into one file (each event's args name its segment)."""
+        profiles are merged into one file: each event's time is moved onto the earliest
+        session's clock, and its args name its segment."""
         with self._step():
-            files = [run.session.end_profiling() for run in self._runner.runs]
-            files = [f for f in files if f]
+            runs = self._runner.runs
+            starts = [run.session.get_profiling_start_time_ns() for run in runs]
+            files = [run.session.end_profiling() for run in runs]
+            # ORT names the file relative to the working directory the session was made in.
+            files = [(os.path.join(self._cwd, f) if f else "", t) for f, t in zip(files, starts)]
+            files = [(f, t) for f, t in files if f]
             if len(files) <= 1:
-                return files[0] if files else ""
+                return files[0][0] if files else ""
+            first = min(t for _, t in files)
             events = []
-            for k, path in enumerate(files):
+            for k, (path, start) in enumerate(files):
                 with open(path) as f:
                     for event in json.load(f):
+                        if isinstance(event.get("ts"), (int, float)):
+                            event["ts"] += (start - first) / 1000.0  # ORT's ts: microseconds from its start
                         event.setdefault("args", {})["offload_segment"] = k
                         events.append(event)
             prefix = self._user_options.profile_file_prefix if self._user_options is not None else ""
-            merged = f"{prefix or 'onnxruntime_profile_'}_{time.strftime('%Y-%m-%d_%H-%M-%S')}_merged.json"
+            stamp = time.strftime("%Y-%m-%d_%H-%M-%S") + f"-{time.time_ns() % 10**9:09d}"
+            merged = os.path.join(self._cwd, f"{prefix or 'onnxruntime_profile_'}_{stamp}_merged.json")
             with open(merged, "w") as f:
                 json.dump(events, f)
-            for path in files:
+            for path, _ in files:
                 os.remove(path)
-            return os.path.abspath(merged)
+            return merged
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None) -> List[ort.OrtValue]:
         """As InferenceSession.run_with_ort_values: OrtValues in, OrtValues out (each in
@@ -105,6 +114,7 @@ class InferenceSessionMembers:
             if not runner.streaming and not runner.capture.enabled and self._stable:
                 return runner.single.run_with_ort_values(output_names, input_dict_ort_values, run_options)
             outputs = [o.name for o in self._graph_outputs]
+            self._refuse_overrides(input_dict_ort_values)
             check_feeds(self._required_inputs, self._graph_inputs, outputs, input_dict_ort_values, output_names)
             values = self._with_fallback(lambda: self._runner.run_segments(input_dict_ort_values, run_options))
             return [detached(self._device, values[n], self.config.device_id) for n in (output_names or outputs)]
@@ -173,12 +183,16 @@ class InferenceSessionMembers:
         """As InferenceSession.run_async: runs on a thread of its own and calls
         callback(outputs, user_data, error message), the message empty on success."""
         self._check_open()
+        # What ORT checks before it returns: the names.
+        outputs = [o.name for o in self._graph_outputs]
+        self._refuse_overrides(input_feed)
+        check_feeds(self._required_inputs, self._graph_inputs, outputs, input_feed, output_names)
 
         def work():
             try:
                 out = self.run(output_names, input_feed, run_options)
             except Exception as e:  # noqa: BLE001 - handed to the callback, as ORT does
-                callback(None, user_data, f"{type(e).__name__}: {e}")
+                callback([], user_data, str(e))
                 return
             callback(out, user_data, "")
 

@@ -77,6 +77,10 @@ class OffloadIOBinding:
     def get_outputs(self):
         return list(self._results.values())
 
+    @property
+    def input_names(self) -> List[str]:
+        return list(self._inputs)
+
     def get_outputs_as_ortvaluevector(self):
         raise StateError("get_outputs_as_ortvaluevector returns ORT's internal value vector, which a split session's "
                          "outputs, gathered from several segments, are not: use get_outputs()")

@@ -75,6 +75,8 @@ def choose_providers(names: List[str], options: List[dict], cuda_status) -> Tupl
 def normalize_providers(providers, provider_options) -> Tuple[List[str], List[dict]]:
     if not providers:  # None or []: the CPU, as ORT's CPU build defaults
         providers = [CPU_EP]
+    if provider_options is not None and len(provider_options) != len(providers):
+        raise ValueError("'providers' and 'provider_options' should be the same length if both are given")
     names, options = [], []
     for i, p in enumerate(providers):
         if isinstance(p, tuple):

@@ -152,12 +152,18 @@ def copy_into(device, target: FixedBuffer, value: ort.OrtValue) -> None:
 
 
 def detached(device, value: ort.OrtValue, device_id: int) -> ort.OrtValue:
-    """A copy of `value` in memory of its own, on the same device."""
-    if value.device_name().lower() == "cpu":
-        return ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
+    """A copy of `value` in memory ORT allocated and the OrtValue owns (so that a numpy()
+    view of it stays valid as ORT's own outputs' do), on the same device; complete when
+    this returns."""
     dtype = numpy_dtype(value.data_type())
-    out = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), dtype, "cuda", device_id)
-    copy_into(device, FixedBuffer(out.data_ptr(), value.shape(), dtype, out), value)
+    on_host = value.device_name().lower() == "cpu"
+    out = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), dtype, "cpu" if on_host else "cuda",
+                                                    0 if on_host else device_id)
+    if on_host:
+        out.update_inplace(np.ascontiguousarray(value.numpy()))
+    else:
+        copy_into(device, FixedBuffer(out.data_ptr(), value.shape(), dtype, out), value)
+        device.compute_stream.synchronize()  # the copy is queued on the compute stream
     return out
 
 

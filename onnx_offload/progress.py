@@ -27,8 +27,8 @@ class LoadProgress:
         """A phase of the load; yields update(done, total)."""
         bar = None
         if self._tqdm is not None:
-            bar = self._tqdm(total=total, desc=what, unit=unit, unit_scale=unit == "B", leave=True, file=sys.stderr,
-                             dynamic_ncols=True)
+            bar = self._tqdm(total=total, desc=what, unit=unit, unit_scale=unit == "B", unit_divisor=1024,
+                             leave=True, file=sys.stderr, dynamic_ncols=True)
 
         def update(done: int, total_now: int) -> None:
             if bar is not None:

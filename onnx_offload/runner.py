@@ -142,7 +142,9 @@ class SegmentRunner:
 
     # ------------------------------------------------------------------ running
     def run(self, output_names, input_feed, run_options):
-        if not self.streaming and not self.capture.enabled:
+        # Unsplit, uncaptured, with the weights as initializers: ORT's own run. (Without
+        # stable addresses the weights are inputs, bound where their slots are: below.)
+        if not self.streaming and not self.capture.enabled and self._stable:
             mark = self._meter.mark() if self.steps < MEASURED_RUNS else None
             out = self.single.run(output_names, input_feed, run_options)
             self._after_single_run(mark)

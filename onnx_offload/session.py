@@ -47,7 +47,7 @@ from .model import (OPTIMIZED_DATA, external_data_folder, keep_in_model, materia
 from .model_cache import cache_key
 from .ort_memory import OrtMemoryMeter
 from .ort_sessions import CUDA_EP, SessionFactory, choose_providers, normalize_providers
-from .ortvalues import IOInfo, check_feeds, shareable
+from .ortvalues import InvalidArgument, IOInfo, check_feeds, shareable
 from .progress import LoadProgress
 from .residency import Counters, ResidencyManager
 from .runner import SegmentRunner
@@ -102,16 +102,21 @@ class OffloadSession(InferenceSessionMembers):
         taken = {}
         if "device_id" in cuda_given and "device_id" not in given and self._on_cuda:
             taken["device_id"] = _provider_int(cuda_given["device_id"], "device_id")
-        if "gpu_mem_limit" in cuda_given and "vram_limit" not in given:
+        if "gpu_mem_limit" in cuda_given and "vram_limit" not in given and self._on_cuda:
             taken["vram_limit"] = _provider_int(cuda_given["gpu_mem_limit"], "gpu_mem_limit")
         if taken:
-            self.config = dataclasses.replace(self.config, **taken)
+            try:
+                self.config = dataclasses.replace(self.config, **taken)
+            except ValueError as e:
+                raise ValueError(f"the CUDA provider options {taken} cannot be the session's configuration: "
+                                 f"{e}") from None
         self._cuda_options = options[0] if self._on_cuda else {}
         # enable_cuda_graph in the provider options is the caller's explicit request, as
         # plain ORT takes it; the runner sets it on the sessions that capture.
         self._graph_request = parse_flag(self._cuda_options.pop("enable_cuda_graph", None),
                                          "enable_cuda_graph (CUDA provider option)")
         self._pid = os.getpid()
+        self._cwd = os.getcwd()  # where ORT writes relative file names (profiles)
         self._lock = threading.RLock()  # one step at a time: slots, pins and fixed buffers are shared
         self._user_options = sess_options
         self._workdir = make_workdir()
@@ -139,29 +144,41 @@ class OffloadSession(InferenceSessionMembers):
     # ------------------------------------------------------------------ construction
     def _optimized_dir(self, src: str, level) -> str:
         """Where the optimized model lives: a cache entry, published with one rename, or
-        the session's own folder."""
+        the session's own folder (also when the cache folder cannot be used, with a warning)."""
         cfg, dev = self.config, self._device
         cache = cfg.cache_path
         if not cache:
             return self._workdir
         opt_dir = os.path.join(cache, cache_key(src, self._on_cuda, level, cfg.min_weight_bytes,
                                                 self._disabled_optimizers))
-        if not os.path.isdir(opt_dir):
+        if os.path.isdir(opt_dir):
+            return opt_dir
+        try:
             os.makedirs(cache, exist_ok=True)
             tmp = tempfile.mkdtemp(dir=cache, prefix=".partial-")
+        except OSError as e:
+            why = f"the cache folder {cache!r} cannot be used ({e}); the optimized model stays in the session's folder"
+            warnings.warn(why, OffloadWarning, stacklevel=4)
+            self._notes.append(why)
+            return self._workdir
+        try:
             optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
                           self._disabled_optimizers)
-            try:
-                os.rename(tmp, opt_dir)
-            except OSError:  # another process published it first
-                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted pass leaves nothing behind
+            raise
+        try:
+            os.rename(tmp, opt_dir)
+        except OSError:  # another process published it first
+            shutil.rmtree(tmp, ignore_errors=True)
         return opt_dir
 
     def _build(self, path_or_bytes, progress, record_timeline):
         cfg, dev = self.config, self._device
         src = materialize(path_or_bytes, self._workdir, external_data_folder(self._user_options))
         self._modelmeta, self._overridable = model_facts(src)
-        self._model_name = os.path.basename(path_or_bytes) if isinstance(path_or_bytes, str) else "model (bytes)"
+        self._model_name = (os.path.basename(os.fspath(path_or_bytes)) if isinstance(path_or_bytes, (str, os.PathLike))
+                            else "model (bytes)")
         level = optimization_level(cfg.optimization_level, self._user_options)
         self._progress = LoadProgress(progress)
         with self._progress.phase("optimizing the model"):
@@ -180,7 +197,8 @@ class OffloadSession(InferenceSessionMembers):
         self._graph_outputs = [IOInfo(v) for v in model.graph.output]
         self._op_types = {n.op_type for n in model.graph.node}
         self._rotary_rows = rotary_rows(model)
-        self._model_dir = os.path.dirname(os.path.abspath(path_or_bytes)) if isinstance(path_or_bytes, str) else None
+        self._model_dir = (os.path.dirname(os.path.abspath(os.fspath(path_or_bytes)))
+                           if isinstance(path_or_bytes, (str, os.PathLike)) else None)
         names = {w.name for w in weights}
         sizes = {w.name: w.nbytes for w in weights}
         self._stable = stable = (not cfg.offload) or cfg.vmm
@@ -204,8 +222,10 @@ class OffloadSession(InferenceSessionMembers):
             least = smallest_budget(cfg, **inputs)
             why = str(e).rstrip(".") + "."
             if not least:
+                limit = (f" The weights zone's allowance (weight_bytes={cfg.weight_bytes}) is what limits: raise it"
+                         f"{'' if cfg.offload else ' or turn offload on'}." if cfg.weight_bytes else "")
                 raise BudgetExceeded(f"{why} Not even the device's {fmt_bytes(dev.device_total)} would run this "
-                                     f"model with this configuration.") from None
+                                     f"model with this configuration.{limit}") from None
             raise BudgetExceeded(f"{why} The smallest budget that runs it with this configuration is "
                                  f"{fmt_bytes(least)} ({least} bytes): pass vram_limit={least} (or set "
                                  f"ONNX_GENAI_VRAM_LIMIT)"
@@ -324,9 +344,23 @@ class OffloadSession(InferenceSessionMembers):
             self._check_open()
             yield
 
+    def _refuse_overrides(self, names) -> None:
+        """An initializer the model also lists as an input is a weight in a slot here:
+        feeding it would be silently ignored by the segments, so it is refused."""
+        runner = self._runner
+        if not (runner.streaming or runner.capture.enabled or not self._stable):
+            return  # one plain ORT session: ORT applies the override itself
+        weights = {i.name for i in self._overridable}
+        fed = sorted(weights.intersection(names))
+        if fed:
+            raise InvalidArgument(f"{fed[0]!r} is an initializer the model lets callers override, but under offload "
+                                  f"it is a weight in a slot: overriding it is not supported (its value would be "
+                                  f"ignored)")
+
     def run(self, output_names, input_feed, run_options=None):
         with self._step():
-            if self._runner.streaming or self._runner.capture.enabled:  # else ORT checks them itself
+            self._refuse_overrides(input_feed)
+            if self._runner.streaming or self._runner.capture.enabled or not self._stable:  # else ORT checks them
                 check_feeds(self._required_inputs, self._graph_inputs, [o.name for o in self._graph_outputs],
                             input_feed, output_names)
             return self._with_fallback(lambda: self._runner.run(output_names, input_feed, run_options))
@@ -344,6 +378,7 @@ class OffloadSession(InferenceSessionMembers):
                 return
             if not isinstance(iobinding, OffloadIOBinding):
                 raise TypeError("a split OffloadSession takes the binding from its own io_binding()")
+            self._refuse_overrides(iobinding.input_names)
             self._with_fallback(lambda: iobinding.run(run_options))
 
     # ------------------------------------------------------------------ generation

@@ -22,8 +22,7 @@ def script(cls, path, x, prefix):
     inputs = [(i.name, i.type, i.shape) for i in sess.get_inputs()]
     outputs = [(o.name, o.type) for o in sess.get_outputs()]
     y = sess.run(None, {"x": x})[0]
-    ov = sess.run_with_ort_values(["y"], {"x": ort.OrtValue.ortvalue_from_numpy(x)})[0]
-    y_ov = ov.numpy().copy()  # numpy() views the OrtValue's memory: copy before it goes
+    y_ov = sess.run_with_ort_values(["y"], {"x": ort.OrtValue.ortvalue_from_numpy(x)})[0].numpy()
     io = sess.io_binding()
     io.bind_cpu_input("x", x)
     io.bind_output("y")
@@ -82,8 +81,11 @@ def test_what_cannot_work_under_offload_says_why():
         with pytest.raises(StateError, match="providers are fixed"):
             s.set_providers(["CPUExecutionProvider"])
         done, got = threading.Event(), {}
-        s.run_async(None, {"nope": np.zeros(1)}, lambda r, u, e: (got.update(r=r, e=e), done.set()), None)
-        assert done.wait(30) and got["r"] is None and "nope" in got["e"]
+        with pytest.raises(Exception, match="nope"):  # a bad name is refused at the call, as ORT does
+            s.run_async(None, {"nope": np.zeros(1)}, lambda r, u, e: None, None)
+        x = np.ones((2, 64), np.float32)
+        s.run_async(None, {"x": x}, lambda r, u, e: (got.update(r=r, u=u, e=e), done.set()), "mine")
+        assert done.wait(30) and got["e"] == "" and got["u"] == "mine" and got["r"][0].shape == (2, 64)
 
 
 def test_session_options_as_given():
@@ -155,3 +157,33 @@ def test_every_inference_session_member_is_there():
         with pytest.raises(StateError, match="get_outputs"):
             split.io_binding().get_outputs_as_ortvaluevector()
         assert split.get_tuning_results() == []
+
+
+def test_results_and_refusals_on_split_sessions(tmp_path):
+    """run_with_ort_values' results own their memory; an overridable initializer is
+    refused rather than ignored; offload without stable addresses runs a model that fits."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx_offload.ortvalues import InvalidArgument
+    model = mlp_stack(layers=6, hidden=1024, batch=4)
+    x = np.random.default_rng(1).standard_normal((4, 1024)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    with OffloadSession(model.SerializeToString(), offload=True, vmm=True,
+                        weight_bytes=weight_bytes(model) // 3) as s:
+        assert len(s.segments) > 1
+        for _ in range(3):  # each result a view of its own OrtValue's memory, which stays valid
+            y = s.run_with_ort_values(["y"], {"x": ort.OrtValue.ortvalue_from_numpy(x)})[0].numpy()
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    with OffloadSession(model.SerializeToString(), offload=True, vmm=False) as s:  # fits: one session
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    # A model whose weight is also an input (overridable).
+    w = numpy_helper.from_array(np.ones((1024, 1024), np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 1024]),
+                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [1024, 1024])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 1024])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with OffloadSession(m.SerializeToString(), offload=True, vmm=True, weight_bytes=1 << 20) as s:
+        assert [i.name for i in s.get_overridable_initializers()] == ["w"]
+        with pytest.raises(InvalidArgument, match="override"):
+            s.run(None, {"x": x, "w": np.zeros((1024, 1024), np.float32)})
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], x @ np.ones((1024, 1024), np.float32), rtol=1e-5)

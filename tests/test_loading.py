@@ -488,3 +488,34 @@ def test_progress_covers_the_whole_load(tmp_path):
     with OffloadSession(model.SerializeToString(), progress=lambda done, total: seen.append((done, total))):
         pass
     assert seen and seen[-1][0] == seen[-1][1] > 0
+
+
+def test_cache_given_as_none_is_off_and_an_unusable_one_is_skipped_with_a_warning(tmp_path):
+    import pathlib
+    from onnx_offload import OffloadConfig, OffloadSession
+    from onnx_offload.errors import OffloadWarning
+    from onnx_offload.models import mlp_stack
+    assert OffloadConfig.from_env({}, cache_dir=None).cache_path is None
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    model = mlp_stack(layers=2, hidden=64, batch=2)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    x = np.ones((2, 64), np.float32)
+    with pytest.warns(OffloadWarning, match="cannot be used"):
+        with OffloadSession(pathlib.Path(path), cache_dir=str(blocker / "cache")) as s:  # a path object, too
+            s.run(None, {"x": x})
+    # A model that parses but that ORT cannot load fails in the optimization pass, which
+    # leaves no partial folder in the cache.
+    from onnx import TensorProto, helper
+    from onnx_offload import CorruptModel
+    g = helper.make_graph([helper.make_node("NoSuchOp", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    bad = tmp_path / "bad.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(bad))
+    cache = tmp_path / "c2"
+    for _ in range(2):
+        with pytest.raises(CorruptModel):
+            OffloadSession(str(bad), cache_dir=str(cache))
+    assert cache.is_dir() and not list(cache.iterdir())
