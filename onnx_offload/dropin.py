@@ -112,7 +112,7 @@ class InferenceSessionMembers:
         with self._step():
             runner = self._runner
             if not runner.streaming and not runner.capture.enabled and self._stable:
-                return runner.single.run_with_ort_values(output_names, input_dict_ort_values, run_options)
+                return runner.run_single_with_ort_values(output_names, input_dict_ort_values, run_options)
             outputs = [o.name for o in self._graph_outputs]
             self._refuse_overrides(input_dict_ort_values)
             check_feeds(self._required_inputs, self._graph_inputs, outputs, input_dict_ort_values, output_names)

@@ -167,17 +167,30 @@ def detached(device, value: ort.OrtValue, device_id: int) -> ort.OrtValue:
     return out
 
 
+def as_arrays(inputs: Sequence[IOInfo], feeds) -> dict:
+    """Feeds with Python lists and scalars made arrays of their input's element type, as
+    ORT converts them; arrays and OrtValues as they are."""
+    by_name = {i.name: i for i in inputs}
+    out = {}
+    for name, value in feeds.items():
+        info = by_name.get(name)
+        if isinstance(value, (list, tuple, int, float, bool)) and info is not None and info.dtype is not None:
+            value = np.asarray(value, dtype=info.dtype)
+        out[name] = value
+    return out
+
+
 def check_feeds(required: Sequence[str], inputs: Sequence[IOInfo], known_outputs: Sequence[str], feeds,
                 output_names) -> None:
     """Raises what ORT raises for feeds or output names that do not match the graph:
     an unknown or missing name, a wrong element type, rank or fixed dimension."""
     by_name = {i.name: i for i in inputs}
+    missing = [n for n in required if n not in feeds]  # ORT's Python layer checks this first
+    if missing:
+        raise ValueError(f"Required inputs ({missing}) are missing from input feed ({list(feeds)}).")
     unknown = [n for n in feeds if n not in by_name]
     if unknown:
         raise InvalidArgument(f"Invalid input name: {unknown[0]} (the model's inputs are {list(by_name)})")
-    missing = [n for n in required if n not in feeds]
-    if missing:
-        raise ValueError(f"Required inputs ({missing}) are missing from input feed ({list(feeds)}).")
     for name, value in feeds.items():
         info = by_name[name]
         if isinstance(value, ort.OrtValue):

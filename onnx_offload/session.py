@@ -47,7 +47,7 @@ from .model import (OPTIMIZED_DATA, external_data_folder, keep_in_model, materia
 from .model_cache import cache_key
 from .ort_memory import OrtMemoryMeter
 from .ort_sessions import CUDA_EP, SessionFactory, choose_providers, normalize_providers
-from .ortvalues import InvalidArgument, IOInfo, check_feeds, shareable
+from .ortvalues import InvalidArgument, IOInfo, as_arrays, check_feeds, shareable
 from .progress import LoadProgress
 from .residency import Counters, ResidencyManager
 from .runner import SegmentRunner
@@ -359,6 +359,7 @@ class OffloadSession(InferenceSessionMembers):
 
     def run(self, output_names, input_feed, run_options=None):
         with self._step():
+            input_feed = as_arrays(self._graph_inputs, input_feed)
             self._refuse_overrides(input_feed)
             if self._runner.streaming or self._runner.capture.enabled or not self._stable:  # else ORT checks them
                 check_feeds(self._required_inputs, self._graph_inputs, [o.name for o in self._graph_outputs],
