@@ -13,9 +13,10 @@ the weights in, each unit onto the ring granules whose readers finish earliest.
 Every streamed weight keeps one address for the session's life, and many units
 share each ring granule.
 
-A step (``StreamEngine``). For each input-shape signature ORT runs once uncaptured,
-on the package's compute stream (it takes its memory and picks its kernels; what the
-streamed addresses hold then does not matter), and a second ``run_with_iobinding`` is
+A step (``StreamEngine``). For each input-shape signature ORT runs uncaptured on the
+package's compute stream, once to learn the outputs' shapes and once with every value
+bound where the graph will find it (it takes its memory and picks its kernels; what
+the streamed addresses hold then does not matter); a third ``run_with_iobinding`` is
 captured into a graph. The captured nodes' parameters are scanned for the units'
 addresses, which gives each weight's readers. One H2D copy node per streamed weight
 is then added, from the pinned host store to the weight's address, with these edges:
@@ -25,7 +26,7 @@ is then added, from the pinned host store to the weight's address, with these ed
 - each reader of a weight after that weight's copy.
 A replay is one graph launch: the copies run on the copy engine while the kernels
 run, a kernel waits only for its own weights, and nothing in a step maps, unmaps,
-sets access, creates, releases or waits on the host.
+sets access, creates or releases; the host waits once, at the end, for the outputs.
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ from .residency import Counters
 from .segmenter import Segment
 
 RING_FRACTION = 0.04  # the ring's floor, as a share of the weights budget: room to copy ahead of compute
-GRAPH_SIGNATURES = 8
-GIANT = 4  # a weight over this many times the median size is resident first under `planned`  # input-shape signatures kept captured
+GRAPH_SIGNATURES = 8  # input-shape signatures kept captured
+GIANT = 4  # a weight over this many times the median size is resident first under `planned`
 
 
 class StreamingUnavailable(OffloadError):
