@@ -121,6 +121,7 @@ class OffloadSession(InferenceSessionMembers):
         self._user_options = sess_options
         self._workdir = make_workdir()
         self._runner: Optional[SegmentRunner] = None
+        self._segments_at_close: Optional[List[Segment]] = None
         self._residency: Optional[ResidencyManager] = None
         self._store: Optional[HostStore] = None
         self._device: Optional[Device] = None
@@ -483,6 +484,8 @@ class OffloadSession(InferenceSessionMembers):
 
     @property
     def segments(self) -> List[Segment]:
+        if self._closed and self._segments_at_close is not None:
+            return list(self._segments_at_close)
         return [r.seg for r in self._runner.runs] if self._runner else []
 
     @property
@@ -528,6 +531,7 @@ class OffloadSession(InferenceSessionMembers):
         if self._device is not None and not self._device.closed:
             self._device.compute_stream.synchronize()
         if self._runner is not None:
+            self._segments_at_close = self.segments  # what stats() and the timeline report afterwards
             self._runner.close()
         if self._residency is not None:
             self._residency.close()

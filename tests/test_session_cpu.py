@@ -175,3 +175,12 @@ def test_model_from_path_with_sess_options(mlp, x, tmp_path):
         assert s.get_session_options().intra_op_num_threads == 1
         np.testing.assert_allclose(s.run(["y"], {"x": x})[0], reference(mlp, {"x": x})[0], rtol=1e-5, atol=1e-6)
     assert os.path.exists(path)
+
+
+def test_stats_after_close_still_name_the_segments(mlp, x):
+    s = session(mlp, offload=True, vmm=True, weight_bytes=weight_bytes(mlp) // 3)
+    s.run(None, {"x": x})
+    before = s.stats().segments
+    assert before > 1
+    s.close()
+    assert s.stats().segments == before and s.stats().ledger.committed == 0
