@@ -18,7 +18,7 @@ import onnx
 import onnxruntime as ort
 
 from .errors import StateError
-from .ortvalues import IOInfo, check_feeds, detached
+from .ortvalues import IOInfo, detached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +40,9 @@ class ModelMeta:
 
 
 class InferenceSessionMembers:
-    """Mixed into OffloadSession; uses its _step(), _runner, _with_fallback() and the
-    model facts it records at construction (_modelmeta, _overridable)."""
+    """Mixed into OffloadSession; uses its _step(), _runner, _with_fallback(),
+    _one_plain_session(), _check_call() and the model facts it records at construction
+    (_modelmeta, _overridable)."""
 
     def get_modelmeta(self) -> ModelMeta:
         self._check_open()
@@ -110,14 +111,12 @@ class InferenceSessionMembers:
         """As InferenceSession.run_with_ort_values: OrtValues in, OrtValues out (each in
         memory of its own, on the device the output was made on)."""
         with self._step():
-            runner = self._runner
-            if not runner.streaming and not runner.capture.enabled and self._stable:
-                return runner.run_single_with_ort_values(output_names, input_dict_ort_values, run_options)
-            outputs = [o.name for o in self._graph_outputs]
-            self._refuse_overrides(input_dict_ort_values)
-            check_feeds(self._required_inputs, self._graph_inputs, outputs, input_dict_ort_values, output_names)
+            if self._one_plain_session():
+                return self._runner.run_single_with_ort_values(output_names, input_dict_ort_values, run_options)
+            self._check_call(input_dict_ort_values, output_names)
             values = self._with_fallback(lambda: self._runner.run_segments(input_dict_ort_values, run_options))
-            return [detached(self._device, values[n], self.config.device_id) for n in (output_names or outputs)]
+            names = output_names or [o.name for o in self._graph_outputs]
+            return [detached(self._device, values[n], self.config.device_id) for n in names]
 
     # Members about the ORT session underneath: forwarded where there is one; with several
     # segment sessions, questions are answered by the first (they share providers and
@@ -172,7 +171,7 @@ class InferenceSessionMembers:
         straight through; else an error saying why not."""
         self._check_open()
         runner = self._runner
-        if runner.streaming or runner.capture.enabled or not self._stable:
+        if not self._one_plain_session():
             raise StateError(f"{member} needs the model to run as one plain ORT session, and this session runs "
                              f"{len(runner.runs)} segment(s) with weights paged in between: {why}")
         if member.startswith("get_"):
@@ -183,10 +182,7 @@ class InferenceSessionMembers:
         """As InferenceSession.run_async: runs on a thread of its own and calls
         callback(outputs, user_data, error message), the message empty on success."""
         self._check_open()
-        # What ORT checks before it returns: the names.
-        outputs = [o.name for o in self._graph_outputs]
-        self._refuse_overrides(input_feed)
-        check_feeds(self._required_inputs, self._graph_inputs, outputs, input_feed, output_names)
+        self._check_call(input_feed, output_names, always=True)  # ORT checks the names before it returns
 
         def work():
             try:
@@ -204,8 +200,7 @@ def overridable_initializers(model: onnx.ModelProto) -> List[IOInfo]:
     return [IOInfo(v) for v in model.graph.input if v.name in inits]
 
 
-def model_facts(path: str) -> tuple:
-    """(ModelMeta, overridable initializers) of the caller's model file."""
-    model = onnx.load(path, load_external_data=False)
+def model_facts(model: onnx.ModelProto) -> tuple:
+    """(ModelMeta, overridable initializers) of the caller's model."""
     return ModelMeta.of(model), overridable_initializers(model)
 

@@ -75,8 +75,9 @@ def external_data_folder(sess_options: Optional[ort.SessionOptions]) -> str:
     return os.getcwd()
 
 
-def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = None) -> str:
-    """A path to the model on disk, checked to parse. A model given as bytes finds its
+def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = None) -> tuple:
+    """(a path to the model on disk, the model as parsed, without its external data). A
+    model given as bytes finds its
     external data where ORT would (`external_folder`, see external_data_folder): its
     files are hard-linked (copied across filesystems) beside the copy written to
     `workdir`."""
@@ -111,16 +112,15 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
                     os.link(target, link)
                 except OSError:
                     shutil.copyfile(target, link)
-        return path
-    else:
-        path = os.fspath(path_or_bytes)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"model file {path!r} does not exist")
+        return path, model
+    path = os.fspath(path_or_bytes)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model file {path!r} does not exist")
     try:
-        onnx.load(path, load_external_data=False)
+        model = onnx.load(path, load_external_data=False)
     except Exception as e:  # protobuf raises its own DecodeError types
         raise CorruptModel(f"{path!r} is not a valid ONNX model: {e}") from e
-    return path
+    return path, model
 
 
 def all_tensors(graph: onnx.GraphProto):

@@ -78,7 +78,7 @@ def numpy_dtype(type_str: str) -> np.dtype:
     """The numpy dtype of an ORT type string such as 'tensor(float16)', through onnx's own
     mapping (float8, int4 and bfloat16 come from ml_dtypes)."""
     name = type_str[len("tensor("):-1] if type_str.startswith("tensor(") and type_str.endswith(")") else ""
-    code = {"float": "FLOAT", "double": "DOUBLE"}.get(name, name.upper())
+    code = name.upper()
     elem = getattr(onnx.TensorProto, code, None) if code else None
     if not isinstance(elem, int) or code in ("STRING", "UNDEFINED"):
         raise OffloadError(f"boundary tensors of type {type_str} are not supported")
@@ -86,6 +86,13 @@ def numpy_dtype(type_str: str) -> np.dtype:
         return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
     except (KeyError, TypeError, ValueError):
         raise OffloadError(f"boundary tensors of type {type_str} are not supported") from None
+
+
+def signature(values, prefix: str = "", addresses: bool = False) -> tuple:
+    """What fixed buffers and captured graphs are keyed by: each value's name (with
+    `prefix`), shape and type, and with `addresses` where it lives."""
+    return tuple(sorted((prefix + k, tuple(v.shape()), v.data_type()) + ((v.data_ptr(),) if addresses else ())
+                        for k, v in values.items()))
 
 
 def nbytes_of(shape: Sequence[int], dtype: np.dtype) -> int:

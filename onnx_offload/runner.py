@@ -31,7 +31,7 @@ import onnxruntime as ort
 from .errors import OffloadError, StateError
 from .graph_capture import GraphCaptureDecision
 from .model import save_model
-from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at
+from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
 from .residency import Counters
 from .segmenter import Segment
 
@@ -184,7 +184,7 @@ class SegmentRunner:
     def run_segments(self, input_feed, run_options=None) -> Dict[str, ort.OrtValue]:
         """One step through every segment; returns every boundary and output value."""
         feeds = {k: as_ortvalue(v) for k, v in input_feed.items()}
-        sig = tuple(sorted((k, tuple(v.shape()), v.data_type()) for k, v in feeds.items()))
+        sig = signature(feeds)
         plan = self._plans.get(sig)
         if plan is None:
             # Under decode-only capture, run() neither captures nor keeps buffers per shape.
@@ -210,9 +210,7 @@ class SegmentRunner:
         else they are read from the values. Returns every value and whether the step
         ran under a plan that existed before it (on CUDA with capture: a replay)."""
         sig = key if key is not None else (
-            ("bound",)
-            + tuple(sorted((k, tuple(v.shape()), v.data_type(), v.data_ptr()) for k, v in feeds.items()))
-            + tuple(sorted(("->" + k, tuple(v.shape()), v.data_type(), v.data_ptr()) for k, v in outputs.items())))
+            ("bound",) + signature(feeds, addresses=True) + signature(outputs, "->", addresses=True))
         plan = self._plans.get(sig) if fixed else None
         existed = plan is not None
         if not existed and fixed and not self.streaming and self._all_bound(feeds, outputs):

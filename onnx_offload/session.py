@@ -176,8 +176,9 @@ class OffloadSession(InferenceSessionMembers):
 
     def _build(self, path_or_bytes, progress, record_timeline):
         cfg, dev = self.config, self._device
-        src = materialize(path_or_bytes, self._workdir, external_data_folder(self._user_options))
-        self._modelmeta, self._overridable = model_facts(src)
+        src, original = materialize(path_or_bytes, self._workdir, external_data_folder(self._user_options))
+        self._modelmeta, self._overridable = model_facts(original)
+        del original  # the optimized model is what runs
         self._model_name = (os.path.basename(os.fspath(path_or_bytes)) if isinstance(path_or_bytes, (str, os.PathLike))
                             else "model (bytes)")
         level = optimization_level(cfg.optimization_level, self._user_options)
@@ -345,26 +346,36 @@ class OffloadSession(InferenceSessionMembers):
             self._check_open()
             yield
 
+    def _one_plain_session(self) -> bool:
+        """Whether one plain ORT session runs the model as given: unsplit, no graphs of the
+        package's own, the weights as initializers. ORT then checks feeds and applies
+        overridden initializers itself."""
+        runner = self._runner
+        return not runner.streaming and not runner.capture.enabled and self._stable
+
     def _refuse_overrides(self, names) -> None:
         """An initializer the model also lists as an input is a weight in a slot here:
         feeding it would be silently ignored by the segments, so it is refused."""
-        runner = self._runner
-        if not (runner.streaming or runner.capture.enabled or not self._stable):
-            return  # one plain ORT session: ORT applies the override itself
-        weights = {i.name for i in self._overridable}
-        fed = sorted(weights.intersection(names))
+        fed = sorted({i.name for i in self._overridable}.intersection(names))
         if fed:
             raise InvalidArgument(f"{fed[0]!r} is an initializer the model lets callers override, but under offload "
                                   f"it is a weight in a slot: overriding it is not supported (its value would be "
                                   f"ignored)")
 
+    def _check_call(self, input_feed, output_names, always: bool = False) -> None:
+        """What ORT checks of a call, raising what ORT raises, where ORT does not check
+        it itself (or `always`, for a check that must come before the call returns)."""
+        plain = self._one_plain_session()
+        if not plain:
+            self._refuse_overrides(input_feed)
+        if not plain or always:
+            check_feeds(self._required_inputs, self._graph_inputs, [o.name for o in self._graph_outputs],
+                        input_feed, output_names)
+
     def run(self, output_names, input_feed, run_options=None):
         with self._step():
             input_feed = as_arrays(self._graph_inputs, input_feed)
-            self._refuse_overrides(input_feed)
-            if self._runner.streaming or self._runner.capture.enabled or not self._stable:  # else ORT checks them
-                check_feeds(self._required_inputs, self._graph_inputs, [o.name for o in self._graph_outputs],
-                            input_feed, output_names)
+            self._check_call(input_feed, output_names)
             return self._with_fallback(lambda: self._runner.run(output_names, input_feed, run_options))
 
     def io_binding(self):

@@ -40,7 +40,7 @@ import onnxruntime as ort
 from .errors import OffloadError
 from .graph_capture import GraphCaptureDecision
 from .model import WeightInfo, save_model
-from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at
+from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
 from .residency import Counters
 from .segmenter import Segment
 
@@ -428,11 +428,6 @@ class StreamEngine:
         self._streamed_bytes = sum(c[2] for c in copies)
 
     # ------------------------------------------------------------------ running
-    def _signature(self, feeds, outputs) -> tuple:
-        return (tuple(sorted((k, tuple(v.shape()), v.data_type(), v.data_ptr()) for k, v in feeds.items()))
-                + tuple(sorted(("->" + k, tuple(v.shape()), v.data_type(), v.data_ptr())
-                               for k, v in outputs.items())))
-
     def _launch(self, g: _Graph) -> None:
         stream = self.device.compute_stream
         g.graph.launch(stream)
@@ -476,7 +471,8 @@ class StreamEngine:
                   fixed: bool, key: Optional[tuple] = None) -> Tuple[Dict[str, ort.OrtValue], bool]:
         """One step with the caller's values bound where they are (see SegmentRunner.run_bound).
         Every step runs as a graph: `fixed` keeps it for the steps to come."""
-        sig = ("bound", key if key is not None else self._signature(feeds, outputs))
+        sig = ("bound", key if key is not None
+               else signature(feeds, addresses=True) + signature(outputs, "->", addresses=True))
         g = self._graphs.get(sig) if fixed else None
         if g is None:
             self._free(self._oneshot)
@@ -496,7 +492,7 @@ class StreamEngine:
     def run_segments(self, input_feed, run_options=None) -> Dict[str, ort.OrtValue]:
         """One step on the caller's values (host or device); returns every output's value."""
         feeds = {k: as_ortvalue(v) for k, v in input_feed.items()}
-        sig = ("run",) + tuple(sorted((k, tuple(v.shape()), v.data_type()) for k, v in feeds.items()))
+        sig = ("run",) + signature(feeds)
         g = self._graphs.get(sig)
         if g is None:
             buffers: Dict[str, FixedBuffer] = {}
