@@ -64,9 +64,12 @@ class DeviceGraph {
   virtual std::vector<std::vector<int>> readers(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) = 0;
   // What a node is, for a message: a kernel's name where the driver tells it, and for
   // each place in its parameters that holds an address in [lo, hi), the parameter's
-  // index, its size and the byte offset inside it.
+  // index (-1: the launch's one packed buffer), its size and the byte offset inside it.
   virtual std::string kernel_name(int node) = 0;
   virtual std::vector<std::tuple<int, uint64_t, uint64_t>> address_in_params(int node, uint64_t lo, uint64_t hi) = 0;
+  // A kernel node's parameter bytes as the graph holds them, one blob per parameter
+  // (or the one packed buffer); empty for other nodes.
+  virtual std::vector<std::string> param_bytes(int node) = 0;
   virtual void add_copies(const std::vector<GraphCopy>& copies) = 0;
   virtual void instantiate(Stream& s) = 0;  // no edits after this; uploads on `s`
   virtual void launch(Stream& s) = 0;

@@ -76,6 +76,16 @@ void bind_backend(py::module_& m) {
       .def("kernel_name", &DeviceGraph::kernel_name, py::arg("node"), Release())
       .def("address_in_params", &DeviceGraph::address_in_params, py::arg("node"), py::arg("lo"), py::arg("hi"),
            Release())
+      .def("param_bytes", [](DeviceGraph& g, int node) {
+        std::vector<std::string> blobs;
+        {
+          py::gil_scoped_release nogil;
+          blobs = g.param_bytes(node);
+        }
+        py::list out;
+        for (const std::string& b : blobs) out.append(py::bytes(b));
+        return out;
+      }, py::arg("node"))
       .def("add_copies", [](DeviceGraph& g, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, std::vector<int>,
                                                                          std::vector<int>>>& copies) {
         std::vector<GraphCopy> list;

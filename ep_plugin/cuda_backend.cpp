@@ -197,15 +197,14 @@ class CudaGraph : public DeviceGraph {
     std::vector<std::vector<int>> found(ranges.size());
     opaque_ = 0;
     for (size_t k = 0; k < order_.size(); ++k) {
-      std::vector<uint64_t> words;
-      if (!addresses(order_[k], types_[k], &words)) ++opaque_;
       std::vector<int> hit;
-      for (uint64_t w : words) {
+      bool readable = words(order_[k], types_[k], [&](int, size_t, size_t, uint64_t w) {
         auto it = std::upper_bound(sorted.begin(), sorted.end(), std::make_tuple(w, UINT64_MAX, INT32_MAX));
-        if (it == sorted.begin()) continue;
+        if (it == sorted.begin()) return;
         --it;
         if (w >= std::get<0>(*it) && w < std::get<1>(*it)) hit.push_back(std::get<2>(*it));
-      }
+      });
+      if (!readable) ++opaque_;
       std::sort(hit.begin(), hit.end());
       hit.erase(std::unique(hit.begin(), hit.end()), hit.end());
       for (int r : hit) found[size_t(r)].push_back(int(k));
@@ -232,26 +231,21 @@ class CudaGraph : public DeviceGraph {
     ctx_->make_current();
     std::vector<std::tuple<int, uint64_t, uint64_t>> found;
     CUgraphNode n = node_at(node);
-    CUgraphNodeType t;
-    CU_CHECK(DRV(cuGraphNodeGetType)(n, &t));
-    if (t != CU_GRAPH_NODE_TYPE_KERNEL) return found;
-    CUDA_KERNEL_NODE_PARAMS p{};
-    CU_CHECK(DRV(cuGraphKernelNodeGetParams)(n, &p));
-    if (p.kernelParams == nullptr || (p.func == nullptr && p.kern == nullptr)) return found;
-    for (size_t i = 0;; ++i) {
-      size_t offset = 0, size = 0;
-      CUresult r = p.func != nullptr ? DRV(cuFuncGetParamInfo)(p.func, i, &offset, &size)
-                                     : DRV(cuKernelGetParamInfo)(p.kern, i, &offset, &size);
-      if (r == CUDA_ERROR_INVALID_VALUE) break;
-      CU_CHECK(r);
-      const auto* bytes = static_cast<const unsigned char*>(p.kernelParams[i]);
-      for (size_t o = 0; bytes != nullptr && o + 8 <= size; o += 4) {
-        uint64_t w;
-        std::memcpy(&w, bytes + o, 8);
-        if (w >= lo && w < hi) found.emplace_back(int(i), uint64_t(size), uint64_t(o));
-      }
-    }
+    words(n, types_[size_t(node)], [&](int param, size_t size, size_t offset, uint64_t w) {
+      if (param >= -1 && w >= lo && w < hi) found.emplace_back(param, uint64_t(size), uint64_t(offset));
+    });
     return found;
+  }
+
+  std::vector<std::string> param_bytes(int node) override {
+    ctx_->make_current();
+    std::vector<std::string> out;
+    CUgraphNode n = node_at(node);
+    if (types_[size_t(node)] != CU_GRAPH_NODE_TYPE_KERNEL) return out;
+    kernel_params(n, [&](int, const void* data, size_t size) {
+      out.emplace_back(static_cast<const char*>(data), size);
+    });
+    return out;
   }
 
   void add_copies(const std::vector<GraphCopy>& copies) override {
@@ -304,50 +298,69 @@ class CudaGraph : public DeviceGraph {
     return order_[size_t(i)];
   }
 
-  // Every 8-byte word of a node's parameters that may be an address. False when the
-  // node may read memory that its parameters do not show.
-  static bool addresses(CUgraphNode node, CUgraphNodeType t, std::vector<uint64_t>* words) {
-    switch (t) {
-      case CU_GRAPH_NODE_TYPE_KERNEL: {
-        CUDA_KERNEL_NODE_PARAMS p{};
-        CU_CHECK(DRV(cuGraphKernelNodeGetParams)(node, &p));
-        if (p.kernelParams != nullptr && (p.func != nullptr || p.kern != nullptr)) {
-          for (size_t i = 0;; ++i) {
-            size_t offset = 0, size = 0;
-            CUresult r = p.func != nullptr ? DRV(cuFuncGetParamInfo)(p.func, i, &offset, &size)
-                                           : DRV(cuKernelGetParamInfo)(p.kern, i, &offset, &size);
-            if (r == CUDA_ERROR_INVALID_VALUE) break;  // past the last parameter
-            CU_CHECK(r);
-            scan(p.kernelParams[i], size, words);
-          }
-          return true;
-        }
-        if (p.extra != nullptr) {
-          const void* buffer = nullptr;
-          size_t size = 0;
-          for (void** e = p.extra; *e != CU_LAUNCH_PARAM_END; e += 2) {
-            if (*e == CU_LAUNCH_PARAM_BUFFER_POINTER) buffer = e[1];
-            if (*e == CU_LAUNCH_PARAM_BUFFER_SIZE) size = *static_cast<size_t*>(e[1]);
-          }
-          if (buffer != nullptr) {
-            scan(buffer, size, words);
-            return true;
-          }
-        }
-        return false;
+  // Calls f(index, data, size) for each parameter blob of a kernel node: every
+  // parameter where the driver gives the layout, else the one packed buffer the launch
+  // passed (index -1 then). False when neither is readable.
+  template <class F>
+  static bool kernel_params(CUgraphNode node, F&& f) {
+    CUDA_KERNEL_NODE_PARAMS p{};
+    CU_CHECK(DRV(cuGraphKernelNodeGetParams)(node, &p));
+    if (p.kernelParams != nullptr && (p.func != nullptr || p.kern != nullptr)) {
+      for (size_t i = 0;; ++i) {
+        size_t offset = 0, size = 0;
+        CUresult r = p.func != nullptr ? DRV(cuFuncGetParamInfo)(p.func, i, &offset, &size)
+                                       : DRV(cuKernelGetParamInfo)(p.kern, i, &offset, &size);
+        if (r == CUDA_ERROR_INVALID_VALUE) break;  // past the last parameter
+        CU_CHECK(r);
+        if (p.kernelParams[i] != nullptr) f(int(i), p.kernelParams[i], size);
       }
+      return true;
+    }
+    if (p.extra != nullptr) {
+      const void* buffer = nullptr;
+      size_t size = 0;
+      for (void** e = p.extra; *e != CU_LAUNCH_PARAM_END; e += 2) {
+        if (*e == CU_LAUNCH_PARAM_BUFFER_POINTER) buffer = e[1];
+        if (*e == CU_LAUNCH_PARAM_BUFFER_SIZE) size = *static_cast<size_t*>(e[1]);
+      }
+      if (buffer != nullptr) {
+        f(-1, buffer, size);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // Calls f(param, size, offset, word) for every word of a node's parameters that may
+  // be an address: each 8-byte-aligned word of a kernel's parameters (a device
+  // address is 8-aligned in the parameter layout, as ld.param.u64 needs; a window at
+  // 4 would join two 32-bit fields into a false address), and the device addresses of
+  // a copy or a set (param -2). False when the node may read memory its parameters
+  // do not show.
+  template <class F>
+  static bool words(CUgraphNode node, CUgraphNodeType t, F&& f) {
+    switch (t) {
+      case CU_GRAPH_NODE_TYPE_KERNEL:
+        return kernel_params(node, [&](int param, const void* data, size_t size) {
+          const auto* bytes = static_cast<const unsigned char*>(data);
+          for (size_t o = 0; o + 8 <= size; o += 8) {
+            uint64_t w;
+            std::memcpy(&w, bytes + o, 8);
+            f(param, size, o, w);
+          }
+        });
       case CU_GRAPH_NODE_TYPE_MEMCPY: {
         CUDA_MEMCPY3D p{};
         CU_CHECK(DRV(cuGraphMemcpyNodeGetParams)(node, &p));
-        words->push_back(uint64_t(p.srcDevice));
-        words->push_back(uint64_t(p.dstDevice));
-        words->push_back(uint64_t(reinterpret_cast<uintptr_t>(p.srcHost)));
+        f(-2, 0, 0, uint64_t(p.srcDevice));
+        f(-2, 0, 0, uint64_t(p.dstDevice));
+        f(-2, 0, 0, uint64_t(reinterpret_cast<uintptr_t>(p.srcHost)));
         return true;
       }
       case CU_GRAPH_NODE_TYPE_MEMSET: {
         CUDA_MEMSET_NODE_PARAMS p{};
         CU_CHECK(DRV(cuGraphMemsetNodeGetParams)(node, &p));
-        words->push_back(uint64_t(p.dst));
+        f(-2, 0, 0, uint64_t(p.dst));
         return true;
       }
       case CU_GRAPH_NODE_TYPE_GRAPH:
@@ -355,16 +368,6 @@ class CudaGraph : public DeviceGraph {
         return false;
       default:  // events, waits, empty nodes: no memory
         return true;
-    }
-  }
-
-  static void scan(const void* p, size_t size, std::vector<uint64_t>* words) {
-    if (p == nullptr) return;
-    const auto* bytes = static_cast<const unsigned char*>(p);
-    for (size_t o = 0; o + 8 <= size; o += 4) {  // 4: a struct may pack an address at 4
-      uint64_t w;
-      std::memcpy(&w, bytes + o, 8);
-      words->push_back(w);
     }
   }
 
@@ -378,6 +381,9 @@ class CudaGraph : public DeviceGraph {
 };
 
 void CUDA_CB sleep_ms(void* ms) { std::this_thread::sleep_for(std::chrono::milliseconds(uintptr_t(ms))); }
+
+// Where the next address reservation is asked for (see CudaBackend::reserve).
+std::atomic<uint64_t> next_hint_{0x6b5a00000000ull};
 
 class CudaBackend : public PhysicalBackend {
  public:
@@ -407,7 +413,15 @@ class CudaBackend : public PhysicalBackend {
   uint64_t reserve(uint64_t bytes) override {
     current();
     CUdeviceptr p = 0;
-    CU_CHECK(DRV(cuMemAddressReserve)(&p, round_up(bytes, gran_), gran_, 0, 0));
+    const uint64_t size = round_up(bytes, gran_);
+    // Asked for high in the address space, where an address's upper 32 bits are a
+    // number no parameter struct is likely to hold: the graph engine reads captured
+    // kernels' parameters for addresses, and a small-valued range (0x3'xxxx'xxxx) is
+    // matched by any pair of 32-bit fields whose second is 3. The driver may place the
+    // range elsewhere; any place is correct.
+    const uint64_t hint = next_hint_.fetch_add(round_up(size, uint64_t(1) << 30));
+    if (DRV(cuMemAddressReserve)(&p, size, gran_, CUdeviceptr(hint), 0) != CUDA_SUCCESS || p == 0)
+      CU_CHECK(DRV(cuMemAddressReserve)(&p, size, gran_, 0, 0));
     return uint64_t(p);
   }
   void free_reservation(uint64_t va, uint64_t bytes) noexcept override {

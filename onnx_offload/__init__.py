@@ -31,7 +31,7 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - imported without be
 def _check_ort_install() -> None:
     import onnxruntime
     from .errors import OffloadWarning
-    why = _conflict(_installed_versions(), f"{onnxruntime.__version__} with {', '.join(onnxruntime.get_available_providers())}")
+    why = _conflict(_installed_versions(onnxruntime.__file__), f"{onnxruntime.__version__} with {', '.join(onnxruntime.get_available_providers())}")
     if why:
         _warnings.warn(why, OffloadWarning, stacklevel=3)
 

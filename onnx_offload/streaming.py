@@ -6,8 +6,7 @@ Layout (``plan_stream``, a pure function). The weights that stay resident live i
 the arena's weights zone, pinned for the session's life. Each of the others is a
 unit that streams: it has stable addresses of its own, from a granule boundary,
 inside one reservation. Behind those addresses lies the ring, a small set of
-physical granules (the largest streamed weight, or RING_FRACTION of the weights
-budget if that is more). A unit's granules are mapped onto ring granules once: in
+physical granules that holds the largest streamed weight. A unit's granules are mapped onto ring granules once: in
 turn at construction, then, when the first captured graph shows the order ORT reads
 the weights in, each unit onto the ring granules whose readers finish earliest.
 Every streamed weight keeps one address for the session's life, and many units
@@ -44,7 +43,11 @@ from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dty
 from .residency import Counters
 from .segmenter import Segment
 
-RING_FRACTION = 0.04  # the ring's floor, as a share of the weights budget: room to copy ahead of compute
+# The ring's floor, as a share of the weights budget. Decode is bound by the link (on
+# the H200 a 23 MB weight copies in 0.4 ms and its reader takes microseconds), so a
+# ring above the largest streamed weight measured no faster and only took bytes from
+# the resident weights: the floor is 0.
+RING_FRACTION = 0.0
 GRAPH_SIGNATURES = 8  # input-shape signatures kept captured
 GIANT = 4  # a weight over this many times the median size is resident first under `planned`
 
@@ -77,6 +80,18 @@ def _round_up(n: int, g: int) -> int:
     return -(-n // g) * g
 
 
+def _bit_reversed(i: int) -> float:
+    """i's place in the van der Corput sequence (0, 1/2, 1/4, 3/4, ...): any prefix of
+    0, 1, 2, ... taken in this order is spread evenly, and so is the rest."""
+    x, f = 0.0, 0.5
+    while i:
+        if i & 1:
+            x += f
+        i >>= 1
+        f /= 2
+    return x
+
+
 @dataclasses.dataclass
 class Unit:
     names: List[str]
@@ -104,14 +119,14 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
     """Which weights stay resident, and the units and ring of the others, for a weights
     budget of `allowance` committed bytes (the resident weights' packed `cost` plus the ring).
 
-    The ring holds the largest streamed weight, and at least RING_FRACTION of the
-    budget. The resident set: first the `shared` weights, read by more than one node
+    The ring holds the largest streamed weight (and at least RING_FRACTION of the
+    budget). The resident set: first the `shared` weights, read by more than one node
     (a rotary table read by every layer would hold its ring granules for the whole
     step); then `planned` takes the weights far above the median size (embeddings, the
     LM head: the ring then only has to hold a typical one), then the smallest, so that
-    the streamed weights are few and large; `stable` takes the model's first weights. Either way the set is
-    fixed for the session's life, since a replayed graph copies the same weights
-    every step.
+    the streamed weights are few and large, and spread over the step; `stable` takes
+    the model's first weights. Either way the set is fixed for the session's life,
+    since a replayed graph copies the same weights every step.
     """
     order = sorted(weights, key=lambda w: (w.first_use, w.name))
     floor = _round_up(int(allowance * RING_FRACTION), granularity)
@@ -123,9 +138,21 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
         # The few weights far above the typical size first (one streamed would size the
         # ring), then the smallest: the weights that stream are then the large ones, which
         # copy at the link's rate with the fewest copies.
+        # Among weights of one size (a layer's MLP matrices, in every layer), residents are
+        # taken in bit-reversed read order, so that those left to stream are spread over
+        # the step: their copies then overlap compute from its start to its end. Left to
+        # the last layers, the copies would wait for compute to reach them.
         typical = sorted(w.nbytes for w in order)[len(order) // 2] if order else 0
         giants = sorted((w for w in order if w.nbytes > GIANT * typical), key=lambda w: (-w.nbytes, w.first_use))
-        rest = sorted((w for w in order if w.nbytes <= GIANT * typical), key=lambda w: (w.nbytes, w.first_use))
+        spread: Dict[str, float] = {}
+        by_size: Dict[int, List[WeightInfo]] = collections.defaultdict(list)
+        for w in order:
+            by_size[w.nbytes].append(w)
+        for same in by_size.values():
+            for i, w in enumerate(same):
+                spread[w.name] = _bit_reversed(i)
+        rest = sorted((w for w in order if w.nbytes <= GIANT * typical),
+                      key=lambda w: (w.nbytes, spread[w.name], w.first_use))
         candidates = giants + rest
     elif policy == "stable":
         candidates = list(order)
@@ -361,7 +388,8 @@ class StreamEngine:
             kernel = graph.kernel_name(node)[:120]
         except OffloadError as e:  # a message must not fail where the error it explains did not
             return f"node {node} (not described: {e})"
-        places = ", ".join(f"parameter {i} ({size} bytes) at +{off}" for i, size, off in where[:3])
+        places = ", ".join(f"{'packed parameters' if i < 0 else f'parameter {i}'} ({size} bytes) at +{off}"
+                           for i, size, off in where[:3])
         return f"node {node} {kernel}" + (f" [{places}]" if places else "")
 
     def _ring_by_reads(self, graph, copied: List[int], readers: List[List[int]],
@@ -396,8 +424,15 @@ class StreamEngine:
         if graph.opaque:
             raise StreamingUnavailable(f"{graph.opaque} captured nodes do not show what they read (child graphs or "
                                        f"kernels without readable parameters)")
+        unseen = [n for n in names if not found[n]]
+        if unseen:
+            # A read the scan missed would see whatever the ring last held: refuse.
+            raise StreamingUnavailable(
+                f"no captured node shows the address of the streamed weight(s) {unseen[:3]}, so their page-ins "
+                f"cannot be ordered before their reads (ORT may read them through a copy of its own, or a kernel "
+                f"through memory its parameters do not show)")
         readers = [sorted({r for n in u.names for r in found[n]}) for u in units]
-        copied = sorted((i for i, r in enumerate(readers) if r), key=lambda i: readers[i][0])
+        copied = sorted(range(len(units)), key=lambda i: readers[i][0])
         # The earliest reader of any unit copied from i on: everything a copy leads to comes after it.
         first_from: Dict[int, int] = {}
         low = None
@@ -418,8 +453,6 @@ class StreamEngine:
                     f"the ring of {self.plan.ring_bytes} bytes is too small for the order this graph reads its "
                     f"weights in: unit {i} ({u.names[0]!r}...) would overwrite weights read after it")
             for n in u.names:
-                if not found[n]:
-                    continue
                 copies.append((self.address[n], self.store.ptr(n), self.info[n].nbytes, after, found[n]))
                 after = []
             for gr in u.ring:

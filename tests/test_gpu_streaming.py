@@ -107,3 +107,28 @@ def test_other_policies_keep_working(policy):
     with session(0.4, policy=policy) as s:
         assert s.engine == ("graph" if policy == "stable" else "segments")
         np.testing.assert_array_equal(s.generate(ids, 12), want)
+
+
+def test_each_streamed_weight_has_readers_that_hold_its_address():
+    """The scan's readers are the captured nodes whose parameters hold a weight's
+    address, at 8-aligned places (cuBLASLt's packed parameter buffers included), and
+    every streamed weight has one: a page-in is never left unordered."""
+    ids = np.random.default_rng(5).integers(0, 8000, (1, 10))
+    with session(0.25) as s:
+        assert s.engine == "graph", s.graph_capture
+        s.generate(ids, 3)
+        engine = s._runner
+        names = engine.plan.streamed
+        assert names
+        ranges = [(engine.address[n], engine.address[n] + engine.info[n].nbytes) for n in names]
+        for g in engine._graphs.values():
+            graph = g.graph
+            for name, (lo, hi), readers in zip(names, ranges, graph.readers(ranges)):
+                assert readers, name
+                for r in readers:
+                    where = graph.address_in_params(r, lo, hi)
+                    if graph.kernel_name(r).startswith("(node type"):
+                        continue  # a copy or a set node: its address is a field of its own
+                    assert where, (name, r, graph.kernel_name(r))
+                    assert all(off % 8 == 0 for _, _, off in where), where
+                    assert any(len(b) > 0 for b in graph.param_bytes(r))

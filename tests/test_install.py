@@ -3,6 +3,7 @@ typed metadata, a clear message from the source tree, and a warning when both OR
 distributions share the one 'onnxruntime' folder."""
 import importlib.metadata
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -36,18 +37,41 @@ def test_importing_the_source_tree_says_what_to_do():
     assert "ModuleNotFoundError" in r.stderr and "pip install ." in r.stderr and "source tree" in r.stderr, r.stderr
 
 
-def test_both_ort_distributions_installed_is_named_with_the_fix():
-    versions = {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"}
+def _site(root, *dists):
+    """A site folder holding the given (distribution, version) installs' metadata."""
+    os.makedirs(root, exist_ok=True)
+    for name, version in dists:
+        info = os.path.join(root, f"{name.replace('-', '_')}-{version}.dist-info")
+        os.makedirs(info)
+        with open(os.path.join(info, "METADATA"), "w") as f:
+            f.write(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return [importlib.metadata.PathDistribution(pathlib.Path(root, e)) for e in sorted(os.listdir(root))]
 
-    def version_of(name):
-        if name not in versions:
-            raise importlib.metadata.PackageNotFoundError(name)
-        return versions[name]
 
-    found = installed_versions(version_of)
-    assert found == versions
+def test_both_ort_distributions_installed_is_named_with_the_fix(tmp_path):
+    site = str(tmp_path / "site")
+    dists = _site(site, ("onnxruntime", "1.32.0"), ("onnxruntime-gpu", "1.31.1"))
+    loaded = os.path.join(site, "onnxruntime", "__init__.py")
+    found = installed_versions(loaded, dists)
+    assert found == {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"}
     why = conflict(found, "1.32.0 with CPUExecutionProvider")
     assert "onnxruntime 1.32.0 and onnxruntime-gpu 1.31.1" in why
     assert "pip uninstall onnxruntime'" in why and "pip uninstall onnxruntime-gpu'" in why
-    del versions["onnxruntime"]
-    assert conflict(installed_versions(version_of), "1.31.1") is None
+    assert conflict(installed_versions(loaded, dists[1:]), "1.31.1") is None
+
+
+def test_an_ort_in_another_site_folder_is_shadowed_not_a_conflict(tmp_path):
+    # A system onnxruntime under the onnxruntime-gpu that a virtual environment (or
+    # PYTHONPATH) puts first: the imported folder is the GPU one's alone.
+    system = _site(str(tmp_path / "system"), ("onnxruntime", "1.30.0"))
+    venv = _site(str(tmp_path / "venv"), ("onnxruntime-gpu", "1.31.1"))
+    loaded = str(tmp_path / "venv" / "onnxruntime" / "__init__.py")
+    assert installed_versions(loaded, venv + system) == {"onnxruntime-gpu": "1.31.1"}
+    assert conflict(installed_versions(loaded, venv + system), "1.31.1") is None
+
+
+def test_the_installed_ort_is_found_from_its_own_folder():
+    import onnxruntime
+    found = installed_versions(onnxruntime.__file__)
+    assert found and set(found) <= {"onnxruntime", "onnxruntime-gpu"}
+    assert onnxruntime.__version__ in found.values()

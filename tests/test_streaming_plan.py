@@ -58,6 +58,23 @@ def test_layout_fills_the_budget_with_a_small_ring(fraction, policy):
         assert "embed" in plan.resident  # the model's first weights
 
 
+@pytest.mark.parametrize("fraction", [0.5, 0.75, 0.9])
+def test_planned_streams_weights_spread_over_the_step(fraction):
+    # Copies overlap compute only where there is compute left to overlap: the streamed
+    # weights of each size are spread over the read order, not bunched at its end.
+    weights = tinyllama_weights()
+    allowance = int(sum(w.nbytes for w in weights) * fraction)
+    plan = plan_stream(weights, allowance, G, cost(weights), "planned", shared=["rotary"])
+    mlp = sorted(int(n[1:n.index(".")]) for n in plan.streamed if n.endswith((".gate", ".up", ".down")))
+    assert mlp, plan.streamed
+    layers = sorted(set(mlp))
+    # The streamed MLP weights reach from the first third of the layers to the last.
+    assert layers[0] < 22 // 3 and layers[-1] >= 2 * 22 // 3, layers
+    if len(layers) > 2:
+        gaps = np.diff(layers)
+        assert gaps.max() <= 2 * 22 / len(layers) + 1, layers
+
+
 def test_shared_weights_that_do_not_fit_are_a_clear_error():
     weights = tinyllama_weights()
     with pytest.raises(StreamingUnavailable, match="read by several nodes"):
