@@ -28,6 +28,7 @@ from onnx import helper
 
 from . import _core
 from .errors import CorruptModel, OffloadError
+from .ort_sessions import copy_options, set_config
 
 OPTIMIZED = "optimized.onnx"
 OPTIMIZED_DATA = "optimized.onnx.data"
@@ -147,14 +148,16 @@ def _subgraphs(attr) -> list:
 
 
 def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes: int,
-                  device=None, notes: Optional[list] = None, disabled_optimizers: Sequence[str] = ()) -> str:
-    """Runs ORT's graph optimizations once; returns the optimized model's path.
-    An optimized model already in `workdir` (a cache directory) is reused."""
+                  device=None, notes: Optional[list] = None, disabled_optimizers: Sequence[str] = (),
+                  user_options: Optional[ort.SessionOptions] = None) -> str:
+    """Runs ORT's graph optimizations once, with the caller's session options (their
+    free-dimension overrides and custom-op libraries included); returns the optimized
+    model's path. An optimized model already in `workdir` (a cache directory) is reused."""
     out = os.path.join(workdir, OPTIMIZED)
     if _optimized_exists(out):
         return out
     if not on_cuda:
-        _optimize(src, out, level, min_weight_bytes, ["CPUExecutionProvider"], disabled_optimizers)
+        _optimize(src, out, level, min_weight_bytes, ["CPUExecutionProvider"], disabled_optimizers, user_options)
         return out
     free, _ = device.backend.mem_info()
     ledger = _core.BudgetOwner(free)
@@ -165,7 +168,7 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
         "device_id": str(device.config.device_id), "gpu_external_alloc": str(alloc),
         "gpu_external_free": str(release), "gpu_external_empty_cache": str(empty)}), "CPUExecutionProvider"]
     try:
-        _optimize(src, out, level, min_weight_bytes, providers, disabled_optimizers)
+        _optimize(src, out, level, min_weight_bytes, providers, disabled_optimizers, user_options)
         return out
     except OffloadError as e:
         if notes is None:
@@ -177,7 +180,7 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
         allocator.empty_cache()
         arena.close()
     _optimize(src, out, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, min_weight_bytes, ["CPUExecutionProvider"],
-              disabled_optimizers)
+              disabled_optimizers, user_options)
     return out
 
 
@@ -199,15 +202,16 @@ def _locations(model: onnx.ModelProto) -> set:
             for t in all_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL}
 
 
-def _optimize(src: str, out: str, level, min_weight_bytes: int, providers, disabled_optimizers=()) -> None:
-    so = ort.SessionOptions()
+def _optimize(src: str, out: str, level, min_weight_bytes: int, providers, disabled_optimizers=(),
+              user_options: Optional[ort.SessionOptions] = None) -> None:
+    so = copy_options(user_options)
     so.graph_optimization_level = level
     so.optimized_model_filepath = out
     so.log_severity_level = 4
-    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPTIMIZED_DATA)
-    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
-                                str(min_weight_bytes))
-    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.enable_profiling = False  # the caller's profile covers the sessions that run
+    set_config(so, "session.optimized_model_external_initializers_file_name", OPTIMIZED_DATA)
+    set_config(so, "session.optimized_model_external_initializers_min_size_in_bytes", str(min_weight_bytes))
+    set_config(so, "session.disable_prepacking", "1")
     error = None
     try:
         kw = {"disabled_optimizers": list(disabled_optimizers)} if disabled_optimizers else {}

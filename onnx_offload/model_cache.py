@@ -25,12 +25,14 @@ _SAMPLES = 64
 _CACHE_FORMAT = 2
 
 
-def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int, disabled_optimizers=()) -> str:
+def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int, disabled_optimizers=(), options: str = "") -> str:
     """Identifies an optimized model: the content of every file the model reads (the
     .onnx and each external data file, main graph and subgraphs), the provider, the
-    level, the threshold, the optimizers turned off and the ORT version."""
+    level, the threshold, the optimizers turned off, the caller's session options that
+    can change the graph (`options`, from ort_sessions.options_key) and the ORT version."""
     h = hashlib.sha256()
-    for v in (_CACHE_FORMAT, on_cuda, int(level), min_weight_bytes, ort.__version__, sorted(disabled_optimizers)):
+    for v in (_CACHE_FORMAT, on_cuda, int(level), min_weight_bytes, ort.__version__, sorted(disabled_optimizers),
+              options):
         h.update(f"{v}|".encode())
     for path in model_files(src):  # the .onnx names the others, so their names are covered
         try:

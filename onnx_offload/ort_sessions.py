@@ -7,6 +7,9 @@ capped by the budget plan, and with ``enable_cuda_graph`` when capture is on.
 """
 from __future__ import annotations
 
+import functools
+import os
+import weakref
 from typing import List, Optional, Tuple
 
 import onnxruntime as ort
@@ -33,20 +36,101 @@ KNOWN_CONFIG_KEYS = (
 )
 
 
+# SessionOptions calls that ORT offers no getter for. The package records them on every
+# SessionOptions made after it is imported, and replays them on the options of the ORT
+# sessions it makes; the replayed ones also key the optimized-model cache.
+_REPLAYED = ("add_session_config_entry", "add_free_dimension_override_by_name",
+             "add_free_dimension_override_by_denotation", "register_custom_ops_library")
+# Initializers given through the options: the package places every weight itself.
+_REFUSED = ("add_initializer", "add_external_initializers", "add_external_initializers_from_files_in_memory")
+_calls: "weakref.WeakKeyDictionary[ort.SessionOptions, list]" = weakref.WeakKeyDictionary()
+# Config entries about where the caller's model file and its data are, which the package
+# answers itself (its sessions read models it wrote): not copied.
+_FILE_KEYS = ("session.model_external_initializers_file_folder_path",
+              "session.optimized_model_external_initializers_file_name",
+              "session.optimized_model_external_initializers_min_size_in_bytes")
+
+
+def _record(name: str) -> None:
+    original = getattr(ort.SessionOptions, name, None)
+    if original is None or getattr(original, "_offload_recorded", False):
+        return
+
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        # The refused ones are only named: their values stay the caller's.
+        _calls.setdefault(self, []).append((name, args, kwargs) if name in _REPLAYED else (name, (), {}))
+        return result
+
+    call._offload_recorded = True
+    setattr(ort.SessionOptions, name, call)
+
+
+for _name in _REPLAYED + _REFUSED:
+    _record(_name)
+
+
+def recorded(user: Optional[ort.SessionOptions]) -> List[tuple]:
+    """The replayed calls made on `user`, in order: (method, args, kwargs)."""
+    return [c for c in _calls.get(user, ()) if c[0] in _REPLAYED] if user is not None else []
+
+
+def options_key(user: Optional[ort.SessionOptions]) -> str:
+    """What of the caller's options can change the optimized graph, as text: every
+    recorded call and known config entry, and each custom-op library's size and mtime."""
+    parts = []
+    for name, args, kwargs in recorded(user):
+        parts.append(f"{name}{args}{sorted(kwargs.items())}")
+        if name == "register_custom_ops_library":
+            path = args[0] if args else kwargs.get("library_path", "")
+            try:
+                st = os.stat(path)
+                parts.append(f"{st.st_size}:{st.st_mtime_ns}")
+            except OSError:
+                pass
+    if user is not None:
+        for key in KNOWN_CONFIG_KEYS:
+            try:
+                parts.append(f"{key}={user.get_session_config_entry(key)}")
+            except RuntimeError:
+                pass
+    return "|".join(parts)
+
+
+def set_config(so: ort.SessionOptions, key: str, value: str) -> None:
+    """Sets a config entry (ORT logs a warning when it overwrites one)."""
+    try:
+        if so.get_session_config_entry(key) == value:
+            return
+    except RuntimeError:  # not set
+        pass
+    so.add_session_config_entry(key, value)
+
+
 def copy_options(user: Optional[ort.SessionOptions]) -> ort.SessionOptions:
-    """A SessionOptions with every setting the caller made that ORT lets us read: each
-    property, and each known config entry that is set."""
+    """A SessionOptions with every setting the caller made: each property, each recorded
+    call (config entries, free-dimension overrides, custom-op libraries), and each known
+    config entry that is set (for options made before the package was imported)."""
     so = ort.SessionOptions()
     if user is None:
         return so
+    refused = sorted({c[0] for c in _calls.get(user, ()) if c[0] in _REFUSED})
+    if refused:
+        raise ValueError(f"OffloadSession places every weight itself and cannot take initializers given through "
+                         f"SessionOptions.{refused[0]}; put them in the model instead")
     for name in dir(type(user)):
         attr = getattr(type(user), name, None)
         if isinstance(attr, property) and attr.fset is not None and name not in _OWN_OPTIONS \
                 and not name.startswith("_"):
             setattr(so, name, getattr(user, name))
+    for name, args, kwargs in recorded(user):
+        if name == "add_session_config_entry" and (args[0] if args else kwargs.get("config_key")) in _FILE_KEYS:
+            continue
+        getattr(so, name)(*args, **kwargs)
     for key in KNOWN_CONFIG_KEYS:
         try:
-            so.add_session_config_entry(key, user.get_session_config_entry(key))
+            set_config(so, key, user.get_session_config_entry(key))
         except RuntimeError:  # not set
             pass
     return so
@@ -103,7 +187,7 @@ class SessionFactory:
         so = copy_options(self._user)
         # The graph was optimized once already: nothing may replace the weights now.
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.add_session_config_entry("session.disable_prepacking", "1")
+        set_config(so, "session.disable_prepacking", "1")
         return so
 
     def providers(self, capture: bool):

@@ -46,7 +46,7 @@ from .model import (OPTIMIZED_DATA, external_data_folder, keep_in_model, materia
                     point_weights_at_placeholder, read_weights, weights_as_inputs)
 from .model_cache import cache_key
 from .ort_memory import OrtMemoryMeter
-from .ort_sessions import CUDA_EP, SessionFactory, choose_providers, normalize_providers
+from .ort_sessions import CUDA_EP, SessionFactory, choose_providers, normalize_providers, options_key
 from .ortvalues import InvalidArgument, IOInfo, as_arrays, check_feeds, shareable
 from .progress import LoadProgress
 from .residency import Counters, ResidencyManager
@@ -151,7 +151,7 @@ class OffloadSession(InferenceSessionMembers):
         if not cache:
             return self._workdir
         opt_dir = os.path.join(cache, cache_key(src, self._on_cuda, level, cfg.min_weight_bytes,
-                                                self._disabled_optimizers))
+                                                self._disabled_optimizers, options_key(self._user_options)))
         if os.path.isdir(opt_dir):
             return opt_dir
         try:
@@ -164,7 +164,7 @@ class OffloadSession(InferenceSessionMembers):
             return self._workdir
         try:
             optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
-                          self._disabled_optimizers)
+                          self._disabled_optimizers, self._user_options)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted pass leaves nothing behind
             raise
@@ -186,7 +186,7 @@ class OffloadSession(InferenceSessionMembers):
         with self._progress.phase("optimizing the model"):
             opt_dir = self._optimized_dir(src, level)
             opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
-                                     self._disabled_optimizers)
+                                     self._disabled_optimizers, self._user_options)
         model = onnx.load(opt_path, load_external_data=False)
         inside = keep_in_model(model, os.path.join(opt_dir, OPTIMIZED_DATA), shareable)
         if inside:

@@ -116,6 +116,52 @@ def test_session_options_as_given():
                                    rtol=1e-5, atol=1e-6)
 
 
+def _batch_model(path):
+    w = onnx.numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "w")
+    g = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 64])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 64])], [w])
+    onnx.save(onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("cls", [ort.InferenceSession, OffloadSession])
+def test_free_dimension_overrides_as_inference_session_takes_them(tmp_path, cls):
+    """ORT has no getter for free-dimension overrides: the package records them on the
+    caller's SessionOptions and the overridden graph is what runs, and what is cached."""
+    path = _batch_model(str(tmp_path / "batch.onnx"))
+    x3 = np.ones((3, 64), np.float32)
+    with OffloadSession(path) as plain:  # caches the graph with the batch left free
+        assert plain.get_inputs()[0].shape == ["batch", 64] and plain.run(None, {"x": x3})[0].shape == (3, 64)
+    for by in ("name", "denotation"):
+        so = ort.SessionOptions()
+        if by == "name":
+            so.add_free_dimension_override_by_name("batch", 2)
+        else:
+            so.add_free_dimension_override_by_denotation("DATA_BATCH", 2)
+            model = onnx.load(path)
+            model.graph.input[0].type.tensor_type.shape.dim[0].denotation = "DATA_BATCH"
+            path = str(tmp_path / "denoted.onnx")
+            onnx.save(model, path)
+        s = cls(path, so, providers=["CPUExecutionProvider"])
+        assert s.get_inputs()[0].shape == [2, 64] and s.get_outputs()[0].shape == [2, 64]
+        assert s.run(None, {"x": np.ones((2, 64), np.float32)})[0].shape == (2, 64)
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="Expected: 2"):
+            s.run(None, {"x": x3})
+
+
+def test_every_recorded_setting_is_copied_and_initializers_in_options_are_refused(tmp_path):
+    from onnx_offload.ort_sessions import copy_options
+    so = ort.SessionOptions()
+    so.add_session_config_entry("custom.key.the.package.does.not.know", "42")
+    so.add_free_dimension_override_by_name("batch", 4)
+    assert copy_options(so).get_session_config_entry("custom.key.the.package.does.not.know") == "42"
+    so.add_initializer("w", ort.OrtValue.ortvalue_from_numpy(np.zeros((64, 64), np.float32)))
+    with pytest.raises(ValueError, match="SessionOptions.add_initializer"):
+        OffloadSession(_batch_model(str(tmp_path / "m.onnx")), so)
+
+
 @pytest.mark.parametrize("type_str,name", [("tensor(float)", "float32"), ("tensor(bfloat16)", "bfloat16"),
                                            ("tensor(float8e4m3fn)", "float8_e4m3fn"), ("tensor(int4)", "int4"),
                                            ("tensor(bool)", "bool"), ("tensor(double)", "float64")])
