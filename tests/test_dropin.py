@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from onnx_offload import OffloadSession, StateError
+from onnx_offload import CorruptModel, OffloadSession, StateError
 from onnx_offload.models import mlp_stack, weight_bytes
 
 
@@ -149,6 +149,41 @@ def test_free_dimension_overrides_as_inference_session_takes_them(tmp_path, cls)
         assert s.run(None, {"x": np.ones((2, 64), np.float32)})[0].shape == (2, 64)
         with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="Expected: 2"):
             s.run(None, {"x": x3})
+
+
+def test_custom_op_libraries_reach_every_session(tmp_path):
+    """A model with an op from a custom-op library (onnxruntime-extensions' NegPos) between
+    two weights, split into segments: the library the caller registered reaches the
+    optimization pass and every segment session; without it, the model is refused as
+    ORT refuses it."""
+    extensions = pytest.importorskip("onnxruntime_extensions", reason="the test extra installs onnxruntime-extensions")
+    rng = np.random.default_rng(0)
+    ws = [onnx.numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), f"w{i}") for i in range(2)]
+    g = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w0"], ["h"]),
+         onnx.helper.make_node("NegPos", ["h"], ["neg", "pos"], domain="ai.onnx.contrib"),
+         onnx.helper.make_node("MatMul", ["pos", "w1"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 256])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 256]),
+         onnx.helper.make_tensor_value_info("neg", onnx.TensorProto.FLOAT, [2, 256])], ws)
+    model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17),
+                                                     onnx.helper.make_opsetid("ai.onnx.contrib", 1)])
+    path = str(tmp_path / "custom.onnx")
+    onnx.save(model, path)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(extensions.get_library_path())
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    want = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    with OffloadSession(path, so, providers=["CPUExecutionProvider"], offload=True, vmm=True,
+                        weight_bytes=256 * 256 * 4, host_granularity=64 << 10) as s:
+        assert len(s.segments) >= 2
+        for got, exp in zip(s.run(None, {"x": x}), want):
+            # Unpacked weights (prepacking is off for weights in slots) sum in another order.
+            np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-3)
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="NegPos"):
+        ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    with pytest.raises(CorruptModel, match="NegPos"):
+        OffloadSession(path, providers=["CPUExecutionProvider"])
 
 
 def test_every_recorded_setting_is_copied_and_initializers_in_options_are_refused(tmp_path):
