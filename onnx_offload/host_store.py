@@ -37,23 +37,32 @@ class HostStore:
 
     def fill_from_file(self, path: str, weights: Iterable[WeightInfo],
                        progress: Optional[Callable[[int, int], None]] = None) -> None:
+        """Reads each weight from its own data file (`w.path`), else from `path`."""
         weights = list(weights)
         if not weights:
             return  # no initializer reached the threshold: ORT wrote no data file
         done = 0
-        with open(path, "rb", buffering=0) as f:
-            for w in weights:
+        files: Dict[str, object] = {}
+        try:
+            for w in sorted(weights, key=lambda w: (w.path or path, w.offset)):
+                where = w.path or path
+                if where not in files:
+                    files[where] = open(where, "rb", buffering=0)
+                f = files[where]
                 f.seek(w.offset)
                 view = memoryview(self._array)[self._offsets[w.name]:self._offsets[w.name] + w.nbytes]
                 got = 0
                 while got < w.nbytes:
                     n = f.readinto(view[got:])
                     if not n:
-                        raise OSError(f"{path}: weight {w.name!r} is truncated ({got} of {w.nbytes} bytes)")
+                        raise OSError(f"{where}: weight {w.name!r} is truncated ({got} of {w.nbytes} bytes)")
                     got += n
                 done += w.nbytes
                 if progress:
                     progress(done, self.nbytes)
+        finally:
+            for f in files.values():
+                f.close()
 
     def ptr(self, name: str) -> int:
         return self.base + self._offsets[name]

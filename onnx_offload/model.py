@@ -48,8 +48,9 @@ class WeightInfo:
     dtype: np.dtype
     shape: tuple
     nbytes: int
-    offset: int  # in the optimized data file
+    offset: int  # in its data file
     first_use: int  # index of the first node that reads it
+    path: str = ""  # its data file: the optimized model's, or the caller's own for a weight optimization left as is
 
 
 def optimization_level(name: Optional[str], sess_options: Optional[ort.SessionOptions]):
@@ -316,7 +317,22 @@ def _rename_in_scope(graph, old: str, new: str) -> None:
             v.name = new
 
 
-def keep_in_model(model: onnx.ModelProto, data_path: str, shareable) -> list[str]:
+def _external(t: onnx.TensorProto) -> dict:
+    return {e.key: e.value for e in t.external_data}
+
+
+def data_path(t: onnx.TensorProto, folder: str) -> str:
+    """The file an optimized model's external tensor lives in: the optimized data file
+    in `folder`, or the caller's own data file (an absolute path, see share_unchanged)."""
+    location = _external(t).get("location", "")
+    if location == OPTIMIZED_DATA:
+        return os.path.join(folder, OPTIMIZED_DATA)
+    if os.path.isabs(location):
+        return location
+    raise OffloadError(f"initializer {t.name!r} lives in {location!r}, not the optimized data file")
+
+
+def keep_in_model(model: onnx.ModelProto, folder: str, shareable) -> list[str]:
     """Moves the data of initializers whose element type ORT cannot take zero-copy
     (`shareable(np.dtype)` is false: float8, int4, ...) from the data file into the model,
     so that ORT owns them like any small constant; returns their names."""
@@ -330,19 +346,19 @@ def keep_in_model(model: onnx.ModelProto, data_path: str, shareable) -> list[str
             dtype = None
         if dtype is None or not shareable(dtype):
             kept.append(t)
-    if kept:
-        with open(data_path, "rb") as f:
-            for t in kept:
-                info = {e.key: e.value for e in t.external_data}
-                f.seek(int(info.get("offset", 0)))
-                t.raw_data = f.read(int(info["length"]))
-                del t.external_data[:]
-                t.data_location = onnx.TensorProto.DEFAULT
+    for t in kept:
+        info = _external(t)
+        with open(data_path(t, folder), "rb") as f:
+            f.seek(int(info.get("offset", 0)))
+            t.raw_data = f.read(int(info["length"]))
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
     return [t.name for t in kept]
 
 
-def read_weights(model: onnx.ModelProto) -> list[WeightInfo]:
-    """The initializers stored in the external data file, in first-use order."""
+def read_weights(model: onnx.ModelProto, folder: str) -> list[WeightInfo]:
+    """The initializers stored in external data files, in first-use order; `folder`
+    holds the optimized model."""
     first_use = {}
     for i, node in enumerate(model.graph.node):
         for name in node_inputs(node):
@@ -356,16 +372,84 @@ def read_weights(model: onnx.ModelProto) -> list[WeightInfo]:
     for t in model.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
-        info = {e.key: e.value for e in t.external_data}
-        if info.get("location") != OPTIMIZED_DATA:
-            raise OffloadError(f"initializer {t.name!r} lives in {info.get('location')!r}, not the optimized data file")
+        path = data_path(t, folder)
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
         shape = tuple(int(d) for d in t.dims)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        weights.append(WeightInfo(t.name, dtype, shape, nbytes, int(info.get("offset", 0)),
-                                  first_use.get(t.name, len(model.graph.node))))
+        weights.append(WeightInfo(t.name, dtype, shape, nbytes, int(_external(t).get("offset", 0)),
+                                  first_use.get(t.name, len(model.graph.node)), path))
     weights.sort(key=lambda w: (w.first_use, w.name))
     return weights
+
+
+def share_unchanged(folder: str, src: str, chunk: int = 64 << 20) -> int:
+    """Points each weight of the optimized model in `folder` that optimization left
+    byte-for-byte as it was at the caller's own data file (`src`'s external data), and
+    rewrites the optimized data file with only the others. Loads then read those weights
+    from the model's own files, and the cache holds no second copy of them. Returns the
+    bytes no longer copied."""
+    out = os.path.join(folder, OPTIMIZED)
+    model = onnx.load(out, load_external_data=False)
+    source = onnx.load(src, load_external_data=False)
+    base = os.path.dirname(os.path.abspath(src))
+    theirs = {}
+    for t in source.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = _external(t)
+            location = info.get("location", "")
+            if location and not os.path.isabs(location) and ".." not in location.replace("\\", "/").split("/"):
+                theirs[t.name] = (t.data_type, tuple(t.dims), os.path.join(base, location),
+                                  int(info.get("offset", 0)), int(info["length"]) if "length" in info else None)
+    ours = [t for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL and _external(t).get("location") == OPTIMIZED_DATA]
+    if not ours:
+        return 0
+    data = os.path.join(folder, OPTIMIZED_DATA)
+    maps: Dict[str, np.ndarray] = {}
+
+    def view(path: str, offset: int, length: int) -> Optional[np.ndarray]:
+        if path not in maps:
+            maps[path] = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.empty(0, np.uint8)
+        m = maps[path]
+        return m[offset:offset + length] if offset + length <= m.size else None
+
+    shared, kept = 0, []
+    try:
+        for t in ours:
+            info = _external(t)
+            offset, length = int(info.get("offset", 0)), int(info["length"])
+            mine = view(data, offset, length)
+            match = theirs.get(t.name)
+            if match and match[0] == t.data_type and match[1] == tuple(t.dims) and match[4] in (None, length):
+                other = view(match[2], match[3], length)
+                if mine is not None and other is not None and all(
+                        np.array_equal(mine[i:i + chunk], other[i:i + chunk]) for i in range(0, length, chunk)):
+                    _set_external(t, os.path.abspath(match[2]), match[3], length)
+                    shared += length
+                    continue
+            kept.append((t, offset, length))
+        if not shared:
+            return 0
+        tmp = data + ".partial"
+        with open(data, "rb") as f, open(tmp, "wb") as g:
+            at = 0
+            for t, offset, length in kept:
+                f.seek(offset)
+                g.write(f.read(length))
+                _set_external(t, OPTIMIZED_DATA, at, length)
+                at += length
+    finally:
+        maps.clear()
+    os.replace(tmp, data)
+    onnx.save(model, out)
+    return shared
+
+
+def _set_external(t: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    del t.external_data[:]
+    t.external_data.add(key="location", value=location)
+    t.external_data.add(key="offset", value=str(offset))
+    t.external_data.add(key="length", value=str(length))
 
 
 def _nested_graphs(graph):

@@ -43,7 +43,7 @@ from .host_store import HostStore
 from .interrupts import deferred_interrupts
 from .iobinding import OffloadIOBinding
 from .model import (OPTIMIZED_DATA, external_data_folder, keep_in_model, materialize, optimization_level, optimize_once,
-                    point_weights_at_placeholder, read_weights, weights_as_inputs)
+                    point_weights_at_placeholder, read_weights, share_unchanged, weights_as_inputs)
 from .model_cache import cache_key
 from .ort_memory import OrtMemoryMeter
 from .ort_sessions import CUDA_EP, SessionFactory, choose_providers, normalize_providers, options_key
@@ -143,9 +143,11 @@ class OffloadSession(InferenceSessionMembers):
         self._closed = False
 
     # ------------------------------------------------------------------ construction
-    def _optimized_dir(self, src: str, level) -> str:
+    def _optimized_dir(self, src: str, level, own_files: bool) -> str:
         """Where the optimized model lives: a cache entry, published with one rename, or
-        the session's own folder (also when the cache folder cannot be used, with a warning)."""
+        the session's own folder (also when the cache folder cannot be used, with a warning).
+        A cache entry made from the caller's files on disk (`own_files`) reads the weights
+        optimization left unchanged from those files, not from a copy."""
         cfg, dev = self.config, self._device
         cache = cfg.cache_path
         if not cache:
@@ -165,6 +167,8 @@ class OffloadSession(InferenceSessionMembers):
         try:
             optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
                           self._disabled_optimizers, self._user_options)
+            if own_files:
+                share_unchanged(tmp, src)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted pass leaves nothing behind
             raise
@@ -184,15 +188,19 @@ class OffloadSession(InferenceSessionMembers):
         level = optimization_level(cfg.optimization_level, self._user_options)
         self._progress = LoadProgress(progress)
         with self._progress.phase("optimizing the model"):
-            opt_dir = self._optimized_dir(src, level)
+            opt_dir = self._optimized_dir(src, level, isinstance(path_or_bytes, (str, os.PathLike)))
             opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
                                      self._disabled_optimizers, self._user_options)
         model = onnx.load(opt_path, load_external_data=False)
-        inside = keep_in_model(model, os.path.join(opt_dir, OPTIMIZED_DATA), shareable)
+        inside = keep_in_model(model, opt_dir, shareable)
         if inside:
             self._notes.append(f"{len(inside)} initializers of types ORT cannot take in place (such as "
                                f"{inside[0]!r}) stay inside the model: ORT owns their memory")
-        self._weights = weights = read_weights(model)
+        self._weights = weights = read_weights(model, opt_dir)
+        own = [w for w in weights if w.path != os.path.join(opt_dir, OPTIMIZED_DATA)]
+        if own:
+            self._notes.append(f"{len(own)} weights ({fmt_bytes(sum(w.nbytes for w in own))}) are read from the "
+                               f"model's own data files: optimization left them unchanged, so the cache holds no copy")
         initializers = {t.name for t in model.graph.initializer}
         self._required_inputs = [v.name for v in model.graph.input if v.name not in initializers]
         self._graph_inputs = [IOInfo(v) for v in model.graph.input]

@@ -191,6 +191,37 @@ def test_cache_sees_replaced_external_data(location, tmp_path):
     assert len(os.listdir(cache)) == 2
 
 
+def test_weights_optimization_leaves_unchanged_are_read_from_the_models_own_file(tmp_path):
+    """A cache entry holds no second copy of a weight that optimization left as it was:
+    its optimized model names the caller's data file for it, and only weights that
+    optimization made (a folded transpose) are in the entry's data file."""
+    rng = np.random.default_rng(5)
+    where = tmp_path / "model"
+    where.mkdir()
+    w0 = external(numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w0"), str(where), "m.data")
+    w1 = external(numpy_helper.from_array(rng.standard_normal((32, 64)).astype(np.float32), "w1"), str(where), "m.data")
+    model = make_model([helper.make_node("MatMul", ["x0", "w0"], ["h"]),
+                        helper.make_node("Transpose", ["w1"], ["w1t"], perm=[1, 0]),
+                        helper.make_node("MatMul", ["h", "w1t"], ["y"])],
+                       [tensor("x0", [4, 64])], [tensor("y", [4, 32])], [w0, w1])
+    path = str(where / "model.onnx")
+    onnx.save(model, path)
+    feeds = {"x0": rng.standard_normal((4, 64)).astype(np.float32)}
+    cache = str(tmp_path / "cache")
+    stats = assert_same(path, feeds, cache_dir=cache, min_weight_bytes=1024)
+    (entry,) = os.listdir(cache)
+    optimized = onnx.load(os.path.join(cache, entry, "optimized.onnx"), load_external_data=False)
+    locations = {t.name: {e.key: e.value for e in t.external_data}["location"]
+                 for t in optimized.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    assert locations["w0"] == os.path.abspath(str(where / "m.data")), locations
+    folded = [n for n, loc in locations.items() if loc == "optimized.onnx.data"]
+    assert folded and "w0" not in folded
+    assert os.path.getsize(os.path.join(cache, entry, "optimized.onnx.data")) == 32 * 64 * 4 * len(folded)
+    assert any("model's own data files" in n for n in stats.notes), stats.notes
+    assert_same(path, feeds, cache_dir=cache, min_weight_bytes=1024)  # read back from the entry
+    assert os.listdir(cache) == [entry]
+
+
 def test_cache_key_ignores_unrelated_stat_changes(tmp_path):
     """Touching the model without changing it still hits the cache."""
     model, feeds = tiny_mlp()
