@@ -155,7 +155,7 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
     free-dimension overrides and custom-op libraries included); returns the optimized
     model's path. An optimized model already in `workdir` (a cache directory) is reused."""
     out = os.path.join(workdir, OPTIMIZED)
-    if _optimized_exists(out):
+    if optimized_exists(out):
         return out
     if not on_cuda:
         _optimize(src, out, level, min_weight_bytes, ["CPUExecutionProvider"], disabled_optimizers, user_options)
@@ -185,7 +185,7 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
     return out
 
 
-def _optimized_exists(out: str) -> bool:
+def optimized_exists(out: str) -> bool:
     """An optimized model, and the data file when it names one: ORT writes none when no
     initializer reaches the threshold."""
     if not os.path.exists(out):
@@ -220,7 +220,7 @@ def _optimize(src: str, out: str, level, min_weight_bytes: int, providers, disab
         del session  # its device memory goes back before the allocator does
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         error = e
-    if _optimized_exists(out):
+    if optimized_exists(out):
         # A failure after the save (placing initializers) does not matter.
         model = onnx.load(out, load_external_data=False)
         if lift_subgraph_weights(model):
@@ -424,7 +424,7 @@ def share_unchanged(folder: str, src: str, chunk: int = 64 << 20) -> int:
                 other = view(match[2], match[3], length)
                 if mine is not None and other is not None and all(
                         np.array_equal(mine[i:i + chunk], other[i:i + chunk]) for i in range(0, length, chunk)):
-                    _set_external(t, os.path.abspath(match[2]), match[3], length)
+                    _set_external(t, os.path.realpath(match[2]), match[3], length)
                     shared += length
                     continue
             kept.append((t, offset, length))

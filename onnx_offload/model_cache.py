@@ -25,20 +25,26 @@ _SAMPLES = 64
 _CACHE_FORMAT = 2
 
 
-def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int, disabled_optimizers=(), options: str = "") -> str:
+def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int, disabled_optimizers=(), options: str = "",
+              shares_files: bool = False) -> str:
     """Identifies an optimized model: the content of every file the model reads (the
     .onnx and each external data file, main graph and subgraphs), the provider, the
     level, the threshold, the optimizers turned off, the caller's session options that
-    can change the graph (`options`, from ort_sessions.options_key) and the ORT version."""
+    can change the graph (`options`, from ort_sessions.options_key) and the ORT version.
+    An entry that reads weights from the model's own files (`shares_files`, see
+    model.share_unchanged) is also keyed by where those files really are: a copy of the
+    model elsewhere, or a link that now points at another version, is another entry."""
     h = hashlib.sha256()
     for v in (_CACHE_FORMAT, on_cuda, int(level), min_weight_bytes, ort.__version__, sorted(disabled_optimizers),
-              options):
+              options, shares_files):
         h.update(f"{v}|".encode())
     for path in model_files(src):  # the .onnx names the others, so their names are covered
         try:
             h.update(_fingerprint(path))
         except FileNotFoundError:
             raise CorruptModel(f"{src!r} keeps tensor data in {path!r}, which does not exist") from None
+        if shares_files:
+            h.update(f"{os.path.realpath(path)}|".encode())
     return h.hexdigest()[:24]
 
 

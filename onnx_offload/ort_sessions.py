@@ -46,9 +46,10 @@ _REFUSED = ("add_initializer", "add_external_initializers", "add_external_initia
 _calls: "weakref.WeakKeyDictionary[ort.SessionOptions, list]" = weakref.WeakKeyDictionary()
 # Config entries about where the caller's model file and its data are, which the package
 # answers itself (its sessions read models it wrote): not copied.
+# So are those on how an optimized model is saved: the package saves its own, as ONNX.
 _FILE_KEYS = ("session.model_external_initializers_file_folder_path",
               "session.optimized_model_external_initializers_file_name",
-              "session.optimized_model_external_initializers_min_size_in_bytes")
+              "session.optimized_model_external_initializers_min_size_in_bytes", "session.save_model_format")
 
 
 def _record(name: str) -> None:
@@ -69,6 +70,31 @@ def _record(name: str) -> None:
 
 for _name in _REPLAYED + _REFUSED:
     _record(_name)
+
+
+def _record_creation() -> None:
+    """Gives each SessionOptions made from now on an (empty) record, so that options made
+    before the package was imported, whose calls it could not see, are told apart."""
+    original = ort.SessionOptions.__init__
+    if getattr(original, "_offload_recorded", False):
+        return
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _calls.setdefault(self, [])
+
+    init._offload_recorded = True
+    ort.SessionOptions.__init__ = init
+
+
+_record_creation()
+
+
+def unseen(user: Optional[ort.SessionOptions]) -> bool:
+    """True for options made before the package was imported: calls on them that ORT
+    has no getter for (overrides, libraries, initializers) cannot be known."""
+    return user is not None and user not in _calls
 
 
 def recorded(user: Optional[ort.SessionOptions]) -> List[tuple]:

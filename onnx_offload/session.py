@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import glob
 import os
 import shutil
 import tempfile
@@ -42,11 +43,13 @@ from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph
 from .host_store import HostStore
 from .interrupts import deferred_interrupts
 from .iobinding import OffloadIOBinding
-from .model import (OPTIMIZED_DATA, external_data_folder, keep_in_model, materialize, optimization_level, optimize_once,
-                    point_weights_at_placeholder, read_weights, share_unchanged, weights_as_inputs)
+from .model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, materialize, optimization_level,
+                    optimize_once, optimized_exists, point_weights_at_placeholder, read_weights, share_unchanged,
+                    weights_as_inputs)
 from .model_cache import cache_key
 from .ort_memory import OrtMemoryMeter
-from .ort_sessions import CUDA_EP, SessionFactory, choose_providers, normalize_providers, options_key
+from .ort_sessions import (CUDA_EP, SessionFactory, choose_providers, copy_options, normalize_providers, options_key,
+                           unseen)
 from .ortvalues import InvalidArgument, IOInfo, as_arrays, check_feeds, shareable
 from .progress import LoadProgress
 from .residency import Counters, ResidencyManager
@@ -119,6 +122,14 @@ class OffloadSession(InferenceSessionMembers):
         self._cwd = os.getcwd()  # where ORT writes relative file names (profiles)
         self._lock = threading.RLock()  # one step at a time: slots, pins and fixed buffers are shared
         self._user_options = sess_options
+        if unseen(sess_options):
+            warnings.warn("these SessionOptions were made before onnx_offload was imported, so free-dimension "
+                          "overrides, custom-op libraries and initializers added to them are not seen (only their "
+                          "properties and ORT's documented config entries are); import onnx_offload first",
+                          OffloadWarning, stacklevel=2)
+        # The settings as they are now, as ORT takes them: a later change to the caller's
+        # object reaches no session made later (a fallback to segments included).
+        self._options = copy_options(sess_options) if sess_options is not None else None
         self._workdir = make_workdir()
         self._runner: Optional[SegmentRunner] = None
         self._segments_at_close: Optional[List[Segment]] = None
@@ -153,9 +164,18 @@ class OffloadSession(InferenceSessionMembers):
         if not cache:
             return self._workdir
         opt_dir = os.path.join(cache, cache_key(src, self._on_cuda, level, cfg.min_weight_bytes,
-                                                self._disabled_optimizers, options_key(self._user_options)))
+                                                self._disabled_optimizers, options_key(self._options), own_files))
         if os.path.isdir(opt_dir):
-            return opt_dir
+            if optimized_exists(os.path.join(opt_dir, OPTIMIZED)):
+                return opt_dir
+            # An entry missing a file (removed by hand): set aside, then made again and
+            # published like a new one, never rewritten where others may be reading it.
+            try:
+                os.rename(opt_dir, tempfile.mkdtemp(dir=cache, prefix=".stale-"))
+            except OSError:
+                pass  # another process set it aside first
+            for stale in glob.glob(os.path.join(cache, ".stale-*")):
+                shutil.rmtree(stale, ignore_errors=True)
         try:
             os.makedirs(cache, exist_ok=True)
             tmp = tempfile.mkdtemp(dir=cache, prefix=".partial-")
@@ -166,7 +186,7 @@ class OffloadSession(InferenceSessionMembers):
             return self._workdir
         try:
             optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
-                          self._disabled_optimizers, self._user_options)
+                          self._disabled_optimizers, self._options)
             if own_files:
                 share_unchanged(tmp, src)
         except BaseException:
@@ -190,7 +210,7 @@ class OffloadSession(InferenceSessionMembers):
         with self._progress.phase("optimizing the model"):
             opt_dir = self._optimized_dir(src, level, isinstance(path_or_bytes, (str, os.PathLike)))
             opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
-                                     self._disabled_optimizers, self._user_options)
+                                     self._disabled_optimizers, self._options)
         model = onnx.load(opt_path, load_external_data=False)
         inside = keep_in_model(model, opt_dir, shareable)
         if inside:
@@ -275,7 +295,7 @@ class OffloadSession(InferenceSessionMembers):
         with self._progress.phase("reading weights", sum(w.nbytes for w in weights), "B") as update:
             self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, update)
         self._meter = OrtMemoryMeter(dev)
-        factory = SessionFactory(dev, self._user_options, self._cuda_options, cfg.device_id, plan.ort_memory_cap)
+        factory = SessionFactory(dev, self._options, self._cuda_options, cfg.device_id, plan.ort_memory_cap)
         outputs = [o.name for o in self._graph_outputs]
         if layout is not None:
             dev.ledger.set_zone("weights", allowance=layout.allowance - layout.ring_bytes, reserve=0)

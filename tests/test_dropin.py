@@ -186,6 +186,37 @@ def test_custom_op_libraries_reach_every_session(tmp_path):
         OffloadSession(path, providers=["CPUExecutionProvider"])
 
 
+def test_a_save_format_setting_does_not_reach_the_optimized_model(tmp_path):
+    # The package saves its optimized model as ONNX, whatever format the caller's
+    # optimized models are saved in.
+    path = _batch_model(str(tmp_path / "m.onnx"))
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.save_model_format", "ORT")
+    x = np.ones((2, 64), np.float32)
+    want = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    with OffloadSession(path, so, cache_dir=str(tmp_path / "cache")) as s:
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-5)
+
+
+def test_options_made_before_the_import_are_named_in_a_warning(tmp_path):
+    import subprocess
+    import sys
+    path = _batch_model(str(tmp_path / "m.onnx"))
+    code = ("import warnings, onnxruntime as ort\n"
+            "so = ort.SessionOptions()\n"
+            "so.add_free_dimension_override_by_name('batch', 2)\n"
+            "from onnx_offload import OffloadSession\n"
+            "from onnx_offload.errors import OffloadWarning\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            f"    OffloadSession({path!r}, so).close()\n"
+            "    OffloadSession({path!r}, ort.SessionOptions()).close()\n".replace("{path!r}", repr(path))
+            + "print([str(x.message)[:60] for x in w if issubclass(x.category, OffloadWarning)])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("made before onnx_offload was impor") == 1, r.stdout
+
+
 def test_every_recorded_setting_is_copied_and_initializers_in_options_are_refused(tmp_path):
     from onnx_offload.ort_sessions import copy_options
     so = ort.SessionOptions()

@@ -222,6 +222,54 @@ def test_weights_optimization_leaves_unchanged_are_read_from_the_models_own_file
     assert os.listdir(cache) == [entry]
 
 
+def _one_weight_model(folder, seed):
+    folder.mkdir()
+    w = external(numpy_helper.from_array(np.random.default_rng(seed).standard_normal((64, 64)).astype(np.float32),
+                                         "W"), str(folder), "m.data")
+    model = make_model([helper.make_node("MatMul", ["x0", "W"], ["y"])], [tensor("x0", [4, 64])],
+                       [tensor("y", [4, 64])], [w])
+    onnx.save(model, str(folder / "model.onnx"))
+    return str(folder / "model.onnx")
+
+
+def test_a_copy_of_the_model_elsewhere_reads_its_own_files(tmp_path):
+    """An entry that reads a weight from the model's own file is keyed by where that file
+    is: a copy of the model in another folder, or a link switched to another version,
+    never reads the first folder's file."""
+    import shutil
+    feeds = {"x0": np.random.default_rng(4).standard_normal((4, 64)).astype(np.float32)}
+    cache = str(tmp_path / "cache")
+    a = _one_weight_model(tmp_path / "a", 1)
+    assert_same(a, feeds, cache_dir=cache)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    old = np.fromfile(str(tmp_path / "a" / "m.data"), dtype=np.float32)
+    replace_keeping_stat(str(tmp_path / "a" / "m.data"), (old * -2.0).astype(np.float32).tobytes())
+    assert_same(str(tmp_path / "b" / "model.onnx"), feeds, cache_dir=cache)
+    assert_same(a, feeds, cache_dir=cache)
+    # current -> v1, then current -> v2 (same content as v1's first version), then v1 by its own path.
+    v1, v2 = _one_weight_model(tmp_path / "v1", 2), _one_weight_model(tmp_path / "v2", 3)
+    current = tmp_path / "current"
+    current.symlink_to(tmp_path / "v1")
+    assert_same(str(current / "model.onnx"), feeds, cache_dir=cache)
+    current.unlink()
+    current.symlink_to(tmp_path / "v2")
+    assert_same(str(current / "model.onnx"), feeds, cache_dir=cache)
+    assert_same(v1, feeds, cache_dir=cache)
+    assert_same(v2, feeds, cache_dir=cache)
+
+
+def test_an_entry_missing_a_file_is_made_again_and_published_whole(tmp_path):
+    feeds = {"x0": np.random.default_rng(4).standard_normal((4, 64)).astype(np.float32)}
+    cache = str(tmp_path / "cache")
+    path = _one_weight_model(tmp_path / "m", 1)
+    assert_same(path, feeds, cache_dir=cache)
+    (entry,) = os.listdir(cache)
+    os.remove(os.path.join(cache, entry, "optimized.onnx"))
+    assert_same(path, feeds, cache_dir=cache)
+    assert os.listdir(cache) == [entry]  # made again under its key; nothing set aside is left
+    assert os.path.exists(os.path.join(cache, entry, "optimized.onnx"))
+
+
 def test_cache_key_ignores_unrelated_stat_changes(tmp_path):
     """Touching the model without changing it still hits the cache."""
     model, feeds = tiny_mlp()
