@@ -13,7 +13,6 @@ import numpy as np
 from .model import WeightInfo
 
 ALIGN = 256
-HUGE_PAGES = True
 
 
 class HostStore:
@@ -29,13 +28,6 @@ class HostStore:
             total += w.nbytes
         self.nbytes = total
         self._map = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
-            # Transparent huge pages where the kernel offers them: fewer pages for the
-            # driver to pin, and fewer for each copy's DMA to walk.
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self.base = self._array.ctypes.data
         self._registered = False
