@@ -108,10 +108,9 @@ def options_key(user: Optional[ort.SessionOptions]) -> str:
     parts = []
     for name, args, kwargs in recorded(user):
         parts.append(f"{name}{args}{sorted(kwargs.items())}")
-        if name == "register_custom_ops_library":
-            path = args[0] if args else kwargs.get("library_path", "")
+        if name == "register_custom_ops_library" and args:
             try:
-                st = os.stat(path)
+                st = os.stat(args[0])
                 parts.append(f"{st.st_size}:{st.st_mtime_ns}")
             except OSError:
                 pass
@@ -151,7 +150,7 @@ def copy_options(user: Optional[ort.SessionOptions]) -> ort.SessionOptions:
                 and not name.startswith("_"):
             setattr(so, name, getattr(user, name))
     for name, args, kwargs in recorded(user):
-        if name == "add_session_config_entry" and (args[0] if args else kwargs.get("config_key")) in _FILE_KEYS:
+        if name == "add_session_config_entry" and args and args[0] in _FILE_KEYS:
             continue
         getattr(so, name)(*args, **kwargs)
     for key in KNOWN_CONFIG_KEYS:

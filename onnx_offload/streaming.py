@@ -6,9 +6,10 @@ Layout (``plan_stream``, a pure function). The weights that stay resident live i
 the arena's weights zone, pinned for the session's life. Each of the others is a
 unit that streams: it has stable addresses of its own, from a granule boundary,
 inside one reservation. Behind those addresses lies the ring, a small set of
-physical granules that holds the largest streamed weight. A unit's granules are mapped onto ring granules once: in
-turn at construction, then, when the first captured graph shows the order ORT reads
-the weights in, each unit onto the ring granules whose readers finish earliest.
+physical granules that holds the largest streamed weight. A unit's granules are
+mapped onto ring granules once: in turn at construction, then, when the first
+captured graph shows the order ORT reads the weights in, each unit onto the ring
+granules whose readers finish earliest.
 Every streamed weight keeps one address for the session's life, and many units
 share each ring granule.
 
@@ -137,11 +138,11 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
     if policy == "planned":
         # The few weights far above the typical size first (one streamed would size the
         # ring), then the smallest: the weights that stream are then the large ones, which
-        # copy at the link's rate with the fewest copies.
-        # Among weights of one size (a layer's MLP matrices, in every layer), residents are
-        # taken in bit-reversed read order, so that those left to stream are spread over
-        # the step: their copies then overlap compute from its start to its end. Left to
-        # the last layers, the copies would wait for compute to reach them.
+        # copy at the link's rate with the fewest copies. Among weights of one size (a
+        # layer's MLP matrices, in every layer), residents are taken in bit-reversed read
+        # order, so that those left to stream are spread over the step and their copies
+        # overlap compute from its start to its end; left to the last layers, the copies
+        # would wait for compute to reach them.
         typical = sorted(w.nbytes for w in order)[len(order) // 2] if order else 0
         giants = sorted((w for w in order if w.nbytes > GIANT * typical), key=lambda w: (-w.nbytes, w.first_use))
         spread: Dict[str, float] = {}
