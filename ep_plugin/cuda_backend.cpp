@@ -383,7 +383,7 @@ class CudaGraph : public DeviceGraph {
 void CUDA_CB sleep_ms(void* ms) { std::this_thread::sleep_for(std::chrono::milliseconds(uintptr_t(ms))); }
 
 // Where the next address reservation is asked for (see CudaBackend::reserve).
-std::atomic<uint64_t> next_hint_{0x6b5a00000000ull};
+std::atomic<uint64_t> next_reservation_hint{0x6b5a00000000ull};
 
 class CudaBackend : public PhysicalBackend {
  public:
@@ -419,7 +419,7 @@ class CudaBackend : public PhysicalBackend {
     // kernels' parameters for addresses, and a small-valued range (0x3'xxxx'xxxx) is
     // matched by any pair of 32-bit fields whose second is 3. The driver may place the
     // range elsewhere; any place is correct.
-    const uint64_t hint = next_hint_.fetch_add(round_up(size, uint64_t(1) << 30));
+    const uint64_t hint = next_reservation_hint.fetch_add(round_up(size, uint64_t(1) << 30));
     if (DRV(cuMemAddressReserve)(&p, size, gran_, CUdeviceptr(hint), 0) != CUDA_SUCCESS || p == 0)
       CU_CHECK(DRV(cuMemAddressReserve)(&p, size, gran_, 0, 0));
     return uint64_t(p);
