@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import onnxruntime as ort
 
-from .errors import OffloadError, StateError
+from .errors import BudgetExceeded, OffloadError, StateError
 from .graph_capture import GraphCaptureDecision
 from .model import save_model
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
@@ -387,16 +387,26 @@ class SegmentRunner:
             needed.update(run.seg.inputs)
             needed.update(run.seg.outputs)
         needed -= set(direct)  # the caller's own buffers, bound where they are
-        try:
-            for name in sorted(needed):
-                v = values[name] if name in values else feeds[name]
-                shape = list(v.shape())
-                dtype = numpy_dtype(v.data_type())
-                ptr = scratch.allocate(max(1, nbytes_of(shape, dtype)))
-                plan.buffers[name] = FixedBuffer.on(self.device, ptr, shape, dtype)
-        except BaseException:
-            self._free_plan(plan)
-            raise
+        while True:
+            try:
+                for name in sorted(needed):
+                    v = values[name] if name in values else feeds[name]
+                    shape = list(v.shape())
+                    dtype = numpy_dtype(v.data_type())
+                    ptr = scratch.allocate(max(1, nbytes_of(shape, dtype)))
+                    plan.buffers[name] = FixedBuffer.on(self.device, ptr, shape, dtype)
+                break
+            except BudgetExceeded:
+                # The step has run; its plan only speeds the next ones. The scratch
+                # budget goes to the shapes seen last: older plans give theirs back (not
+                # under capture, where graphs hold them), else this shape runs without.
+                self._free_plan(plan)
+                if capturing or not self._plans:
+                    return
+                self._free_plan(self._plans.popitem(last=False)[1])
+            except BaseException:
+                self._free_plan(plan)
+                raise
         if capturing:
             self._next_graph_id += 1
         self._plans[sig] = plan

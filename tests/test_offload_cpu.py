@@ -189,3 +189,21 @@ def test_kv_growth_borrows_from_resident_weights():
         np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
         ledger.refund("kv", want, outside=True)
         check_invariants(s)
+
+
+def test_a_server_loop_of_many_input_shapes_keeps_running_in_a_small_budget():
+    """Each input shape gets fixed boundary buffers for the steps to come; when the
+    scratch budget cannot hold them beside the older shapes', the older shapes give
+    theirs back (or the shape runs without), and the step still answers, as ORT would."""
+    model = mlp_stack(layers=4, hidden=512, batch=None)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    rng = np.random.default_rng(0)
+    with offloaded(model, "2MiB") as s:
+        assert len(s.segments) >= 2
+        for b in list(range(1, 41)) + [3, 40, 1]:
+            x = rng.standard_normal((b, 512)).astype(np.float32)
+            # Unpacked weights (prepacking is off for weights in slots) sum in another order.
+            np.testing.assert_allclose(s.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+        check_invariants(s)
+        final = s.close()
+    assert final.committed == 0
