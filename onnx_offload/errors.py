@@ -35,5 +35,9 @@ class CorruptModel(OffloadError, ValueError):
     """The model file cannot be parsed or does not validate."""
 
 
+class UnsupportedModel(OffloadError, ValueError):
+    """A valid model that this use of the package cannot run, with the reason."""
+
+
 class OffloadWarning(RuntimeWarning):
     """A cleanup step failed (an unmap, a release, a slot dropped): the core kept going."""

@@ -27,17 +27,13 @@ from typing import Dict, Iterator, Optional, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from .errors import OffloadError
+from .errors import UnsupportedModel
 from .interrupts import deferred_interrupts
 from .kv_cache import BucketKV, DeviceBuffers, SharedKV, write
 from .ortvalues import IOInfo
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _GENERATIONS = itertools.count()  # names each generation's step plans
-
-
-class UnsupportedModel(OffloadError, ValueError):
-    """The model is not a decoder layout that generate() knows; the message says what is missing."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from . import _core
 from .errors import OffloadError
-from .segmenter import dims
+from .segmenter import dims, onnx_type_string
 
 try:  # the type ORT itself raises for a bad input or output name
     from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
@@ -110,11 +110,11 @@ class IOInfo:
 
     def __init__(self, vi: onnx.ValueInfoProto):
         self.name = vi.name
-        tt = vi.type.tensor_type
-        self.type = f"tensor({onnx.helper.tensor_dtype_to_string(tt.elem_type).split('.')[-1].lower()})"
-        self.shape = dims(tt)
+        self.type = onnx_type_string(vi.type)
+        tensor = vi.type.HasField("tensor_type")
+        self.shape = dims(vi.type.tensor_type) if tensor else []
         try:
-            self.dtype = numpy_dtype(self.type)
+            self.dtype = numpy_dtype(self.type) if tensor else None
         except OffloadError:  # a type no boundary or cache can hold
             self.dtype = None
 

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Sequence
 import onnx
 from onnx import helper
 
+from .errors import UnsupportedModel
 from .model import node_inputs
 
 # Ops cheap enough to run again in every segment that needs their result, when all
@@ -102,13 +103,17 @@ def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
 
 
+_OTHER_TYPES = ("sequence_type", "map_type", "optional_type", "sparse_tensor_type")
+
+
 def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
     """Types of every value: shape inference (_inferred), then, for values it leaves
     untyped, the element type of the node's first typed input."""
     inferred = _inferred(model)
     types: Dict[str, onnx.TypeProto] = {}
     for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+        kind = vi.type.WhichOneof("value")
+        if (kind == "tensor_type" and vi.type.tensor_type.elem_type) or kind in _OTHER_TYPES:
             types.setdefault(vi.name, vi.type)
     for t in model.graph.initializer:
         types.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, list(t.dims)))
@@ -116,9 +121,30 @@ def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
         for out in node.output:
             if out and out not in types:
                 src = next((types[n] for n in node.input if n in types), None)
-                if src is not None:
+                if src is not None and src.HasField("tensor_type"):
                     types[out] = helper.make_tensor_type_proto(src.tensor_type.elem_type, None)
     return types
+
+
+def _elem(elem_type: int) -> str:
+    return onnx.helper.tensor_dtype_to_string(elem_type).split(".")[-1].lower()
+
+
+def onnx_type_string(t: onnx.TypeProto) -> str:
+    """A value's type as ORT's NodeArg.type spells it: tensor(float), seq(tensor(int64)),
+    map(string,tensor(float)), optional(...), sparse_tensor(float)."""
+    kind = t.WhichOneof("value")
+    if kind == "tensor_type":
+        return f"tensor({_elem(t.tensor_type.elem_type)})"
+    if kind == "sequence_type":
+        return f"seq({onnx_type_string(t.sequence_type.elem_type)})"
+    if kind == "map_type":
+        return f"map({_elem(t.map_type.key_type)},{onnx_type_string(t.map_type.value_type)})"
+    if kind == "optional_type":
+        return f"optional({onnx_type_string(t.optional_type.elem_type)})"
+    if kind == "sparse_tensor_type":
+        return f"sparse_tensor({_elem(t.sparse_tensor_type.elem_type)})"
+    return "unknown"
 
 
 def dims(tensor_type) -> List:
@@ -130,6 +156,8 @@ def _value_info(name: str, types: Dict[str, onnx.TypeProto]) -> onnx.ValueInfoPr
     if name not in types:
         raise ValueError(f"no type is known for boundary value {name!r}")
     t = types[name]
+    if not t.HasField("tensor_type"):  # a sequence, map or optional: its type as inferred
+        return helper.make_value_info(name, t)
     shape = dims(t.tensor_type) if t.tensor_type.HasField("shape") else None
     return helper.make_tensor_value_info(name, t.tensor_type.elem_type, shape)
 
@@ -168,6 +196,18 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
                     consumers.setdefault(name, set()).add(gi)
     types = value_types(model)
     segments = []
+    if len(groups) > 1:
+        # Values pass between segments, and out of the last, as OrtValues, which ORT's
+        # Python API reads only as tensors.
+        for gi, group in enumerate(groups):
+            for o in (o for i in group for o in graph.node[i].output if o):
+                t = types.get(o)
+                if t is not None and not t.HasField("tensor_type") and (
+                        o in graph_outputs or any(c > gi for c in consumers.get(o, ()))):
+                    raise UnsupportedModel(
+                        f"the value {o!r} ({onnx_type_string(t)}) would cross from one segment of the model to the next "
+                        f"or leave a split model, and only tensors can: run it unsplit (a weights budget that "
+                        f"holds every weight, or offload=False)")
     for gi, (group, member) in enumerate(zip(groups, members)):
         nodes = [graph.node[i] for i in member]
         read = list(dict.fromkeys(n for node in nodes for n in node_inputs(node)))

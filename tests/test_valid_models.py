@@ -153,3 +153,40 @@ def test_float8_weights_stay_inside_the_model():
     with OffloadSession(m.SerializeToString(), providers=CPU, vram_limit="64MiB", optimization_level="disable") as s:
         np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
         assert any("stay inside the model" in n for n in s.stats().notes)
+
+
+def _sequence_model():
+    rng = np.random.default_rng(0)
+    ws = [numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), f"W{i}") for i in range(3)]
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W0"], ["a"]),
+         helper.make_node("SplitToSequence", ["a"], ["seq"], axis=0),
+         helper.make_node("ConcatFromSequence", ["seq"], ["b"], axis=0),
+         helper.make_node("MatMul", ["b", "W1"], ["c"]),
+         helper.make_node("MatMul", ["c", "W2"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 256]),
+         helper.make_tensor_sequence_value_info("seq", TensorProto.FLOAT, None)], ws)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_sequence_output_is_listed_and_returned_as_ort_returns_it():
+    m = _sequence_model()
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    with OffloadSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) as s:
+        assert [(o.name, o.type, o.shape) for o in s.get_outputs()] == \
+            [(o.name, o.type, o.shape) for o in ref.get_outputs()]
+        x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
+        got, want = s.run(None, {"x": x}), ref.run(None, {"x": x})
+        assert isinstance(got[1], list) and len(got[1]) == len(want[1]) == 3
+        for a, b in zip([got[0]] + got[1], [want[0]] + want[1]):
+            # Values up to 1e4, summed in another order (prepacking is off for weights in slots).
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(np.abs(b).max()))
+
+
+def test_a_sequence_crossing_segments_is_refused_with_the_reason():
+    from onnx_offload.errors import UnsupportedModel
+    m = _sequence_model()
+    with pytest.raises(UnsupportedModel, match="'seq' .seq.tensor.float... would cross"):
+        OffloadSession(m.SerializeToString(), providers=["CPUExecutionProvider"], offload=True, vmm=True,
+                       host_granularity=64 << 10, weight_bytes=256 * 256 * 4)
