@@ -182,7 +182,10 @@ class InferenceSessionMembers:
         """As InferenceSession.run_async: runs on a thread of its own and calls
         callback(outputs, user_data, error message), the message empty on success."""
         self._check_open()
-        self._check_call(input_feed, output_names, always=True)  # ORT checks the names before it returns
+        # ORT refuses missing inputs before it returns; every other error reaches the callback.
+        missing = [n for n in self._required_inputs if n not in input_feed]
+        if missing:
+            raise ValueError(f"Required inputs ({missing}) are missing from input feed ({list(input_feed)}).")
 
         def work():
             try:

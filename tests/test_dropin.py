@@ -88,6 +88,20 @@ def test_what_cannot_work_under_offload_says_why():
         assert done.wait(30) and got["e"] == "" and got["u"] == "mine" and got["r"][0].shape == (2, 64)
 
 
+@pytest.mark.parametrize("cls", [ort.InferenceSession, OffloadSession])
+def test_run_async_hands_errors_to_the_callback_as_ort_does(cls):
+    model = mlp_stack(layers=2, hidden=64, batch=2)
+    s = cls(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(ValueError, match="missing from input feed"):
+        s.run_async(None, {}, lambda r, u, e: None, None)
+    for feed, names, why in [({"x": np.ones((2, 64), np.float64)}, None, "Unexpected input data type"),
+                             ({"x": np.ones((3, 64), np.float32)}, None, "invalid dimensions"),
+                             ({"x": np.ones((2, 64), np.float32)}, ["nope"], "Invalid output name")]:
+        done, got = threading.Event(), {}
+        s.run_async(names, feed, lambda r, u, e: (got.update(r=r, u=u, e=e), done.set()), "mine")
+        assert done.wait(30) and why in got["e"] and got["u"] == "mine" and not got["r"], got
+
+
 def test_session_options_as_given():
     """Every readable setting of the caller's SessionOptions reaches the ORT sessions that
     run the model, and get_session_options() reports the caller's, not the package's."""
