@@ -102,6 +102,36 @@ def test_run_async_hands_errors_to_the_callback_as_ort_does(cls):
         assert done.wait(30) and why in got["e"] and got["u"] == "mine" and not got["r"], got
 
 
+def test_errors_while_a_split_model_runs_are_of_ort_types():
+    """A kernel that fails, and a terminate flag, come out of run() and run_with_ort_values()
+    as ORT's Fail, as from InferenceSession, also when the model runs in segments."""
+    rng = np.random.default_rng(0)
+    ws = [onnx.numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), f"W{i}") for i in range(2)]
+    g = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W0"], ["a"]), onnx.helper.make_node("MatMul", ["a", "W1"], ["b"]),
+         onnx.helper.make_node("Reshape", ["b", "shape"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 256]),
+         onnx.helper.make_tensor_value_info("shape", onnx.TensorProto.INT64, [2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], ws)
+    model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    fail = ort.capi.onnxruntime_pybind11_state.Fail
+    bad = {"x": np.ones((2, 256), np.float32), "shape": np.array([3, 5], np.int64)}
+    good = {"x": np.ones((2, 256), np.float32), "shape": np.array([4, 128], np.int64)}
+    stop = ort.RunOptions()
+    stop.terminate = True
+    for s in (ort.InferenceSession(model, providers=["CPUExecutionProvider"]),
+              OffloadSession(model, providers=["CPUExecutionProvider"], offload=True, vmm=True,
+                             host_granularity=64 << 10, weight_bytes=256 * 256 * 4)):
+        assert not isinstance(s, OffloadSession) or len(s.segments) >= 2
+        with pytest.raises(fail, match="Reshape"):
+            s.run(None, bad)
+        with pytest.raises(fail, match="Reshape"):
+            s.run_with_ort_values(None, {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in bad.items()})
+        with pytest.raises(fail, match="terminate"):
+            s.run(None, good, stop)
+        assert s.run(None, good)[0].shape == (4, 128)
+
+
 def test_session_options_as_given():
     """Every readable setting of the caller's SessionOptions reaches the ORT sessions that
     run the model, and get_session_options() reports the caller's, not the package's."""
