@@ -169,9 +169,11 @@ def choose_providers(names: List[str], options: List[dict], cuda_status) -> Tupl
     notes = []
     skipped = [n for n in names if n not in (CUDA_EP, CPU_EP)]
     kept = [(n, o) for n, o in zip(names, options) if n in (CUDA_EP, CPU_EP)]
-    if not kept:
-        raise ValueError(f"OffloadSession runs {CUDA_EP} and {CPU_EP}, and none of {', '.join(names)}")
-    if skipped:
+    if not kept:  # as ORT falls back when no provider it was given can run
+        notes.append(f"OffloadSession runs {CUDA_EP} and {CPU_EP}, and none of {', '.join(names)} can run here; "
+                     f"running on {CPU_EP}")
+        kept = [(CPU_EP, {})]
+    elif skipped:
         notes.append(f"OffloadSession runs {CUDA_EP} and {CPU_EP}; skipping {', '.join(skipped)}")
     if kept[0][0] == CUDA_EP and any(n == CPU_EP for n, _ in kept):
         why = cuda_status()

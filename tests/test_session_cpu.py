@@ -160,8 +160,11 @@ def test_providers_as_ort_takes_them_without_cuda(mlp, x):
         with OffloadSession(mlp.SerializeToString(), providers=[cuda, "CPUExecutionProvider"], host_granularity=G,
                             vram_limit="64MiB") as s:
             assert s.stats().ledger.budget == 64 << 20  # the configuration's limit wins
-    with pytest.raises(ValueError, match="none of TensorrtExecutionProvider"):
-        OffloadSession(mlp.SerializeToString(), providers=["TensorrtExecutionProvider"])
+    # Nothing the package runs in the list: the CPU, as ORT falls back to it.
+    with pytest.warns(OffloadWarning, match="none of TensorrtExecutionProvider can run here"):
+        with OffloadSession(mlp.SerializeToString(), providers=["TensorrtExecutionProvider"]) as s:
+            assert s.get_providers() == ["CPUExecutionProvider"]
+            np.testing.assert_allclose(s.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="same length"):
         OffloadSession(mlp.SerializeToString(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
                        provider_options=[{}])
