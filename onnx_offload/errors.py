@@ -1,4 +1,10 @@
-"""The typed errors of onnx-offload. The C++ core raises these classes too."""
+"""The typed errors of onnx-offload. The C++ core raises these classes too.
+
+Where ORT raises one of its own types for the same fault (a missing model file, bytes
+that are not a model, a model its loader refuses), the error is also of that type, so
+that code written for InferenceSession catches it (see ``with_ort_type``).
+"""
+from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
 
 class OffloadError(RuntimeError):
@@ -41,3 +47,27 @@ class UnsupportedModel(OffloadError, ValueError):
 
 class OffloadWarning(RuntimeWarning):
     """A cleanup step failed (an unmap, a release, a slot dropped): the core kept going."""
+
+
+class ModelNotFound(FileNotFoundError, _ort_errors.NoSuchFile):
+    """The model file does not exist (also ORT's NoSuchFile)."""
+
+
+_WITH_ORT_TYPE: dict = {}
+
+
+def with_ort_type(cls: type, error: BaseException) -> type:
+    """`cls`, made also an instance of the ORT exception type of `error` when ORT raised
+    it (InvalidProtobuf, InvalidGraph, Fail, ...), so that an except clause for either
+    catches it."""
+    t = type(error)
+    if t.__module__ != _ort_errors.__name__ or issubclass(cls, t):
+        return cls
+    if (cls, t) not in _WITH_ORT_TYPE:
+        _WITH_ORT_TYPE[(cls, t)] = type(cls.__name__, (cls, t), {"__module__": cls.__module__, "__doc__": cls.__doc__})
+    return _WITH_ORT_TYPE[(cls, t)]
+
+
+def invalid_protobuf(message: str) -> BaseException:
+    """A CorruptModel for bytes that do not parse as ONNX: also ORT's InvalidProtobuf."""
+    return with_ort_type(CorruptModel, _ort_errors.InvalidProtobuf())(message)

@@ -27,7 +27,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from . import _core
-from .errors import CorruptModel, OffloadError
+from .errors import CorruptModel, ModelNotFound, OffloadError, invalid_protobuf, with_ort_type
 from .ort_sessions import copy_options, set_config
 
 OPTIMIZED = "optimized.onnx"
@@ -90,7 +90,7 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
         try:
             model = onnx.load(path, load_external_data=False)
         except Exception as e:  # protobuf raises its own DecodeError types
-            raise CorruptModel(f"the model bytes are not a valid ONNX model: {e}") from e
+            raise invalid_protobuf(f"the model bytes are not a valid ONNX model: {e}") from e
         folder = external_folder or os.getcwd()
         for t in all_tensors(model.graph):
             if t.data_location != onnx.TensorProto.EXTERNAL:
@@ -117,11 +117,11 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
         return path, model
     path = os.fspath(path_or_bytes)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model file {path!r} does not exist")
+        raise ModelNotFound(2, "the model file does not exist", path)
     try:
         model = onnx.load(path, load_external_data=False)
     except Exception as e:  # protobuf raises its own DecodeError types
-        raise CorruptModel(f"{path!r} is not a valid ONNX model: {e}") from e
+        raise invalid_protobuf(f"{path!r} is not a valid ONNX model: {e}") from e
     return path, model
 
 
@@ -229,7 +229,7 @@ def _optimize(src: str, out: str, level, min_weight_bytes: int, providers, disab
     msg = str(error) if error else "ORT wrote no optimized model"
     if any(t in msg for t in ("INVALID_GRAPH", "INVALID_PROTOBUF", "ValidateGraph", "Protobuf parsing failed",
                               "Load model", "NOT_IMPLEMENTED")):
-        raise CorruptModel(f"ONNX Runtime cannot load the model: {msg}") from error
+        raise with_ort_type(CorruptModel, error)(f"ONNX Runtime cannot load the model: {msg}") from error
     raise OffloadError(f"optimizing the model failed: {msg}") from error
 
 

@@ -2,9 +2,11 @@
 arguments and inputs, each refused with one line on stderr and exit code 2, before any
 weight is loaded where the input allows it."""
 import numpy as np
+import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
 
-from onnx_offload import OffloadConfig, cli
+from onnx_offload import CorruptModel, OffloadConfig, OffloadSession, cli
 from onnx_offload.config import parse_vram_limit
 from onnx_offload.models import mlp_stack, save
 
@@ -174,3 +176,28 @@ def test_bench_out_without_permission(capsys, monkeypatch):
     monkeypatch.setattr(cli.os, "makedirs", denied)
     rc = cli.main(["bench", "arena", "--cpu", "--out", "/proc/forbidden"])
     one_line_error(capsys, rc, "PermissionError", "/proc/forbidden")
+
+
+@pytest.mark.parametrize("cls", [ort.InferenceSession, OffloadSession])
+def test_loading_errors_are_of_the_types_ort_raises(cls, tmp_path):
+    """Code written for InferenceSession catches OffloadSession's loading errors: a
+    missing file is NoSuchFile, bytes that are not a model InvalidProtobuf, a model ORT's
+    loader refuses the type it raised (and the package's own types still hold)."""
+    errors = ort.capi.onnxruntime_pybind11_state
+    with pytest.raises(errors.NoSuchFile) as e:
+        cls(str(tmp_path / "missing.onnx"), providers=["CPUExecutionProvider"])
+    assert cls is ort.InferenceSession or isinstance(e.value, FileNotFoundError)
+    with pytest.raises(errors.InvalidProtobuf) as e:
+        cls(b"these bytes are no model", providers=["CPUExecutionProvider"])
+    assert cls is ort.InferenceSession or isinstance(e.value, CorruptModel)
+    g = helper.make_graph([helper.make_node("NoSuchOp", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    bad = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    try:
+        ort.InferenceSession(bad, providers=["CPUExecutionProvider"])
+    except Exception as ort_error:  # noqa: BLE001 - whatever ORT raises is what is expected
+        expected = type(ort_error)
+    with pytest.raises(expected) as e:
+        cls(bad, providers=["CPUExecutionProvider"])
+    assert cls is ort.InferenceSession or isinstance(e.value, CorruptModel)
