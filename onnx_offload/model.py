@@ -382,6 +382,27 @@ def read_weights(model: onnx.ModelProto, folder: str) -> list[WeightInfo]:
     return weights
 
 
+def write_optimized(opt_path: str, dest: str) -> None:
+    """Writes the optimized model as one standalone ONNX model at `dest`, as ORT does for
+    SessionOptions.optimized_model_filepath: weights inside it, or, above protobuf's
+    2 GB, in `dest`.data beside it."""
+    model = onnx.load(opt_path, load_external_data=False)
+    folder, total = os.path.dirname(opt_path), 0
+    for t in all_tensors(model.graph):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = _external(t)
+        with open(data_path(t, folder), "rb") as f:
+            f.seek(int(info.get("offset", 0)))
+            t.raw_data = f.read(int(info["length"]))
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+        total += len(t.raw_data)
+    external = total > (1 << 31) - (64 << 20)
+    onnx.save(model, dest, save_as_external_data=external, all_tensors_to_one_file=True,
+              location=os.path.basename(dest) + ".data")
+
+
 def share_unchanged(folder: str, src: str, chunk: int = 64 << 20) -> int:
     """Points each weight of the optimized model in `folder` that optimization left
     byte-for-byte as it was at the caller's own data file (`src`'s external data), and

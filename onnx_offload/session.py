@@ -45,7 +45,7 @@ from .interrupts import deferred_interrupts
 from .iobinding import OffloadIOBinding
 from .model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, materialize, optimization_level,
                     optimize_once, optimized_exists, point_weights_at_placeholder, read_weights, share_unchanged,
-                    weights_as_inputs)
+                    weights_as_inputs, write_optimized)
 from .model_cache import cache_key
 from .ort_memory import OrtMemoryMeter
 from .ort_sessions import (CUDA_EP, SessionFactory, choose_providers, copy_options, normalize_providers, options_key,
@@ -216,6 +216,8 @@ class OffloadSession(InferenceSessionMembers):
             opt_dir = self._optimized_dir(src, level, isinstance(path_or_bytes, (str, os.PathLike)))
             opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
                                      self._disabled_optimizers, self._options)
+        if self._user_options is not None and self._user_options.optimized_model_filepath:
+            write_optimized(opt_path, self._user_options.optimized_model_filepath)
         model = onnx.load(opt_path, load_external_data=False)
         inside = keep_in_model(model, opt_dir, shareable)
         if inside:

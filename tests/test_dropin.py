@@ -132,6 +132,21 @@ def test_errors_while_a_split_model_runs_are_of_ort_types():
         assert s.run(None, good)[0].shape == (4, 128)
 
 
+@pytest.mark.parametrize("cls", [ort.InferenceSession, OffloadSession])
+def test_the_optimized_model_is_written_where_the_options_say(cls, tmp_path):
+    model = mlp_stack(layers=2, hidden=64, batch=2)
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    x = np.ones((2, 64), np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    s = cls(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    written = onnx.load(so.optimized_model_filepath)
+    assert "Gemm" in {n.op_type for n in written.graph.node}  # MatMul + Add, fused as ORT fuses them
+    again = ort.InferenceSession(so.optimized_model_filepath, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(again.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+
+
 def test_session_options_as_given():
     """Every readable setting of the caller's SessionOptions reaches the ORT sessions that
     run the model, and get_session_options() reports the caller's, not the package's."""
