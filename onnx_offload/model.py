@@ -347,13 +347,19 @@ def keep_in_model(model: onnx.ModelProto, folder: str, shareable) -> list[str]:
         if dtype is None or not shareable(dtype):
             kept.append(t)
     for t in kept:
-        info = _external(t)
-        with open(data_path(t, folder), "rb") as f:
-            f.seek(int(info.get("offset", 0)))
-            t.raw_data = f.read(int(info["length"]))
-        del t.external_data[:]
-        t.data_location = onnx.TensorProto.DEFAULT
+        _bring_inside(t, folder)
     return [t.name for t in kept]
+
+
+def _bring_inside(t: onnx.TensorProto, folder: str) -> int:
+    """Reads an external tensor's data into the tensor itself; returns its bytes."""
+    info = _external(t)
+    with open(data_path(t, folder), "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        t.raw_data = f.read(int(info["length"]))
+    del t.external_data[:]
+    t.data_location = onnx.TensorProto.DEFAULT
+    return len(t.raw_data)
 
 
 def read_weights(model: onnx.ModelProto, folder: str) -> list[WeightInfo]:
@@ -389,15 +395,8 @@ def write_optimized(opt_path: str, dest: str) -> None:
     model = onnx.load(opt_path, load_external_data=False)
     folder, total = os.path.dirname(opt_path), 0
     for t in all_tensors(model.graph):
-        if t.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        info = _external(t)
-        with open(data_path(t, folder), "rb") as f:
-            f.seek(int(info.get("offset", 0)))
-            t.raw_data = f.read(int(info["length"]))
-        del t.external_data[:]
-        t.data_location = onnx.TensorProto.DEFAULT
-        total += len(t.raw_data)
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            total += _bring_inside(t, folder)
     external = total > (1 << 31) - (64 << 20)
     onnx.save(model, dest, save_as_external_data=external, all_tensors_to_one_file=True,
               location=os.path.basename(dest) + ".data")
