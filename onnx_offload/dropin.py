@@ -114,7 +114,7 @@ class InferenceSessionMembers:
             if self._one_plain_session():
                 return self._runner.run_single_with_ort_values(output_names, input_dict_ort_values, run_options)
             self._check_call(input_dict_ort_values, output_names)
-            values = self._with_fallback(lambda: self._runner.run_segments(input_dict_ort_values, run_options), True)
+            values = self._with_fallback(lambda: self._runner.run_segments(input_dict_ort_values, run_options))
             names = output_names or [o.name for o in self._graph_outputs]
             return [detached(self._device, values[n], self.config.device_id) for n in names]
 

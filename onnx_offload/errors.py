@@ -53,18 +53,31 @@ class ModelNotFound(FileNotFoundError, _ort_errors.NoSuchFile):
     """The model file does not exist (also ORT's NoSuchFile)."""
 
 
+class ModelRunError(RuntimeError):
+    """A failure inside the model while it runs: a RuntimeError, as ORT's IOBinding run
+    raises it, and also the typed error ORT's run() raises (Fail, InvalidArgument, ...)."""
+
+
 _WITH_ORT_TYPE: dict = {}
+
+
+def _rebuild(cls: type, ort_name: str, args: tuple) -> BaseException:
+    return with_ort_type(cls, getattr(_ort_errors, ort_name)())(*args)
 
 
 def with_ort_type(cls: type, error: BaseException) -> type:
     """`cls`, made also an instance of the ORT exception type of `error` when ORT raised
     it (InvalidProtobuf, InvalidGraph, Fail, ...), so that an except clause for either
-    catches it."""
+    catches it. Instances pickle (multiprocessing sends exceptions between processes)."""
     t = type(error)
     if t.__module__ != _ort_errors.__name__ or issubclass(cls, t):
         return cls
     if (cls, t) not in _WITH_ORT_TYPE:
-        _WITH_ORT_TYPE[(cls, t)] = type(cls.__name__, (cls, t), {"__module__": cls.__module__, "__doc__": cls.__doc__})
+        def __reduce__(self):
+            return _rebuild, (cls, t.__name__, self.args)
+
+        _WITH_ORT_TYPE[(cls, t)] = type(cls.__name__, (cls, t), {
+            "__module__": cls.__module__, "__doc__": cls.__doc__, "__reduce__": __reduce__})
     return _WITH_ORT_TYPE[(cls, t)]
 
 

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import onnxruntime as ort
 
-from .errors import BudgetExceeded, OffloadError, StateError
+from .errors import BudgetExceeded, ModelRunError, OffloadError, StateError, with_ort_type
 from .graph_capture import GraphCaptureDecision
 from .model import save_model
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
@@ -253,7 +253,11 @@ class SegmentRunner:
                 if io is None:
                     io = run.session.io_binding()
                     self._bind(io, run.seg, plan, values, feeds, bound_outputs)
-                run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
+                try:
+                    run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
+                except RuntimeError as e:
+                    self._raise_as_ort_run(e, run, plan, values, feeds, run_options)
+                    raise
                 if checked:
                     self._check_outputs(seg, io, plan, bound_outputs, values)
                     if plan is not None and self._stable:
@@ -334,6 +338,23 @@ class SegmentRunner:
                 io.bind_ortvalue_output(name, plan.buffers[name].value)
             else:
                 io.bind_output(name, device_name, self._device_id)
+
+    def _raise_as_ort_run(self, e: RuntimeError, run, plan: Optional[_Plan], values, feeds, run_options) -> None:
+        """ORT's IOBinding run reports a failure inside the model as a RuntimeError whose
+        message has lost the status code, where its run() raises the typed error (Fail,
+        InvalidArgument, ...). The segment runs once more through run_with_ort_values on
+        the same inputs, and what it raises is raised as both (ModelRunError). Only where
+        such a run is the same run: weights in the session (stable addresses), nothing
+        captured; elsewhere ORT's RuntimeError stands."""
+        if type(e) is not RuntimeError or not str(e).startswith("Error in execution: ") or not self._stable \
+                or run.captured:
+            return
+        inputs = {n: plan.buffers[n].value if plan is not None and n in plan.buffers
+                  else values[n] if n in values else feeds[n] for n in run.seg.inputs}
+        try:
+            run.session.run_with_ort_values(list(run.seg.outputs), inputs, run_options)
+        except Exception as typed:  # noqa: BLE001 - ORT's own types
+            raise with_ort_type(ModelRunError, typed)(str(typed)) from e
 
     def _bind_weights(self, io, seg: Segment) -> None:
         """Without stable addresses the weights are inputs, bound where their slots are now."""

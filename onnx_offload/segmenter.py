@@ -197,8 +197,13 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
     types = value_types(model)
     segments = []
     if len(groups) > 1:
-        # Values pass between segments, and out of the last, as OrtValues, which ORT's
-        # Python API reads only as tensors.
+        # Values pass into segments, between them and out of the last as OrtValues,
+        # which ORT's Python API makes and reads only as tensors.
+        for vi in graph.input:
+            if vi.name not in initializers and not vi.type.HasField("tensor_type"):
+                raise UnsupportedModel(
+                    f"the input {vi.name!r} ({onnx_type_string(vi.type)}) would enter a segment of a split model, and "
+                    f"only tensors can: run it unsplit (a weights budget that holds every weight, or offload=False)")
         for gi, group in enumerate(groups):
             for o in (o for i in group for o in graph.node[i].output if o):
                 t = types.get(o)

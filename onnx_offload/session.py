@@ -79,11 +79,6 @@ def _provider_int(value, name: str) -> int:
     return n
 
 
-# ORT's IOBinding run raises RuntimeError with this prefix where its run() raises Fail.
-_IOBINDING_ERROR = "Error in execution: "
-_ORT_FAIL = ort.capi.onnxruntime_pybind11_state.Fail
-
-
 class OffloadSession(InferenceSessionMembers):
     def __init__(self, path_or_bytes, sess_options: Optional[ort.SessionOptions] = None, providers=None,
                  provider_options=None, *, config: Optional[OffloadConfig] = None, progress=None,
@@ -229,7 +224,9 @@ class OffloadSession(InferenceSessionMembers):
             self._notes.append(f"{len(own)} weights ({fmt_bytes(sum(w.nbytes for w in own))}) are read from the "
                                f"model's own data files: optimization left them unchanged, so the cache holds no copy")
         initializers = {t.name for t in model.graph.initializer}
-        self._required_inputs = [v.name for v in model.graph.input if v.name not in initializers]
+        # As ORT's Python layer: an input of optional type may be left out.
+        self._required_inputs = [v.name for v in model.graph.input
+                                 if v.name not in initializers and not v.type.HasField("optional_type")]
         self._graph_inputs = [IOInfo(v) for v in model.graph.input]
         self._graph_outputs = [IOInfo(v) for v in model.graph.output]
         self._op_types = {n.op_type for n in model.graph.node}
@@ -340,22 +337,12 @@ class OffloadSession(InferenceSessionMembers):
                                      outputs, streaming=plan.streaming, stable=stable, capture=capture,
                                      device_id=cfg.device_id)
 
-    def _with_fallback(self, call, ort_errors: bool = False):
+    def _with_fallback(self, call):
         """`call()`; when the streaming engine cannot build a step's graph (and the engine
         was not asked for by name), the session moves to segments, says so, and calls
-        again. The caller holds the session's lock. `ort_errors`: a failure inside ORT's
-        run comes out as ORT's run() raises it (Fail), not as its IOBinding run does (a
-        RuntimeError), since the segments run through IOBinding."""
+        again. The caller holds the session's lock."""
         try:
-            if not ort_errors:
-                return call()
-            try:
-                return call()
-            except RuntimeError as e:
-                text = str(e)
-                if type(e) is RuntimeError and text.startswith(_IOBINDING_ERROR):
-                    raise _ORT_FAIL(f"[ONNXRuntimeError] : 1 : FAIL : {text[len(_IOBINDING_ERROR):]}") from None
-                raise
+            return call()
         except StreamingUnavailable as e:
             if self.config.engine == "graph" or not isinstance(self._runner, StreamEngine):
                 raise
@@ -369,7 +356,7 @@ class OffloadSession(InferenceSessionMembers):
             self._device.apply(self._segments_from[0])  # the zones as the segment plan has them
             self._make_segment_runner()
             self._residency.counters = counters
-            return self._with_fallback(call, ort_errors)
+            return call()
 
     def _run_bound(self, feeds, outputs, *, fixed: bool, key=None):
         """The runner's run_bound, for generate()'s steps."""
@@ -421,7 +408,7 @@ class OffloadSession(InferenceSessionMembers):
         with self._step():
             input_feed = as_arrays(self._graph_inputs, input_feed)
             self._check_call(input_feed, output_names)
-            return self._with_fallback(lambda: self._runner.run(output_names, input_feed, run_options), True)
+            return self._with_fallback(lambda: self._runner.run(output_names, input_feed, run_options))
 
     def io_binding(self):
         self._check_open()

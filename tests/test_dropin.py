@@ -103,33 +103,66 @@ def test_run_async_hands_errors_to_the_callback_as_ort_does(cls):
 
 
 def test_errors_while_a_split_model_runs_are_of_ort_types():
-    """A kernel that fails, and a terminate flag, come out of run() and run_with_ort_values()
-    as ORT's Fail, as from InferenceSession, also when the model runs in segments."""
+    """A kernel that fails (Reshape: Fail; Gather out of range: InvalidArgument), and a
+    terminate flag, come out of run() and run_with_ort_values() as ORT's typed errors, as
+    from InferenceSession, also when the model runs in segments; out of
+    run_with_iobinding() as a RuntimeError, as ORT's IOBinding run raises them."""
     rng = np.random.default_rng(0)
     ws = [onnx.numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), f"W{i}") for i in range(2)]
     g = onnx.helper.make_graph(
         [onnx.helper.make_node("MatMul", ["x", "W0"], ["a"]), onnx.helper.make_node("MatMul", ["a", "W1"], ["b"]),
-         onnx.helper.make_node("Reshape", ["b", "shape"], ["y"])], "g",
+         onnx.helper.make_node("Gather", ["b", "rows"], ["c"], axis=0),
+         onnx.helper.make_node("Reshape", ["c", "shape"], ["y"])], "g",
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 256]),
+         onnx.helper.make_tensor_value_info("rows", onnx.TensorProto.INT64, [2]),
          onnx.helper.make_tensor_value_info("shape", onnx.TensorProto.INT64, [2])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], ws)
     model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
-    fail = ort.capi.onnxruntime_pybind11_state.Fail
-    bad = {"x": np.ones((2, 256), np.float32), "shape": np.array([3, 5], np.int64)}
-    good = {"x": np.ones((2, 256), np.float32), "shape": np.array([4, 128], np.int64)}
+    errors = ort.capi.onnxruntime_pybind11_state
+    good = {"x": np.ones((2, 256), np.float32), "rows": np.array([1, 0], np.int64),
+            "shape": np.array([4, 128], np.int64)}
     stop = ort.RunOptions()
     stop.terminate = True
     for s in (ort.InferenceSession(model, providers=["CPUExecutionProvider"]),
               OffloadSession(model, providers=["CPUExecutionProvider"], offload=True, vmm=True,
                              host_granularity=64 << 10, weight_bytes=256 * 256 * 4)):
         assert not isinstance(s, OffloadSession) or len(s.segments) >= 2
-        with pytest.raises(fail, match="Reshape"):
-            s.run(None, bad)
-        with pytest.raises(fail, match="Reshape"):
-            s.run_with_ort_values(None, {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in bad.items()})
-        with pytest.raises(fail, match="terminate"):
+        for bad, kind, where in [(dict(good, shape=np.array([3, 5], np.int64)), errors.Fail, "Reshape"),
+                                 (dict(good, rows=np.array([0, 9], np.int64)), errors.InvalidArgument, "Gather")]:
+            with pytest.raises(kind, match=where):
+                s.run(None, bad)
+            with pytest.raises(kind, match=where):
+                s.run_with_ort_values(None, {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in bad.items()})
+            io = s.io_binding()
+            for k, v in bad.items():
+                io.bind_cpu_input(k, v)
+            io.bind_output("y")
+            with pytest.raises(RuntimeError, match=where):
+                s.run_with_iobinding(io)
+        with pytest.raises(errors.Fail, match="terminate"):
             s.run(None, good, stop)
         assert s.run(None, good)[0].shape == (4, 128)
+
+
+def test_an_optional_input_may_be_left_out_as_in_ort():
+    rng = np.random.default_rng(0)
+    ws = [onnx.numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), f"W{i}") for i in range(2)]
+    g = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W0"], ["a"]), onnx.helper.make_node("MatMul", ["a", "W1"], ["y"]),
+         onnx.helper.make_node("OptionalHasElement", ["o"], ["has"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 256]),
+         onnx.helper.make_value_info("o", onnx.helper.make_optional_type_proto(
+             onnx.helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, [2])))],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 256]),
+         onnx.helper.make_tensor_value_info("has", onnx.TensorProto.BOOL, [])], ws)
+    model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=8).SerializeToString()
+    x = np.ones((2, 256), np.float32)
+    for s in (ort.InferenceSession(model, providers=["CPUExecutionProvider"]),
+              OffloadSession(model, providers=["CPUExecutionProvider"])):
+        assert not s.run(None, {"x": x})[1]
+        done, got = threading.Event(), {}
+        s.run_async(None, {"x": x}, lambda r, u, e: (got.update(r=r, e=e), done.set()), None)
+        assert done.wait(30) and got["e"] == "" and not got["r"][1]
 
 
 @pytest.mark.parametrize("cls", [ort.InferenceSession, OffloadSession])

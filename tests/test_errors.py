@@ -1,6 +1,8 @@
 """User errors: a VRAM limit of a few bytes, and the `onnx-offload` command line's bad
 arguments and inputs, each refused with one line on stderr and exit code 2, before any
 weight is loaded where the input allows it."""
+import pickle
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -190,6 +192,9 @@ def test_loading_errors_are_of_the_types_ort_raises(cls, tmp_path):
     with pytest.raises(errors.InvalidProtobuf) as e:
         cls(b"these bytes are no model", providers=["CPUExecutionProvider"])
     assert cls is ort.InferenceSession or isinstance(e.value, CorruptModel)
+    back = pickle.loads(pickle.dumps(e.value))  # as multiprocessing sends it
+    assert isinstance(back, errors.InvalidProtobuf) and str(back) == str(e.value)
+    assert cls is ort.InferenceSession or isinstance(back, CorruptModel)
     g = helper.make_graph([helper.make_node("NoSuchOp", ["x"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])

@@ -190,3 +190,18 @@ def test_a_sequence_crossing_segments_is_refused_with_the_reason():
     with pytest.raises(UnsupportedModel, match="'seq' .seq.tensor.float... would cross"):
         OffloadSession(m.SerializeToString(), providers=["CPUExecutionProvider"], offload=True, vmm=True,
                        host_granularity=64 << 10, weight_bytes=256 * 256 * 4)
+
+
+def test_a_sequence_input_to_a_split_model_is_refused_with_the_reason():
+    from onnx_offload.errors import UnsupportedModel
+    rng = np.random.default_rng(0)
+    ws = [numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), f"W{i}") for i in range(2)]
+    g = helper.make_graph(
+        [helper.make_node("ConcatFromSequence", ["s"], ["x"], axis=0),
+         helper.make_node("MatMul", ["x", "W0"], ["a"]), helper.make_node("MatMul", ["a", "W1"], ["y"])], "g",
+        [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [1, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], ws)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(UnsupportedModel, match="input 's' .seq.tensor.float... would enter"):
+        OffloadSession(m.SerializeToString(), providers=["CPUExecutionProvider"], offload=True, vmm=True,
+                       host_granularity=64 << 10, weight_bytes=256 * 256 * 4)
