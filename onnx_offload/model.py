@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
+from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
 from . import _core
 from .errors import CorruptModel, ModelNotFound, OffloadError, invalid_protobuf, with_ort_type
@@ -398,8 +399,11 @@ def write_optimized(opt_path: str, dest: str) -> None:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             total += _bring_inside(t, folder)
     external = total > (1 << 31) - (64 << 20)
-    onnx.save(model, dest, save_as_external_data=external, all_tensors_to_one_file=True,
-              location=os.path.basename(dest) + ".data")
+    try:
+        onnx.save(model, dest, save_as_external_data=external, all_tensors_to_one_file=True,
+                  location=os.path.basename(dest) + ".data")
+    except OSError as e:  # a folder that does not exist, no permission: ORT's InvalidArgument, still an OSError
+        raise with_ort_type(type(e), _ort_errors.InvalidArgument())(e.errno, e.strerror, dest) from e
 
 
 def share_unchanged(folder: str, src: str, chunk: int = 64 << 20) -> int:

@@ -178,6 +178,9 @@ def test_the_optimized_model_is_written_where_the_options_say(cls, tmp_path):
     again = ort.InferenceSession(so.optimized_model_filepath, providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(again.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(s.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    so.optimized_model_filepath = str(tmp_path / "no" / "such" / "folder" / "optimized.onnx")
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument):
+        cls(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def test_session_options_as_given():
