@@ -408,9 +408,6 @@ class SegmentRunner:
             needed.update(run.seg.inputs)
             needed.update(run.seg.outputs)
         needed -= set(direct)  # the caller's own buffers, bound where they are
-        if any(not (values[n] if n in values else feeds[n]).is_tensor() for n in needed):
-            self._dynamic.add(sig)  # a sequence or map crosses a boundary: no fixed buffer holds it
-            return
         while True:
             try:
                 for name in sorted(needed):
