@@ -74,7 +74,10 @@ def with_ort_type(cls: type, error: BaseException) -> type:
         return cls
     if (cls, t) not in _WITH_ORT_TYPE:
         def __reduce__(self):
-            return _rebuild, (cls, t.__name__, self.args)
+            args = self.args
+            if isinstance(self, OSError) and self.filename is not None:  # not among an OSError's args
+                args = (self.errno, self.strerror, self.filename)
+            return _rebuild, (cls, t.__name__, args)
 
         _WITH_ORT_TYPE[(cls, t)] = type(cls.__name__, (cls, t), {
             "__module__": cls.__module__, "__doc__": cls.__doc__, "__reduce__": __reduce__})

@@ -389,19 +389,31 @@ def read_weights(model: onnx.ModelProto, folder: str) -> list[WeightInfo]:
     return weights
 
 
-def write_optimized(opt_path: str, dest: str) -> None:
+def write_optimized(opt_path: str, dest: str, chunk: int = 64 << 20) -> None:
     """Writes the optimized model as one standalone ONNX model at `dest`, as ORT does for
     SessionOptions.optimized_model_filepath: weights inside it, or, above protobuf's
-    2 GB, in `dest`.data beside it."""
+    2 GB, in `dest`.data beside it (written afresh, copied in chunks, never all in RAM)."""
     model = onnx.load(opt_path, load_external_data=False)
-    folder, total = os.path.dirname(opt_path), 0
-    for t in all_tensors(model.graph):
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            total += _bring_inside(t, folder)
-    external = total > (1 << 31) - (64 << 20)
+    folder = os.path.dirname(opt_path)
+    external = [t for t in all_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
     try:
-        onnx.save(model, dest, save_as_external_data=external, all_tensors_to_one_file=True,
-                  location=os.path.basename(dest) + ".data")
+        if sum(int(_external(t)["length"]) for t in external) <= (1 << 31) - (64 << 20):
+            for t in external:
+                _bring_inside(t, folder)
+        else:
+            data = os.path.basename(dest) + ".data"
+            at = 0
+            with open(os.path.join(os.path.dirname(os.path.abspath(dest)), data), "wb") as out:
+                for t in external:
+                    info = _external(t)
+                    length = int(info["length"])
+                    with open(data_path(t, folder), "rb") as f:
+                        f.seek(int(info.get("offset", 0)))
+                        for _ in range(0, length, chunk):
+                            out.write(f.read(min(chunk, length - (out.tell() - at))))
+                    _set_external(t, data, at, length)
+                    at += length
+        onnx.save(model, dest)
     except OSError as e:  # a folder that does not exist, no permission: ORT's InvalidArgument, still an OSError
         raise with_ort_type(type(e), _ort_errors.InvalidArgument())(e.errno, e.strerror, dest) from e
 

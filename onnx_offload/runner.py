@@ -192,8 +192,10 @@ class SegmentRunner:
         try:
             return self._step(sig, plan, feeds, run_options)
         except RuntimeError as e:  # ORT's errors, and StateError
-            if isinstance(e, OffloadError) and not isinstance(e, StateError):
-                raise  # a budget or driver error: the same again without fixed buffers
+            if isinstance(e, ModelRunError) or (isinstance(e, OffloadError) and not isinstance(e, StateError)):
+                # A failure inside the model, a budget or a driver error: the same again
+                # without fixed buffers (and a second run of the model's random ops).
+                raise
             # A boundary came out in another shape than the buffers of its signature: its
             # shape depends on input values. The step runs again without fixed buffers,
             # and so does every later step of this signature.
@@ -256,7 +258,7 @@ class SegmentRunner:
                 try:
                     run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
                 except RuntimeError as e:
-                    self._raise_as_ort_run(e, run, plan, values, feeds, run_options)
+                    self._raise_as_ort_run(e, run, plan, {**values, **bound_outputs}, feeds, run_options)
                     raise
                 if checked:
                     self._check_outputs(seg, io, plan, bound_outputs, values)

@@ -139,7 +139,8 @@ class OffloadSession(InferenceSessionMembers):
         self._meter: Optional[OrtMemoryMeter] = None
         self._final_ledger = None
         self._weights = []
-        self._required_inputs = []
+        self._required_inputs: List[str] = []
+        self._feed_inputs: List[str] = []
         self._decoder_spec: object = UnsupportedModel("the session was not built")
         self._stable = True
         self._notes: List[str] = []
@@ -224,9 +225,11 @@ class OffloadSession(InferenceSessionMembers):
             self._notes.append(f"{len(own)} weights ({fmt_bytes(sum(w.nbytes for w in own))}) are read from the "
                                f"model's own data files: optimization left them unchanged, so the cache holds no copy")
         initializers = {t.name for t in model.graph.initializer}
-        # As ORT's Python layer: an input of optional type may be left out.
+        # The inputs a caller feeds (never the weights); as ORT's Python layer, one of
+        # optional type may be left out.
+        self._feed_inputs = [v.name for v in model.graph.input if v.name not in initializers]
         self._required_inputs = [v.name for v in model.graph.input
-                                 if v.name not in initializers and not v.type.HasField("optional_type")]
+                                 if v.name in self._feed_inputs and not v.type.HasField("optional_type")]
         self._graph_inputs = [IOInfo(v) for v in model.graph.input]
         self._graph_outputs = [IOInfo(v) for v in model.graph.output]
         self._op_types = {n.op_type for n in model.graph.node}
@@ -311,7 +314,7 @@ class OffloadSession(InferenceSessionMembers):
             self._residency.make_all_resident()
             with self._progress.phase("creating the ORT session"):
                 self._runner = StreamEngine(dev, self._residency, self._store, weights, layout, factory,
-                                            self._meter, model, self._workdir, self._required_inputs, outputs,
+                                            self._meter, model, self._workdir, self._feed_inputs, outputs,
                                             capture.reason, cfg.device_id)
         self._segments_from = (plan, model, groups_by_target, names, stable, capture, outputs, factory,
                                record_timeline)
@@ -453,8 +456,8 @@ class OffloadSession(InferenceSessionMembers):
 
     def _is_decoder(self) -> bool:
         try:
-            required = set(self._required_inputs)
-            self._decoder_spec = decoder_spec([i for i in self._graph_inputs if i.name in required],
+            fed = set(self._feed_inputs)
+            self._decoder_spec = decoder_spec([i for i in self._graph_inputs if i.name in fed],
                                               self._graph_outputs, self._op_types, self._model_dir,
                                               self._rotary_rows)
             return True
@@ -485,9 +488,9 @@ class OffloadSession(InferenceSessionMembers):
         self._check_open()
         # As ORT lists them: the inputs a caller feeds, never the weights (which a session
         # without stable addresses receives as inputs of its own).
-        required = set(self._required_inputs)
+        fed = set(self._feed_inputs)
         listed = self._graph_inputs if self._runner.streaming else self._runner.single.get_inputs()
-        return [i for i in listed if i.name in required]
+        return [i for i in listed if i.name in fed]
 
     def get_outputs(self):
         self._check_open()

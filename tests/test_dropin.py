@@ -2,6 +2,7 @@
 in its place, split into segments by the environment (the second way users turn
 offload on), and gives the same answers."""
 import json
+import pickle
 import threading
 
 import numpy as np
@@ -144,6 +145,34 @@ def test_errors_while_a_split_model_runs_are_of_ort_types():
         assert s.run(None, good)[0].shape == (4, 128)
 
 
+def test_a_failed_run_runs_the_model_once_as_ort_does():
+    """After a failure inside the model, the next run's seeded random values are the ones
+    ORT gives: the failed step ran the model once, not again without fixed buffers."""
+    rng = np.random.default_rng(0)
+    ws = [onnx.numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), f"W{i}") for i in range(2)]
+    h = onnx.helper
+    g = h.make_graph(
+        [h.make_node("MatMul", ["x", "W0"], ["a"]), h.make_node("MatMul", ["a", "W1"], ["b"]),
+         h.make_node("RandomNormal", [], ["noise"], shape=[2, 256], seed=3.0, dtype=1),
+         h.make_node("Add", ["b", "noise"], ["d"]), h.make_node("Gather", ["d", "rows"], ["y"], axis=0)], "g",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 256]),
+         h.make_tensor_value_info("rows", onnx.TensorProto.INT64, [2])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], ws)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    good = {"x": np.zeros((2, 256), np.float32), "rows": np.array([0, 1], np.int64)}
+    bad = dict(good, rows=np.array([0, 9], np.int64))
+    outs = []
+    for s in (ort.InferenceSession(model, providers=["CPUExecutionProvider"]),
+              OffloadSession(model, providers=["CPUExecutionProvider"], offload=True, vmm=True,
+                             host_granularity=64 << 10, weight_bytes=256 * 256 * 4)):
+        got = [s.run(None, good)[0]]
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument):
+            s.run(None, bad)
+        outs.append(got + [s.run(None, good)[0], s.run(None, good)[0]])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_an_optional_input_may_be_left_out_as_in_ort():
     rng = np.random.default_rng(0)
     ws = [onnx.numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), f"W{i}") for i in range(2)]
@@ -157,8 +186,11 @@ def test_an_optional_input_may_be_left_out_as_in_ort():
          onnx.helper.make_tensor_value_info("has", onnx.TensorProto.BOOL, [])], ws)
     model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=8).SerializeToString()
     x = np.ones((2, 256), np.float32)
+    listed = [(i.name, i.type) for i in ort.InferenceSession(model, providers=["CPUExecutionProvider"]).get_inputs()]
+    assert listed == [("x", "tensor(float)"), ("o", "optional(tensor(float))")]
     for s in (ort.InferenceSession(model, providers=["CPUExecutionProvider"]),
               OffloadSession(model, providers=["CPUExecutionProvider"])):
+        assert [(i.name, i.type) for i in s.get_inputs()] == listed
         assert not s.run(None, {"x": x})[1]
         done, got = threading.Event(), {}
         s.run_async(None, {"x": x}, lambda r, u, e: (got.update(r=r, e=e), done.set()), None)
@@ -179,8 +211,11 @@ def test_the_optimized_model_is_written_where_the_options_say(cls, tmp_path):
     np.testing.assert_allclose(again.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(s.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
     so.optimized_model_filepath = str(tmp_path / "no" / "such" / "folder" / "optimized.onnx")
-    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument):
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument) as e:
         cls(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    if cls is OffloadSession:  # also the OSError it is, which pickles with its file name
+        back = pickle.loads(pickle.dumps(e.value))
+        assert isinstance(back, FileNotFoundError) and back.filename == so.optimized_model_filepath
 
 
 def test_session_options_as_given():
