@@ -16,7 +16,8 @@ except ModuleNotFoundError as _e:  # the source tree, whose compiled core is bui
         name=_e.name) from None
 from .config import OffloadConfig, parse_bytes
 from .device import Device, cuda_available
-from .errors import BudgetExceeded, CorruptModel, CudaDriverError, CudaUnavailable, OffloadError, StateError
+from .errors import (BudgetExceeded, CorruptModel, CudaDriverError, CudaUnavailable, ModelNotFound, ModelRunError,
+                     OffloadError, StateError, UnsupportedModel)
 from .graph_capture import GraphCaptureDecision, resolve_graph_capture_enabled
 from .session import OffloadSession
 from .stats import OffloadStats
@@ -40,6 +41,7 @@ _check_ort_install()
 
 __all__ = [
     "Arena", "BudgetExceeded", "BudgetOwner", "CorruptModel", "CudaDriverError", "CudaUnavailable", "Device",
-    "GraphCaptureDecision", "OffloadConfig", "OffloadError", "OffloadSession", "OffloadStats", "ScratchAllocator",
-    "StateError", "WeightSlot", "Zone", "cuda_available", "parse_bytes", "resolve_graph_capture_enabled",
+    "GraphCaptureDecision", "ModelNotFound", "ModelRunError", "OffloadConfig", "OffloadError", "OffloadSession",
+    "OffloadStats", "ScratchAllocator", "StateError", "UnsupportedModel", "WeightSlot", "Zone", "cuda_available",
+    "parse_bytes", "resolve_graph_capture_enabled",
 ]
