@@ -284,7 +284,10 @@ class DeviceGraph:
     def kernel_name(self, node: int) -> str:
         """A kernel node's name where the driver tells it (for messages)."""
     def address_in_params(self, node: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """(parameter index, parameter size, byte offset) of each address in [lo, hi) in a kernel's parameters."""
+        """(parameter index, parameter size, byte offset) of each address in [lo, hi) in a kernel's parameters;
+        index -1 is the launch's one packed parameter buffer."""
+    def param_bytes(self, node: int) -> list[bytes]:
+        """A kernel node's parameter bytes, one blob per parameter (or the packed buffer); [] for other nodes."""
     def add_copies(self, copies: Sequence[tuple[int, int, int, Sequence[int], Sequence[int]]]) -> None:
         """(dst, src host, bytes, after nodes, before nodes): H2D copies, each after the one before it."""
     def instantiate(self, stream: Stream) -> None: ...

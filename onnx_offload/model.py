@@ -29,7 +29,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
 from . import _core
 from .errors import CorruptModel, ModelNotFound, OffloadError, invalid_protobuf, with_ort_type
-from .ort_sessions import copy_options, set_config
+from .ort_sessions import config_entry, copy_options, set_config
 
 OPTIMIZED = "optimized.onnx"
 OPTIMIZED_DATA = "optimized.onnx.data"
@@ -70,12 +70,8 @@ EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 def external_data_folder(sess_options: Optional[ort.SessionOptions]) -> str:
     """Where ORT looks for the external data of a model given as bytes: the folder the
     SessionOptions name, else the current working directory."""
-    if sess_options is not None:
-        try:
-            return os.path.abspath(sess_options.get_session_config_entry(EXTERNAL_FOLDER_KEY))
-        except RuntimeError:  # ORT raises when the entry is not set
-            pass
-    return os.getcwd()
+    folder = config_entry(sess_options, EXTERNAL_FOLDER_KEY) if sess_options is not None else None
+    return os.path.abspath(folder) if folder is not None else os.getcwd()
 
 
 def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = None) -> tuple:

@@ -115,22 +115,22 @@ def options_key(user: Optional[ort.SessionOptions]) -> str:
             except OSError:
                 pass
     if user is not None:
-        for key in KNOWN_CONFIG_KEYS:
-            try:
-                parts.append(f"{key}={user.get_session_config_entry(key)}")
-            except RuntimeError:
-                pass
+        parts += [f"{key}={value}" for key in KNOWN_CONFIG_KEYS if (value := config_entry(user, key)) is not None]
     return "|".join(parts)
+
+
+def config_entry(so: ort.SessionOptions, key: str) -> Optional[str]:
+    """A config entry's value, None when it is not set (ORT raises then)."""
+    try:
+        return so.get_session_config_entry(key)
+    except RuntimeError:
+        return None
 
 
 def set_config(so: ort.SessionOptions, key: str, value: str) -> None:
     """Sets a config entry (ORT logs a warning when it overwrites one)."""
-    try:
-        if so.get_session_config_entry(key) == value:
-            return
-    except RuntimeError:  # not set
-        pass
-    so.add_session_config_entry(key, value)
+    if config_entry(so, key) != value:
+        so.add_session_config_entry(key, value)
 
 
 def copy_options(user: Optional[ort.SessionOptions]) -> ort.SessionOptions:
@@ -154,10 +154,9 @@ def copy_options(user: Optional[ort.SessionOptions]) -> ort.SessionOptions:
             continue
         getattr(so, name)(*args, **kwargs)
     for key in KNOWN_CONFIG_KEYS:
-        try:
-            set_config(so, key, user.get_session_config_entry(key))
-        except RuntimeError:  # not set
-            pass
+        value = config_entry(user, key)
+        if value is not None:
+            set_config(so, key, value)
     return so
 
 

@@ -204,12 +204,12 @@ class OffloadSession(InferenceSessionMembers):
         src, original = materialize(path_or_bytes, self._workdir, external_data_folder(self._user_options))
         self._modelmeta, self._overridable = model_facts(original)
         del original  # the optimized model is what runs
-        self._model_name = (os.path.basename(os.fspath(path_or_bytes)) if isinstance(path_or_bytes, (str, os.PathLike))
-                            else "model (bytes)")
+        from_file = isinstance(path_or_bytes, (str, os.PathLike))
+        self._model_name = os.path.basename(os.fspath(path_or_bytes)) if from_file else "model (bytes)"
         level = optimization_level(cfg.optimization_level, self._user_options)
         self._progress = LoadProgress(progress)
         with self._progress.phase("optimizing the model"):
-            opt_dir = self._optimized_dir(src, level, isinstance(path_or_bytes, (str, os.PathLike)))
+            opt_dir = self._optimized_dir(src, level, from_file)
             opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
                                      self._disabled_optimizers, self._options)
         if self._user_options is not None and self._user_options.optimized_model_filepath:
@@ -234,8 +234,7 @@ class OffloadSession(InferenceSessionMembers):
         self._graph_outputs = [IOInfo(v) for v in model.graph.output]
         self._op_types = {n.op_type for n in model.graph.node}
         self._rotary_rows = rotary_rows(model)
-        self._model_dir = (os.path.dirname(os.path.abspath(os.fspath(path_or_bytes)))
-                           if isinstance(path_or_bytes, (str, os.PathLike)) else None)
+        self._model_dir = os.path.dirname(os.path.abspath(os.fspath(path_or_bytes))) if from_file else None
         names = {w.name for w in weights}
         sizes = {w.name: w.nbytes for w in weights}
         self._stable = stable = (not cfg.offload) or cfg.vmm
