@@ -252,7 +252,7 @@ def _batch_model(path):
         [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 64])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 64])], [w])
-    onnx.save(onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)]), path)
+    onnx.save(onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8), path)
     return path
 
 
@@ -297,7 +297,7 @@ def test_custom_op_libraries_reach_every_session(tmp_path):
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 256]),
          onnx.helper.make_tensor_value_info("neg", onnx.TensorProto.FLOAT, [2, 256])], ws)
     model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17),
-                                                     onnx.helper.make_opsetid("ai.onnx.contrib", 1)])
+                                                     onnx.helper.make_opsetid("ai.onnx.contrib", 1)], ir_version=8)
     path = str(tmp_path / "custom.onnx")
     onnx.save(model, path)
     so = ort.SessionOptions()
