@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <mutex>
+#include <queue>
 #include <stdexcept>
 #include <thread>
 #include <tuple>
@@ -156,19 +158,15 @@ class CudaGraph : public DeviceGraph {
       out[index.at(from[i])].push_back(index.at(to[i]));
       ++indegree[index.at(to[i])];
     }
-    std::vector<size_t> ready;
-    for (size_t i = n; i-- > 0;)
-      if (indegree[i] == 0) ready.push_back(i);
+    std::priority_queue<size_t, std::vector<size_t>, std::greater<size_t>> ready;  // the earliest node first
+    for (size_t i = 0; i < n; ++i)
+      if (indegree[i] == 0) ready.push(i);
     while (!ready.empty()) {
-      size_t i = ready.back();
-      ready.pop_back();
+      size_t i = ready.top();
+      ready.pop();
       order_.push_back(nodes[i]);
-      std::vector<size_t> next;
       for (size_t j : out[i])
-        if (--indegree[j] == 0) next.push_back(j);
-      std::sort(next.rbegin(), next.rend());
-      ready.insert(ready.end(), next.begin(), next.end());
-      std::sort(ready.rbegin(), ready.rend());
+        if (--indegree[j] == 0) ready.push(j);
     }
     if (order_.size() != n) throw StateError("the captured graph has a cycle");
     for (CUgraphNode node : order_) {
