@@ -327,6 +327,27 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    from .config import OffloadConfig
+    from .model_cache import cache_entries, clear_cache
+    from .stats import fmt_bytes, table
+    cache = OffloadConfig.from_env(**config_kwargs(args)).cache_path
+    if cache is None:
+        print(f"the cache is off ({ENV_CACHE_DIR} or --cache-dir): there is nothing to show or clear")
+        return 0
+    if args.action == "clear":
+        n, freed = clear_cache(cache)
+        print(f"removed {n} optimized models ({fmt_bytes(freed)}) from {cache}")
+        return 0
+    entries = cache_entries(cache)
+    print(f"{cache}: {len(entries)} optimized models, {fmt_bytes(sum(e.nbytes for e in entries))} "
+          f"(weights that optimization left unchanged are read from the models' own files, not kept here)")
+    if entries:
+        print(table([(os.path.basename(e.path), fmt_bytes(e.nbytes), time.strftime("%Y-%m-%d %H:%M", time.localtime(e.made)))
+                     for e in entries], ("entry", "size", "made")))
+    return 0
+
+
 def _config_flags(p) -> None:
     p.add_argument("--vram-limit", help=f"6GiB, 6000000000, 0.9 or auto (overrides {ENV_VRAM_LIMIT})")
     p.add_argument("--weight-bytes", help=f"allowance of the weights zone (overrides {ENV_DEVICE_BYTES})")
@@ -381,6 +402,10 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="a small model under a budget below its weights (GPU if present, else CPU)")
     d.add_argument("--cpu", action="store_true")
     d.set_defaults(fn=cmd_demo)
+    c = sub.add_parser("cache", help="the optimized models kept between runs: show them, or remove them all")
+    c.add_argument("action", nargs="?", choices=("info", "clear"), default="info")
+    c.add_argument("--cache-dir", help=f"the cache folder (overrides {ENV_CACHE_DIR}; default: the user cache directory)")
+    c.set_defaults(fn=cmd_cache)
     b = sub.add_parser("bench", help="benchmarks: arena page-in costs, session overhead, offloaded step time")
     b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "reliability"))
     b.add_argument("--out", default="onnx-offload-bench")

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
+import tempfile
+import time
+from typing import List, NamedTuple, Tuple
 
 import onnx
 import onnxruntime as ort
@@ -88,3 +93,71 @@ def _fingerprint(path: str) -> bytes:
             f.seek(offset)
             h.update(f.read(_SAMPLE_BYTES))
     return h.digest()
+
+
+_ENTRY = re.compile(r"[0-9a-f]{24}$")  # a published entry is named by its key
+# A folder still being written by an optimization pass (``.partial-``) is left alone
+# unless it is this old: a pass that old was killed before it could clean up.
+ABANDONED_S = 3600
+
+
+class CacheEntry(NamedTuple):
+    path: str
+    nbytes: int  # the entry's own files (not the model files it reads weights from)
+    made: float  # when it was published (seconds since the epoch)
+
+
+def cache_entries(cache: str) -> List[CacheEntry]:
+    """The published entries under `cache`, oldest first."""
+    found = []
+    try:
+        names = os.listdir(cache)
+    except FileNotFoundError:
+        return found
+    for name in names:
+        path = os.path.join(cache, name)
+        if _ENTRY.match(name) and os.path.isdir(path) and not os.path.islink(path):
+            try:
+                found.append(CacheEntry(path, _tree_bytes(path), os.stat(path).st_mtime))
+            except FileNotFoundError:  # removed meanwhile by another process
+                continue
+    return sorted(found, key=lambda e: (e.made, e.path))
+
+
+def clear_cache(cache: str) -> Tuple[int, int]:
+    """Removes every published entry under `cache`, the ones set aside, and partial
+    ones abandoned by a killed pass. Returns (entries removed, bytes freed).
+
+    Each entry is first renamed aside, so a process that looks an entry up sees it
+    whole or not at all; a session already running keeps the files it has open (a
+    removed file stays readable to whoever holds it)."""
+    removed = freed = 0
+    for entry in cache_entries(cache):
+        try:
+            aside = tempfile.mkdtemp(dir=cache, prefix=".stale-")
+            os.rename(entry.path, os.path.join(aside, "entry"))
+        except OSError:
+            continue  # set aside by another process first
+        removed += 1
+        freed += entry.nbytes
+    now = time.time()
+    for name in os.listdir(cache) if os.path.isdir(cache) else ():
+        path = os.path.join(cache, name)
+        try:
+            old = now - os.lstat(path).st_mtime > ABANDONED_S
+        except FileNotFoundError:
+            continue
+        if name.startswith(".stale-") or (name.startswith(".partial-") and old):
+            shutil.rmtree(path, ignore_errors=True)
+    return removed, freed
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except FileNotFoundError:
+                continue
+    return total

@@ -1,4 +1,6 @@
 """The command line: the environment decides what the user did not say."""
+import os
+
 import pytest
 
 from onnx_offload import cli
@@ -52,3 +54,29 @@ def test_help_names_the_variable_each_flag_overrides(capsys):
     for var in ("ONNX_GENAI_VRAM_LIMIT", "ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES", "ONNX_GENAI_WEIGHT_OFFLOAD_POLICY",
                 "ONNX_GENAI_WEIGHT_OFFLOAD", "ONNX_GENAI_WEIGHT_OFFLOAD_VMM", "ONNX_GENAI_CUDA_GRAPH"):
         assert f"overrides {var}" in text, var
+
+
+def test_cache_info_lists_the_optimized_models_and_clear_removes_them(model_path, capsys, tmp_path):
+    path, _ = model_path
+    cache = str(tmp_path / "cache")
+    rc, out = run(["cache", "--cache-dir", cache], capsys)
+    assert rc == 0 and ": 0 optimized models" in out.out, out
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB", "--cache-dir", cache], capsys)
+    assert rc == 0, out.err
+    (entry,) = os.listdir(cache)
+    rc, out = run(["cache", "info", "--cache-dir", cache], capsys)
+    assert rc == 0 and ": 1 optimized models" in out.out and entry in out.out, out
+    os.makedirs(os.path.join(cache, ".partial-live"))  # a pass still writing: left alone
+    rc, out = run(["cache", "clear", "--cache-dir", cache], capsys)
+    assert rc == 0 and "removed 1 optimized models" in out.out, out
+    assert os.listdir(cache) == [".partial-live"]
+    # The next run optimizes again and publishes a new entry.
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB", "--cache-dir", cache], capsys)
+    assert rc == 0, out.err
+    assert sorted(os.listdir(cache)) == [".partial-live", entry]
+
+
+def test_cache_with_the_cache_off_says_so(capsys, monkeypatch):
+    monkeypatch.setenv("ONNX_OFFLOAD_CACHE_DIR", "off")
+    rc, out = run(["cache", "clear"], capsys)
+    assert rc == 0 and "the cache is off" in out.out, out
