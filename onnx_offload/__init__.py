@@ -17,7 +17,7 @@ except ModuleNotFoundError as _e:  # the source tree, whose compiled core is bui
 from .config import OffloadConfig, parse_bytes
 from .device import Device, cuda_available
 from .errors import (BudgetExceeded, CorruptModel, CudaDriverError, CudaUnavailable, ModelNotFound, ModelRunError,
-                     OffloadError, StateError, UnsupportedModel)
+                     OffloadError, OffloadWarning, StateError, UnsupportedModel)
 from .graph_capture import GraphCaptureDecision, resolve_graph_capture_enabled
 from .session import OffloadSession
 from .stats import OffloadStats
@@ -42,6 +42,6 @@ _check_ort_install()
 __all__ = [
     "Arena", "BudgetExceeded", "BudgetOwner", "CorruptModel", "CudaDriverError", "CudaUnavailable", "Device",
     "GraphCaptureDecision", "ModelNotFound", "ModelRunError", "OffloadConfig", "OffloadError", "OffloadSession",
-    "OffloadStats", "ScratchAllocator", "StateError", "UnsupportedModel", "WeightSlot", "Zone", "cuda_available",
-    "parse_bytes", "resolve_graph_capture_enabled",
+    "OffloadStats", "OffloadWarning", "ScratchAllocator", "StateError", "UnsupportedModel", "WeightSlot", "Zone",
+    "cuda_available", "parse_bytes", "resolve_graph_capture_enabled",
 ]

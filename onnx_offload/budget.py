@@ -13,16 +13,18 @@ The split:
   whole budget) and the usable budget, all stay resident in one segment.
 - Otherwise, with offload on, the graph is split into segments of at most
   ``segment_target`` committed bytes of weights (``config.segment_bytes``, default a
-  quarter of the allowance). The transient zone reserves the largest segment, plus one
-  granule (a segment's pack may start inside one), so the misses of any segment can
-  stream; the weights zone keeps the rest of the usable budget for resident weights.
+  quarter of the allowance). The transient zone reserves the largest segment's committed
+  cost, so the misses of any segment can stream; the weights zone keeps the rest of the
+  usable budget for resident weights. A segment's cost is that of the granules its
+  weights lie in (``segment_costs``, from the slots' layout: a weight read by several
+  segments lies with the first, and later readers pay for its granules too).
 - ORT's own memory (its arena, capped through ``gpu_mem_limit``, and its workspaces)
   is measured and charged to ``scratch``; its cap is what the other zones leave.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .config import MiB, OffloadConfig
 from .errors import BudgetExceeded
@@ -74,14 +76,17 @@ def base_zones(config: OffloadConfig, budget: int, granularity: int) -> Dict[str
 
 def plan_budget(config: OffloadConfig, *, free: int, total: int, granularity: int,
                 weight_costs: Dict[str, int], cost: Callable[[Sequence[str]], int],
-                plan_segments: Callable[[int], List[Sequence[str]]]) -> BudgetPlan:
+                plan_segments: Callable[[int], List[Sequence[str]]],
+                segment_costs: Optional[Callable[[List[Sequence[str]]], List[int]]] = None) -> BudgetPlan:
     """Splits the device budget for one model.
 
     `weight_costs` is each weight's committed cost on its own; `cost(names)` the
     committed cost of a set of weights packed together; `plan_segments(target)` the
     weights of each segment when segments hold at most `target` committed bytes (a
-    single node over the target gets a segment of its own). A budget that cannot run
-    the model raises ``BudgetExceeded`` saying why.
+    single node over the target gets a segment of its own); `segment_costs(segments)`
+    what paging in each segment whole commits, as the slots will lie (by default its
+    packed cost plus one granule, for a pack that starts inside one). A budget that
+    cannot run the model raises ``BudgetExceeded`` saying why.
     """
     budget, note = device_budget(config, free, total)
     zones = base_zones(config, budget, granularity)
@@ -105,10 +110,11 @@ def plan_budget(config: OffloadConfig, *, free: int, total: int, granularity: in
             f"or raise the budget")
     target = config.segment_bytes or max(weight_costs[largest], min(allowance, usable) // 4)
     segments = plan_segments(target)
-    # A segment's pack may start inside a granule: one more than its packed cost, where
-    # slots share granules.
-    pad = granularity if config.vmm else 0
-    streamed = max(cost(s) for s in segments) + pad
+    if segment_costs is None:
+        pad = granularity if config.vmm else 0
+        streamed = max(cost(s) for s in segments) + pad
+    else:
+        streamed = max(segment_costs(segments))
     if streamed > usable:
         raise BudgetExceeded(f"a segment needs {streamed} committed bytes, more than the usable budget {usable}")
     zones["transient"] = ZonePlan(budget, streamed)
@@ -120,7 +126,8 @@ def plan_budget(config: OffloadConfig, *, free: int, total: int, granularity: in
 
 def smallest_budget(config: OffloadConfig, *, free: int, total: int, granularity: int,
                     weight_costs: Dict[str, int], cost: Callable[[Sequence[str]], int],
-                    plan_segments: Callable[[int], List[Sequence[str]]]) -> int:
+                    plan_segments: Callable[[int], List[Sequence[str]]],
+                    segment_costs: Optional[Callable[[List[Sequence[str]]], List[int]]] = None) -> int:
     """The smallest device budget, in whole granules, for which ``plan_budget`` plans this
     model under this configuration (its offload flag, reserves and allowance), or 0 when
     not even the device's total memory would do. A binary search over plan_budget itself,
@@ -129,7 +136,8 @@ def smallest_budget(config: OffloadConfig, *, free: int, total: int, granularity
         trial = dataclasses.replace(config, vram_limit=budget)
         try:
             plan_budget(trial, free=max(free, budget), total=total, granularity=granularity,
-                        weight_costs=weight_costs, cost=cost, plan_segments=plan_segments)
+                        weight_costs=weight_costs, cost=cost, plan_segments=plan_segments,
+                        segment_costs=segment_costs)
             return True
         except BudgetExceeded:
             return False

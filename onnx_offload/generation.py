@@ -194,7 +194,7 @@ class Generation:
         self._name = next(_GENERATIONS)
         self._keys = set()  # the runner's plans for this generation's buffers
         self._closed = False
-        self.kv_bufs = DeviceBuffers(dev, dev.kv, "kv")
+        self.kv_bufs = DeviceBuffers(dev, dev.kv, "kv", session._kv_shortage)
         self.io_bufs = DeviceBuffers(dev, dev.scratch, "scratch")
         try:
             if spec.layout == "gqa":

@@ -19,7 +19,7 @@ steps). A real shortage raises ``BudgetExceeded`` before the step, naming the zo
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -38,10 +38,13 @@ def describe_zones(ledger) -> str:
 class DeviceBuffers:
     """Buffers of one zone's allocator, freed together; every byte is in the ledger."""
 
-    def __init__(self, device, allocator, zone: str):
+    def __init__(self, device, allocator, zone: str, shortage: Optional[Callable[[int], Optional[str]]] = None):
         self.device = device
         self._alloc = allocator
         self.zone = zone
+        # Called when the budget cannot give a buffer: None once it made room (the
+        # allocation is tried again), else advice for the error.
+        self._shortage = shortage
         self._ptrs: List[int] = []
 
     def new(self, shape: Sequence[int], dtype, *, zero: bool = False, what: str = "") -> FixedBuffer:
@@ -51,15 +54,22 @@ class DeviceBuffers:
         if nbytes > ledger.snapshot().budget:
             raise BudgetExceeded(f"{what or 'a buffer'} needs {nbytes} bytes, more than the whole budget: "
                                  f"{describe_zones(ledger)}. Lower the batch or the length, or raise the budget")
-        try:
-            # A shortage makes the allocator ask lower-priority zones (the weights first)
-            # to give way, then try once more.
-            ptr = self._alloc.allocate(nbytes)
-        except BudgetExceeded as e:
-            raise BudgetExceeded(
-                f"{what or 'a buffer'} needs {nbytes} bytes in the {self.zone} zone and the budget cannot "
-                f"give them, even after the weights gave way: {describe_zones(ledger)}. Lower the batch "
-                f"or the length, or raise the budget (or kv_bytes)") from e
+        advice = None
+        for attempt in range(2):
+            try:
+                # A shortage makes the allocator ask lower-priority zones (the weights first)
+                # to give way, then try once more.
+                ptr = self._alloc.allocate(nbytes)
+                break
+            except BudgetExceeded as e:
+                if attempt == 0 and self._shortage is not None:
+                    advice = self._shortage(nbytes)
+                    if advice is None:
+                        continue
+                raise BudgetExceeded(
+                    f"{what or 'a buffer'} needs {nbytes} bytes in the {self.zone} zone and the budget cannot "
+                    f"give them, after every weight that can give way did: {describe_zones(ledger)}. Lower the "
+                    f"batch or the length, or raise the budget{': ' + advice if advice else ''}") from e
         self._ptrs.append(ptr)
         dev = self.device
         buf = FixedBuffer.on(dev, ptr, shape, dtype)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .model import WeightInfo
 from .policies import PolicyInputs, make_policy
@@ -57,6 +57,38 @@ class Counters:
         return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
 
 
+def packs(segments: Sequence[Sequence[str]], first_use: Dict[str, int]) -> List[List[str]]:
+    """The weights of each segment's pack: a weight lies with the first segment that
+    reads it, in first-use order. The slots are carved in this order, one pack after
+    another."""
+    owner: Dict[str, int] = {}
+    for k, seg in enumerate(segments):
+        for n in seg:
+            owner.setdefault(n, k)
+    out: List[List[str]] = [[] for _ in segments]
+    for n in sorted(owner, key=lambda n: (owner[n], first_use[n], n)):
+        out[owner[n]].append(n)
+    return out
+
+
+def segment_costs(segments: Sequence[Sequence[str]], sizes: Dict[str, int], first_use: Dict[str, int],
+                  kind, granularity: int) -> List[int]:
+    """What paging in each segment whole commits, with the slots laid out as the
+    residency manager carves them (packs one after another, from a granule boundary).
+    A weight read by several segments lies in the first one's pack, so each later
+    reader pays for the granules it lies in as well."""
+    if not kind.stable_addresses:
+        return [kind.packed_cost([sizes[n] for n in seg], granularity) for seg in segments]
+    where: Dict[str, Tuple[int, int]] = {}
+    end = 0
+    for pack in packs(segments, first_use):
+        for n in pack:
+            start = -(-end // kind.alignment) * kind.alignment
+            end = start + sizes[n]
+            where[n] = (start // granularity, (end - 1) // granularity if sizes[n] else start // granularity - 1)
+    return [len({g for n in seg for g in range(where[n][0], where[n][1] + 1)}) * granularity for seg in segments]
+
+
 class ResidencyManager:
     """Slots, the policy and the counters for one device and one model's weights."""
 
@@ -71,13 +103,7 @@ class ResidencyManager:
         # Pack order: each weight lives in the pack of the first segment that reads it.
         # Packs follow each other at byte granularity: the granule on a boundary between
         # two segments is refcounted, committed once and freed when neither holds it.
-        owner: Dict[str, int] = {}
-        for k, seg in enumerate(self.segments):
-            for n in seg:
-                owner.setdefault(n, k)
-        self.packs: List[List[str]] = [[] for _ in self.segments]
-        for n in sorted(owner, key=lambda n: (owner[n], self.info[n].first_use, n)):
-            self.packs[owner[n]].append(n)
+        self.packs = packs(self.segments, {n: w.first_use for n, w in self.info.items()})
         self.order = [n for p in self.packs for n in p]
         self.slots: Dict[str, object] = {}
         for n in self.order:

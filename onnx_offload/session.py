@@ -52,7 +52,7 @@ from .ort_sessions import (CUDA_EP, SessionFactory, choose_providers, copy_optio
                            unseen)
 from .ortvalues import InvalidArgument, IOInfo, as_arrays, check_feeds, shareable
 from .progress import LoadProgress
-from .residency import Counters, ResidencyManager
+from .residency import Counters, ResidencyManager, segment_costs
 from .runner import SegmentRunner
 from .segmenter import Segment, plan_segments, segment_weights, split
 from .slots import slot_kind
@@ -250,8 +250,15 @@ class OffloadSession(InferenceSessionMembers):
             groups_by_target[target] = groups
             return [segment_weights(model, g, names.__contains__) for g in groups]
 
+        first_use = {w.name: w.first_use for w in weights}
+
+        def costs_of(segments):
+            return segment_costs(segments, sizes, first_use, kind, dev.granularity)
+
         inputs = dict(free=dev.device_free, total=dev.device_total, granularity=dev.granularity,
-                      weight_costs={n: cost([n]) for n in names}, cost=cost, plan_segments=segments_for)
+                      weight_costs={n: cost([n]) for n in names}, cost=cost, plan_segments=segments_for,
+                      segment_costs=costs_of)
+        self._plan_inputs = inputs
         try:
             plan = plan_budget(cfg, **inputs)
         except BudgetExceeded as e:
@@ -351,14 +358,54 @@ class OffloadSession(InferenceSessionMembers):
             why = f"the streaming engine cannot run this model, so its weights run in segments: {e}"
             warnings.warn(why, OffloadWarning, stacklevel=3)
             self._notes.append(why)
-            counters = self._residency.counters
-            self._runner.close()
-            self._residency.close()
-            self._meter.refund()  # the engine's ORT session is gone; the segments' are measured anew
-            self._device.apply(self._segments_from[0])  # the zones as the segment plan has them
-            self._make_segment_runner()
-            self._residency.counters = counters
+            self._run_in_segments(self._segments_from[0])
             return call()
+
+    def _run_in_segments(self, plan) -> None:
+        """Replaces the runner with segments under `plan`. The caller holds the session's lock."""
+        counters = self._residency.counters
+        self._runner.close()
+        self._residency.close()
+        self._meter.refund()  # the runner's ORT sessions are gone; the segments' are measured anew
+        self._segments_from = (plan,) + self._segments_from[1:]
+        self._device.apply(plan)
+        self._make_segment_runner()
+        self._residency.counters = counters
+
+    def _kv_shortage(self, nbytes: int) -> Optional[str]:
+        """The KV cache needs `nbytes` more than the budget can give. Weights resident
+        for the session's life (all of them, or the streaming engine's resident set)
+        cannot give way: with offload on, the budget is planned again with the cache's
+        bytes set aside, the weights stream in segments (which give way as the cache
+        grows further), and None says to try again. Otherwise, the advice for the error:
+        the smallest budget that holds the weights and this cache. The caller holds the
+        session's lock."""
+        cfg, dev = self.config, self._device
+        g = dev.granularity
+        kv = dev.ledger.snapshot().zones["kv"].committed.current
+        need = -(-(kv + nbytes) // g) * g
+        trial = dataclasses.replace(cfg, kv_bytes=max(cfg.kv_bytes, need))
+        pinned = isinstance(self._runner, StreamEngine) or not self._segments_from[0].streaming
+        if pinned and cfg.offload and cfg.engine != "graph":
+            try:
+                plan = plan_budget(trial, **self._plan_inputs)
+            except BudgetExceeded:
+                plan = None
+            if plan is not None and plan.streaming:
+                why = (f"the KV cache needs {fmt_bytes(need)} and the weights, resident for the session's life, "
+                       f"left no room: the weights now stream in {len(plan.segments)} segments. Pass "
+                       f"kv_bytes={need} to plan for the cache from the start, or raise the budget to keep the "
+                       f"weights resident")
+                warnings.warn(why, OffloadWarning, stacklevel=2)
+                self._notes.append(why)
+                self._run_in_segments(plan)
+                return None
+        least = smallest_budget(trial, **self._plan_inputs)
+        if not least:
+            return f"not even the device's {fmt_bytes(dev.device_total)} holds the weights and this cache"
+        return (f"the smallest budget that holds the weights and this cache ({fmt_bytes(need)}) is "
+                f"{fmt_bytes(least)}: pass vram_limit={least}, with kv_bytes={need} to plan for the cache from "
+                f"the start")
 
     def _run_bound(self, feeds, outputs, *, fixed: bool, key=None):
         """The runner's run_bound, for generate()'s steps."""

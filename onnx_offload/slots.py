@@ -111,9 +111,11 @@ class IncrementalCost:
 
 class SlotKind:
     stable_addresses = True
+    alignment = _core.DEFAULT_ALIGNMENT  # of each slot's address in the arena
+
 
     def make(self, arena, key: str, length: int):
-        return _core.WeightSlot(arena, key, length, _core.DEFAULT_ALIGNMENT, "weights")
+        return _core.WeightSlot(arena, key, length, self.alignment, "weights")
 
     def page_in(self, slots, zone: str, stream):
         return _core.WeightSlot.page_in(slots, zone, stream)
@@ -132,7 +134,7 @@ class SlotKind:
         """Committed bytes of weights packed one after another from a granule boundary."""
         end = 0
         for n in sizes:
-            end = -(-end // _core.DEFAULT_ALIGNMENT) * _core.DEFAULT_ALIGNMENT + n
+            end = -(-end // self.alignment) * self.alignment + n
         return -(-end // granularity) * granularity
 
     # The cost model's two steps: slots that share a granule pay for it once.

@@ -2,11 +2,13 @@
 model, for both export layouts, all resident and streamed; the KV cache in the kv zone,
 lent by the weights; clear errors that lose nothing."""
 import os
+import re
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
-from onnx_offload import BudgetExceeded, OffloadSession
+from onnx_offload import BudgetExceeded, OffloadSession, OffloadWarning
 from onnx_offload.cli import main
 from onnx_offload.generation import UnsupportedModel
 from onnx_offload.graph_capture import resolve_graph_capture_enabled
@@ -462,3 +464,68 @@ def test_generate_arguments_are_checked_at_the_call(kwargs, error, needle):
             with pytest.raises(error, match=needle):
                 s.generate_iter(**args)  # no next() needed
         assert kv_committed(s) == 0
+
+
+def _least_budget(make, start=4096, **kw):
+    """The smallest budget a too-small one's error names."""
+    with pytest.raises(BudgetExceeded) as e:
+        make(vram_limit=start, **kw)
+    m = re.search(r"The smallest budget that runs it with this configuration is [^(]+\((\d+) bytes\)", str(e.value))
+    assert m, str(e.value)
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_smallest_budget_named_runs_a_model_whose_weights_several_segments_read(layout):
+    """The rotary tables are read by every layer: each segment that reads them pays for
+    the granules they lie in, and the transient zone's reserve, so the budget named in
+    the error, accounts for it (2 MiB granules, a segment's weights in about one)."""
+    model = decoder_lm(layout, layers=4, hidden=256, heads=8, kv_heads=4, intermediate=512, vocab=1000,
+                       max_length=256)
+    ids = prompt(1)
+    g = 2 << 20
+
+    def make(**kw):
+        return session(model, offload=True, vmm=True, host_granularity=g, **kw)
+
+    least = _least_budget(make, start=g)
+    with make(vram_limit=least) as s:
+        assert len(s.segments) > 1
+        res = s._residency  # nothing is resident yet: each segment's cost is all of its granules
+        assert max(res._group_cost(seg) for seg in res.segments) == \
+            s.device.ledger.snapshot().zones["transient"].reserve
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        for i in s.get_inputs():
+            if i.name.startswith("past_key_values"):
+                feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+            elif i.name == "position_ids":
+                feeds[i.name] = np.arange(ids.shape[1])[None]
+        so = ort.SessionOptions()
+        so.add_session_config_entry("session.disable_prepacking", "1")  # ORT reads the weights where they lie
+        want = ort.InferenceSession(model.SerializeToString(), so, providers=CPU).run(None, feeds)
+        for got, ref in zip(s.run(None, feeds), want):
+            np.testing.assert_array_equal(got, ref)
+        with pytest.raises(BudgetExceeded, match="smallest budget that holds the weights and this cache"):
+            s.generate(ids, 8)  # no room left for a KV cache: the error names a budget with room
+    with pytest.raises(BudgetExceeded):
+        make(vram_limit=least - g)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_weights_resident_for_the_session_give_way_to_the_kv_cache(layout):
+    """At a budget that holds every weight and no KV cache, generate() works: the weights
+    start streaming, with a warning that says how to keep them resident. Before, a larger
+    budget failed where a smaller one (already streaming) worked."""
+    model = model_of(layout)
+    ids = prompt(2)
+    least = _least_budget(lambda **kw: session(model, **kw), offload=False)  # every weight resident
+    want = reference_greedy(model, ids, 24)
+    with session(model, offload=True, vmm=True, vram_limit=least) as s:
+        assert len(s.segments) == 1
+        with pytest.warns(OffloadWarning, match="the weights now stream in"):
+            got = s.generate(ids, 24)
+        np.testing.assert_array_equal(got, want)
+        assert len(s.segments) > 1 and kv_committed(s) == 0
+        np.testing.assert_array_equal(s.generate(ids, 24), want)  # and again, already streaming
+        assert any("kv_bytes=" in n for n in s.stats().notes)
+    assert s.stats().ledger.committed == 0
