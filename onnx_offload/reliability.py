@@ -394,7 +394,10 @@ def run_scenario(child: str, args=(), timeout: float = 60) -> dict:
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "onnx_offload.reliability", child, *args]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        # `-m` puts the working folder first on the path: run where this very package lies, so
+        # that the child imports it (and not a source tree the parent was started in).
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=here)
     except subprocess.TimeoutExpired:
         return dict(_result(1), crashes=0, hangs=1, seconds=round(time.perf_counter() - t0, 2))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

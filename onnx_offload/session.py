@@ -362,15 +362,39 @@ class OffloadSession(InferenceSessionMembers):
             return call()
 
     def _run_in_segments(self, plan) -> None:
-        """Replaces the runner with segments under `plan`. The caller holds the session's lock."""
-        counters = self._residency.counters
-        self._runner.close()
-        self._residency.close()
-        self._meter.refund()  # the runner's ORT sessions are gone; the segments' are measured anew
+        """Replaces the runner with segments under `plan`. When they cannot be made (a
+        model that cannot be split, an ORT error), the segments of the plan in force come
+        back and the error is raised; should that fail too, the session closes, so that
+        the next call says so. The caller holds the session's lock."""
+        before, counters = self._segments_from[0], self._residency.counters
+        self._drop_runner()
+        try:
+            self._make_segments(plan)
+        except BaseException:
+            self._drop_runner()
+            try:
+                self._make_segments(before)
+            except BaseException:
+                self.close()
+                raise
+            raise
+        finally:
+            if self._residency is not None:
+                self._residency.counters = counters
+
+    def _drop_runner(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        if self._residency is not None:
+            self._residency.close()
+            self._residency = None
+        self._meter.refund()  # the runner's ORT sessions are gone; the next ones are measured anew
+
+    def _make_segments(self, plan) -> None:
         self._segments_from = (plan,) + self._segments_from[1:]
         self._device.apply(plan)
         self._make_segment_runner()
-        self._residency.counters = counters
 
     def _kv_shortage(self, nbytes: int) -> Optional[str]:
         """The KV cache needs `nbytes` more than the budget can give. Weights resident
@@ -396,9 +420,9 @@ class OffloadSession(InferenceSessionMembers):
                        f"left no room: the weights now stream in {len(plan.segments)} segments. Pass "
                        f"kv_bytes={need} to plan for the cache from the start, or raise the budget to keep the "
                        f"weights resident")
-                warnings.warn(why, OffloadWarning, stacklevel=2)
-                self._notes.append(why)
                 self._run_in_segments(plan)
+                self._notes.append(why)
+                warnings.warn(why, OffloadWarning, stacklevel=2)
                 return None
         least = smallest_budget(trial, **self._plan_inputs)
         if not least:

@@ -529,3 +529,30 @@ def test_weights_resident_for_the_session_give_way_to_the_kv_cache(layout):
         np.testing.assert_array_equal(s.generate(ids, 24), want)  # and again, already streaming
         assert any("kv_bytes=" in n for n in s.stats().notes)
     assert s.stats().ledger.committed == 0
+
+
+def test_weights_that_cannot_start_streaming_stay_resident_and_the_session_runs_on(monkeypatch):
+    """When the segments cannot be made (here a fault in the split), the weights come back
+    resident, the error is raised, nothing leaks, and the session runs on."""
+    import onnx_offload.session as session_module
+    model = model_of("gqa")
+    ids = prompt(1)
+    least = _least_budget(lambda **kw: session(model, **kw), offload=False)
+    want = reference_greedy(model, ids, 8)
+
+    def broken(*args, **kwargs):
+        raise UnsupportedModel("a split that fails")
+
+    with session(model, offload=True, vmm=True, vram_limit=least) as s:
+        resident = s.device.ledger.snapshot().zones["weights"].committed.current
+        real = session_module.split
+        monkeypatch.setattr(session_module, "split", broken)
+        with pytest.raises(UnsupportedModel, match="a split that fails"):
+            s.generate(ids, 8)
+        monkeypatch.setattr(session_module, "split", real)
+        zones = s.device.ledger.snapshot().zones
+        assert len(s.segments) == 1 and kv_committed(s) == 0 and zones["weights"].committed.current == resident
+        assert s.stats().last_step.page_ins == 0  # all resident again
+        with pytest.warns(OffloadWarning, match="the weights now stream in"):
+            np.testing.assert_array_equal(s.generate(ids, 8), want)
+    assert s.stats().ledger.committed == 0
