@@ -336,8 +336,9 @@ def cmd_cache(args) -> int:
         print(f"the cache is off ({ENV_CACHE_DIR} or --cache-dir): there is nothing to show or clear")
         return 0
     if args.action == "clear":
-        n, freed = clear_cache(cache)
-        print(f"removed {n} optimized models ({fmt_bytes(freed)}) from {cache}")
+        n, freed, busy = clear_cache(cache)
+        kept = f"; kept {busy} that sessions are reading now" if busy else ""
+        print(f"removed {n} optimized models ({fmt_bytes(freed)}) from {cache}{kept}")
         return 0
     entries = cache_entries(cache)
     print(f"{cache}: {len(entries)} optimized models, {fmt_bytes(sum(e.nbytes for e in entries))} "

@@ -29,7 +29,7 @@ import onnxruntime as ort
 
 from .errors import UnsupportedModel
 from .interrupts import deferred_interrupts
-from .kv_cache import BucketKV, DeviceBuffers, SharedKV, write
+from .kv_cache import BucketKV, DeviceBuffers, SharedKV, peak_bytes, write
 from .ortvalues import IOInfo
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
@@ -194,7 +194,18 @@ class Generation:
         self._name = next(_GENERATIONS)
         self._keys = set()  # the runner's plans for this generation's buffers
         self._closed = False
-        self.kv_bufs = DeviceBuffers(dev, dev.kv, "kv", session._kv_shortage)
+        # What this generation holds at most, for a shortage to plan with: the cache, and
+        # the step buffers (ids, positions, mask, logits) in scratch.
+        kv_peak = peak_bytes(spec.layout, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt,
+                             total, dev.granularity)
+        io_peak = batch * (2 * 8 + 8 * (total + 1) + 4 * (spec.vocab or 0))
+        # and, per segment boundary, a mask-sized value (as the mask a split model's
+        # layers pass on; the hidden state of one position is smaller), twice: the
+        # buffers of each bucket's steps are kept until the generation ends, and the
+        # buckets double
+        boundary = 2 * batch * 8 * (total + 1)
+        self.kv_bufs = DeviceBuffers(dev, dev.kv, "kv",
+                                     lambda nbytes: session._kv_shortage(kv_peak, io_peak, boundary))
         self.io_bufs = DeviceBuffers(dev, dev.scratch, "scratch")
         try:
             if spec.layout == "gqa":

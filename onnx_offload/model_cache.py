@@ -6,13 +6,14 @@ optimization level, one weight threshold and one ORT version.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
 import shutil
 import tempfile
 import time
-from typing import List, NamedTuple, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import onnx
 import onnxruntime as ort
@@ -124,20 +125,50 @@ def cache_entries(cache: str) -> List[CacheEntry]:
     return sorted(found, key=lambda e: (e.made, e.path))
 
 
-def clear_cache(cache: str) -> Tuple[int, int]:
-    """Removes every published entry under `cache`, the ones set aside, and partial
-    ones abandoned by a killed pass. Returns (entries removed, bytes freed).
+def hold_entry(path: str) -> Optional[int]:
+    """A shared lock on the published entry `path`, held (an open descriptor) while a
+    session reads it; None when the entry was set aside meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.path.samestat(os.fstat(fd), os.stat(path)):  # still the entry at that name
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
-    Each entry is first renamed aside, so a process that looks an entry up sees it
-    whole or not at all; a session already running keeps the files it has open (a
-    removed file stays readable to whoever holds it)."""
-    removed = freed = 0
+
+def clear_cache(cache: str) -> Tuple[int, int, int]:
+    """Removes every published entry under `cache` that no session is reading, the ones
+    set aside, and partial ones abandoned by a killed pass. Returns (entries removed,
+    bytes freed, entries kept because a session is reading them).
+
+    Each entry is renamed aside under an exclusive lock, so a session that looks it up
+    sees it whole or not at all, and one that is reading it (holding the shared lock of
+    ``hold_entry``) keeps it."""
+    removed = freed = busy = 0
     for entry in cache_entries(cache):
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue  # set aside by another process first
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            busy += 1
+            os.close(fd)
+            continue
         try:
             aside = tempfile.mkdtemp(dir=cache, prefix=".stale-")
             os.rename(entry.path, os.path.join(aside, "entry"))
         except OSError:
             continue  # set aside by another process first
+        finally:
+            os.close(fd)
         removed += 1
         freed += entry.nbytes
     now = time.time()
@@ -149,7 +180,7 @@ def clear_cache(cache: str) -> Tuple[int, int]:
             continue
         if name.startswith(".stale-") or (name.startswith(".partial-") and old):
             shutil.rmtree(path, ignore_errors=True)
-    return removed, freed
+    return removed, freed, busy
 
 
 def _tree_bytes(path: str) -> int:

@@ -46,7 +46,7 @@ from .iobinding import OffloadIOBinding
 from .model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, materialize, optimization_level,
                     optimize_once, optimized_exists, point_weights_at_placeholder, read_weights, share_unchanged,
                     weights_as_inputs, write_optimized)
-from .model_cache import cache_key
+from .model_cache import cache_key, hold_entry
 from .ort_memory import OrtMemoryMeter
 from .ort_sessions import (CUDA_EP, SessionFactory, choose_providers, copy_options, normalize_providers, options_key,
                            unseen)
@@ -138,6 +138,7 @@ class OffloadSession(InferenceSessionMembers):
         self._device: Optional[Device] = None
         self._meter: Optional[OrtMemoryMeter] = None
         self._final_ledger = None
+        self._entry_lock: Optional[int] = None  # a shared lock on the cache entry while it is read
         self._weights = []
         self._required_inputs: List[str] = []
         self._feed_inputs: List[str] = []
@@ -166,17 +167,33 @@ class OffloadSession(InferenceSessionMembers):
             return self._workdir
         opt_dir = os.path.join(cache, cache_key(src, self._on_cuda, level, cfg.min_weight_bytes,
                                                 self._disabled_optimizers, options_key(self._options), own_files))
-        if os.path.isdir(opt_dir):
-            if optimized_exists(os.path.join(opt_dir, OPTIMIZED)):
-                return opt_dir
-            # An entry missing a file (removed by hand): set aside, then made again and
-            # published like a new one, never rewritten where others may be reading it.
-            try:
-                os.rename(opt_dir, tempfile.mkdtemp(dir=cache, prefix=".stale-"))
-            except OSError:
-                pass  # another process set it aside first
-            for stale in glob.glob(os.path.join(cache, ".stale-*")):
-                shutil.rmtree(stale, ignore_errors=True)
+        # The entry is read under a shared lock (released once the weights are read), so
+        # that `onnx-offload cache clear` leaves it alone meanwhile. An entry cleared
+        # between the lookup and the lock is looked up again, and made again.
+        for _ in range(3):
+            if os.path.isdir(opt_dir):
+                if optimized_exists(os.path.join(opt_dir, OPTIMIZED)):
+                    self._entry_lock = hold_entry(opt_dir)
+                    if self._entry_lock is not None:
+                        return opt_dir
+                    continue
+                # An entry missing a file (removed by hand): set aside, then made again and
+                # published like a new one, never rewritten where others may be reading it.
+                try:
+                    os.rename(opt_dir, tempfile.mkdtemp(dir=cache, prefix=".stale-"))
+                except OSError:
+                    pass  # another process set it aside first
+                for stale in glob.glob(os.path.join(cache, ".stale-*")):
+                    shutil.rmtree(stale, ignore_errors=True)
+            published = self._publish_entry(cache, opt_dir, src, level, own_files)
+            if published != opt_dir:
+                return published
+        return self._workdir  # cleared as fast as it was made: the session's own folder
+
+    def _publish_entry(self, cache: str, opt_dir: str, src: str, level, own_files: bool) -> str:
+        """Optimizes into a new folder and publishes it as `opt_dir` with one rename.
+        Returns `opt_dir`, or the session's folder when the cache folder cannot be used."""
+        cfg, dev = self.config, self._device
         try:
             os.makedirs(cache, exist_ok=True)
             tmp = tempfile.mkdtemp(dir=cache, prefix=".partial-")
@@ -198,6 +215,11 @@ class OffloadSession(InferenceSessionMembers):
         except OSError:  # another process published it first
             shutil.rmtree(tmp, ignore_errors=True)
         return opt_dir
+
+    def _release_entry(self) -> None:
+        if self._entry_lock is not None:
+            os.close(self._entry_lock)
+            self._entry_lock = None
 
     def _build(self, path_or_bytes, progress, record_timeline):
         cfg, dev = self.config, self._device
@@ -307,6 +329,7 @@ class OffloadSession(InferenceSessionMembers):
         self._store = HostStore(dev.backend, weights)
         with self._progress.phase("reading weights", sum(w.nbytes for w in weights), "B") as update:
             self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, update)
+        self._release_entry()  # everything the session reads from the cache entry is read
         self._meter = OrtMemoryMeter(dev)
         factory = SessionFactory(dev, self._options, self._cuda_options, cfg.device_id, plan.ort_memory_cap)
         outputs = [o.name for o in self._graph_outputs]
@@ -330,14 +353,19 @@ class OffloadSession(InferenceSessionMembers):
         self._notes.extend(self._runner.notes)
         self._residency.reset_counters()  # count runs, not the page-ins of construction
 
-    def _make_segment_runner(self) -> None:
+    def _split(self, plan) -> List[Segment]:
+        """The segments of `plan`: made before anything changes, since a model may not split."""
+        _, model, groups_by_target, names, _, _, outputs, _, _ = self._segments_from
+        if plan.streaming:
+            return split(model, groups_by_target[plan.segment_target], names.__contains__)
+        return [Segment(0, list(range(len(model.graph.node))), [w.name for w in self._weights],
+                        [v.name for v in self._graph_inputs if v.name not in names], outputs, model)]
+
+    def _make_segment_runner(self, segments: Optional[List[Segment]] = None) -> None:
         plan, model, groups_by_target, names, stable, capture, outputs, factory, record_timeline = self._segments_from
         dev, cfg, weights = self._device, self.config, self._weights
-        if plan.streaming:
-            segments = split(model, groups_by_target[plan.segment_target], names.__contains__)
-        else:
-            segments = [Segment(0, list(range(len(model.graph.node))), [w.name for w in weights],
-                                [v.name for v in self._graph_inputs if v.name not in names], outputs, model)]
+        if segments is None:
+            segments = self._split(plan)
         self._residency = ResidencyManager(dev, self._store, weights, [s.weights for s in segments],
                                            cfg.policy, vmm=stable, record_timeline=record_timeline)
         if not plan.streaming:
@@ -367,17 +395,17 @@ class OffloadSession(InferenceSessionMembers):
         back and the error is raised; should that fail too, the session closes, so that
         the next call says so. The caller holds the session's lock."""
         before, counters = self._segments_from[0], self._residency.counters
-        self._drop_runner()
+        segments = self._split(plan)
         try:
-            self._make_segments(plan)
-        except BaseException:
             self._drop_runner()
+            self._make_segments(plan, segments)
+        except BaseException as error:
             try:
+                self._drop_runner()
                 self._make_segments(before)
             except BaseException:
                 self.close()
-                raise
-            raise
+            raise error
         finally:
             if self._residency is not None:
                 self._residency.counters = counters
@@ -391,45 +419,68 @@ class OffloadSession(InferenceSessionMembers):
             self._residency = None
         self._meter.refund()  # the runner's ORT sessions are gone; the next ones are measured anew
 
-    def _make_segments(self, plan) -> None:
+    def _make_segments(self, plan, segments: Optional[List[Segment]] = None) -> None:
         self._segments_from = (plan,) + self._segments_from[1:]
         self._device.apply(plan)
-        self._make_segment_runner()
+        self._make_segment_runner(segments)
 
-    def _kv_shortage(self, nbytes: int) -> Optional[str]:
-        """The KV cache needs `nbytes` more than the budget can give. Weights resident
-        for the session's life (all of them, or the streaming engine's resident set)
-        cannot give way: with offload on, the budget is planned again with the cache's
-        bytes set aside, the weights stream in segments (which give way as the cache
-        grows further), and None says to try again. Otherwise, the advice for the error:
-        the smallest budget that holds the weights and this cache. The caller holds the
-        session's lock."""
+    def _kv_shortage(self, kv_peak: int, io_peak: int, boundary: int) -> Optional[str]:
+        """A generation's KV cache, which holds at most `kv_peak` bytes (with `io_peak`
+        bytes of step buffers in scratch, and about `boundary` bytes per segment
+        boundary once the weights stream), found no room. Weights resident for the
+        session's life (all of them, or the streaming engine's resident set) cannot give
+        way: with offload on, the budget is planned again with the cache's bytes and the
+        scratch zone's set aside, the weights stream in segments, and None says to try
+        again. Otherwise, the advice for the error: the smallest budget that holds the
+        weights and this cache. The caller holds the session's lock."""
         cfg, dev = self.config, self._device
         g = dev.granularity
-        kv = dev.ledger.snapshot().zones["kv"].committed.current
-        need = -(-(kv + nbytes) // g) * g
-        trial = dataclasses.replace(cfg, kv_bytes=max(cfg.kv_bytes, need))
+        zones = dev.ledger.snapshot().zones
+        kv = -(-kv_peak // g) * g
+        # Segments pass values between them through scratch, which the resident runner
+        # never needed and whose sizes are known only once the segments run: the scratch
+        # reserve is doubled, plus `boundary` bytes per segment.
+        base = 2 * max(zones["scratch"].reserve, -(-(zones["scratch"].committed.current + io_peak) // g) * g)
+
+        def trial_for(segments: int):
+            scratch = base + -(-boundary * segments // g) * g
+            return dataclasses.replace(cfg, kv_bytes=max(cfg.kv_bytes, kv), scratch_bytes=scratch)
+
+        trial = trial_for(len(self._segments_from[0].segments))
         pinned = isinstance(self._runner, StreamEngine) or not self._segments_from[0].streaming
         if pinned and cfg.offload and cfg.engine != "graph":
             try:
                 plan = plan_budget(trial, **self._plan_inputs)
+                plan = plan_budget(trial_for(len(plan.segments)), **self._plan_inputs) if plan.streaming else plan
             except BudgetExceeded:
                 plan = None
             if plan is not None and plan.streaming:
-                why = (f"the KV cache needs {fmt_bytes(need)} and the weights, resident for the session's life, "
-                       f"left no room: the weights now stream in {len(plan.segments)} segments. Pass "
-                       f"kv_bytes={need} to plan for the cache from the start, or raise the budget to keep the "
-                       f"weights resident")
                 self._run_in_segments(plan)
+                why = (f"the KV cache needs up to {fmt_bytes(kv_peak)} and the weights, resident for the session's "
+                       f"life, left no room: the weights now stream in {len(plan.segments)} segments. Pass "
+                       f"kv_bytes={trial.kv_bytes} to plan for the cache from the start, or raise the budget to keep "
+                       f"the weights resident")
                 self._notes.append(why)
                 warnings.warn(why, OffloadWarning, stacklevel=2)
                 return None
-        least = smallest_budget(trial, **self._plan_inputs)
+        # The smallest budget for this cache, with the scratch its segments need: their
+        # number depends on the budget, so the search runs again while it grows.
+        segments = len(self._segments_from[0].segments)
+        for _ in range(3):
+            trial = trial_for(segments)
+            least = smallest_budget(trial, **self._plan_inputs)
+            if not least:
+                break
+            at = plan_budget(dataclasses.replace(trial, vram_limit=least),
+                             **dict(self._plan_inputs, free=max(self._plan_inputs["free"], least)))
+            if len(at.segments) <= segments:
+                break
+            segments = len(at.segments)
         if not least:
             return f"not even the device's {fmt_bytes(dev.device_total)} holds the weights and this cache"
-        return (f"the smallest budget that holds the weights and this cache ({fmt_bytes(need)}) is "
-                f"{fmt_bytes(least)}: pass vram_limit={least}, with kv_bytes={need} to plan for the cache from "
-                f"the start")
+        return (f"the smallest budget that holds the weights and this cache (up to {fmt_bytes(kv_peak)}) is "
+                f"{fmt_bytes(least)}: pass vram_limit={least}, kv_bytes={trial.kv_bytes}, "
+                f"scratch_bytes={trial.scratch_bytes}")
 
     def _run_bound(self, feeds, outputs, *, fixed: bool, key=None):
         """The runner's run_bound, for generate()'s steps."""
@@ -644,6 +695,7 @@ class OffloadSession(InferenceSessionMembers):
         return self._final_ledger
 
     def _teardown(self) -> None:
+        self._release_entry()
         if self._device is not None and not self._device.closed:
             self._device.compute_stream.synchronize()
         if self._runner is not None:

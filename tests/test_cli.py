@@ -4,6 +4,7 @@ import os
 import pytest
 
 from onnx_offload import cli
+from onnx_offload.model_cache import hold_entry
 from onnx_offload.models import mlp_stack, save, weight_bytes
 
 
@@ -67,6 +68,10 @@ def test_cache_info_lists_the_optimized_models_and_clear_removes_them(model_path
     rc, out = run(["cache", "info", "--cache-dir", cache], capsys)
     assert rc == 0 and ": 1 optimized models" in out.out and entry in out.out, out
     os.makedirs(os.path.join(cache, ".partial-live"))  # a pass still writing: left alone
+    reading = hold_entry(os.path.join(cache, entry))  # as a session does while it reads the entry
+    rc, out = run(["cache", "clear", "--cache-dir", cache], capsys)
+    assert rc == 0 and "removed 0 optimized models" in out.out and "kept 1" in out.out, out
+    os.close(reading)
     rc, out = run(["cache", "clear", "--cache-dir", cache], capsys)
     assert rc == 0 and "removed 1 optimized models" in out.out, out
     assert os.listdir(cache) == [".partial-live"]

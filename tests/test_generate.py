@@ -3,6 +3,7 @@ model, for both export layouts, all resident and streamed; the KV cache in the k
 lent by the weights; clear errors that lose nothing."""
 import os
 import re
+import warnings
 
 import numpy as np
 import onnxruntime as ort
@@ -505,8 +506,12 @@ def test_the_smallest_budget_named_runs_a_model_whose_weights_several_segments_r
         want = ort.InferenceSession(model.SerializeToString(), so, providers=CPU).run(None, feeds)
         for got, ref in zip(s.run(None, feeds), want):
             np.testing.assert_array_equal(got, ref)
-        with pytest.raises(BudgetExceeded, match="smallest budget that holds the weights and this cache"):
-            s.generate(ids, 8)  # no room left for a KV cache: the error names a budget with room
+        with pytest.raises(BudgetExceeded, match="smallest budget that holds the weights and this cache") as e:
+            s.generate(ids, 8)  # no room left for a KV cache: the error names a budget with room ...
+    m = re.search(r"pass vram_limit=(\d+), kv_bytes=(\d+), scratch_bytes=(\d+)", str(e.value))
+    limit, kv, scratch = map(int, m.groups())
+    with make(vram_limit=limit, kv_bytes=kv, scratch_bytes=scratch) as s:  # ... and it generates there
+        np.testing.assert_array_equal(s.generate(ids, 8), reference_greedy(model, ids, 8))
     with pytest.raises(BudgetExceeded):
         make(vram_limit=least - g)
 
@@ -532,27 +537,53 @@ def test_weights_resident_for_the_session_give_way_to_the_kv_cache(layout):
 
 
 def test_weights_that_cannot_start_streaming_stay_resident_and_the_session_runs_on(monkeypatch):
-    """When the segments cannot be made (here a fault in the split), the weights come back
-    resident, the error is raised, nothing leaks, and the session runs on."""
-    import onnx_offload.session as session_module
+    """When the segments cannot be made (here ORT fails to create one, after the resident
+    runner was let go), the weights come back resident, the error is raised, nothing
+    leaks, and the session runs on."""
+    from onnx_offload.ort_sessions import SessionFactory
     model = model_of("gqa")
     ids = prompt(1)
     least = _least_budget(lambda **kw: session(model, **kw), offload=False)
     want = reference_greedy(model, ids, 8)
+    real = SessionFactory.create
+    calls = []
 
-    def broken(*args, **kwargs):
-        raise UnsupportedModel("a split that fails")
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second segment's session
+            raise RuntimeError("ORT could not create the session")
+        return real(self, *args, **kwargs)
 
     with session(model, offload=True, vmm=True, vram_limit=least) as s:
         resident = s.device.ledger.snapshot().zones["weights"].committed.current
-        real = session_module.split
-        monkeypatch.setattr(session_module, "split", broken)
-        with pytest.raises(UnsupportedModel, match="a split that fails"):
+        monkeypatch.setattr(SessionFactory, "create", failing)
+        with pytest.raises(RuntimeError, match="ORT could not create the session"):
             s.generate(ids, 8)
-        monkeypatch.setattr(session_module, "split", real)
+        monkeypatch.setattr(SessionFactory, "create", real)
+        assert len(calls) >= 2
         zones = s.device.ledger.snapshot().zones
         assert len(s.segments) == 1 and kv_committed(s) == 0 and zones["weights"].committed.current == resident
-        assert s.stats().last_step.page_ins == 0  # all resident again
         with pytest.warns(OffloadWarning, match="the weights now stream in"):
             np.testing.assert_array_equal(s.generate(ids, 8), want)
     assert s.stats().ledger.committed == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_larger_budget_generates_where_a_smaller_one_does(layout):
+    """Above the smallest budget that holds every weight, a budget that generates is
+    followed by larger ones that generate too, with the same tokens."""
+    model = model_of(layout)
+    ids = prompt(3)
+    least = _least_budget(lambda **kw: session(model, **kw), offload=False)
+    want = reference_greedy(model, ids, 40)
+    outcomes = []
+    for k in range(0, 64, 6):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OffloadWarning)  # the weights may start streaming
+            with session(model, offload=True, vmm=True, vram_limit=least + k * 4096) as s:
+                try:
+                    np.testing.assert_array_equal(s.generate(ids, 40), want)
+                    outcomes.append(True)
+                except BudgetExceeded:
+                    outcomes.append(False)
+    assert outcomes == sorted(outcomes) and outcomes[-1], outcomes
