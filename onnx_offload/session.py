@@ -161,7 +161,7 @@ class OffloadSession(InferenceSessionMembers):
         the session's own folder (also when the cache folder cannot be used, with a warning).
         A cache entry made from the caller's files on disk (`own_files`) reads the weights
         optimization left unchanged from those files, not from a copy."""
-        cfg, dev = self.config, self._device
+        cfg = self.config
         cache = cfg.cache_path
         if not cache:
             return self._workdir
