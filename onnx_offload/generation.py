@@ -205,7 +205,7 @@ class Generation:
         # buckets double
         boundary = 2 * batch * 8 * (total + 1)
         self.kv_bufs = DeviceBuffers(dev, dev.kv, "kv",
-                                     lambda nbytes: session._kv_shortage(kv_peak, io_peak, boundary))
+                                     lambda nbytes: session._kv_shortage(nbytes, kv_peak, io_peak, boundary))
         self.io_bufs = DeviceBuffers(dev, dev.scratch, "scratch")
         try:
             if spec.layout == "gqa":

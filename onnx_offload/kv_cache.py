@@ -201,19 +201,21 @@ def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: i
                total: int, granularity: int, alignment: int = 256) -> int:
     """The most committed bytes the cache of one generation holds at once: the whole
     length for the shared layout; for buckets, the last growth, when the old bucket and
-    the new one are both held (past and present of each). Each buffer counts a granule
-    more, for the partly used granules at its ends that no neighbour shares."""
+    the new one are both held (past and present of each). The buffers of one
+    allocation lie one after another; each group counts a granule more, for the partly
+    used granules at its ends."""
     row = batch * kv_heads * head_size * np.dtype(dtype).itemsize
 
-    def buffers(*positions):
-        return 2 * layers * sum(-(-row * n // alignment) * alignment + granularity for n in positions)
+    def group(*positions):
+        nbytes = 2 * layers * sum(-(-row * n // alignment) * alignment for n in positions)
+        return -(-nbytes // granularity) * granularity + granularity
 
     if layout == "gqa":
-        return buffers(total)
+        return group(total)
     last, first = bucket_for(total), bucket_for(prompt)
     if last == first:
-        return buffers(last, last + 1)
-    return buffers(last // 2, last // 2 + 1, last, last + 1)
+        return group(last, last + 1)
+    return group(last // 2, last // 2 + 1) + group(last, last + 1)
 
 
 def bucket_for(length: int, smallest: int = 16) -> int:

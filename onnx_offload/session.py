@@ -424,15 +424,17 @@ class OffloadSession(InferenceSessionMembers):
         self._device.apply(plan)
         self._make_segment_runner(segments)
 
-    def _kv_shortage(self, kv_peak: int, io_peak: int, boundary: int) -> Optional[str]:
+    def _kv_shortage(self, nbytes: int, kv_peak: int, io_peak: int, boundary: int) -> Optional[str]:
         """A generation's KV cache, which holds at most `kv_peak` bytes (with `io_peak`
         bytes of step buffers in scratch, and about `boundary` bytes per segment
-        boundary once the weights stream), found no room. Weights resident for the
-        session's life (all of them, or the streaming engine's resident set) cannot give
-        way: with offload on, the budget is planned again with the cache's bytes and the
-        scratch zone's set aside, the weights stream in segments, and None says to try
-        again. Otherwise, the advice for the error: the smallest budget that holds the
-        weights and this cache. The caller holds the session's lock."""
+        boundary once the weights stream), found no room for `nbytes` more. Weights
+        resident for the session's life (all of them, or the streaming engine's resident
+        set) cannot give way: with offload on, the budget is planned again with the
+        cache's bytes and the scratch zone's set aside (what this generation may reach;
+        failing that, what it holds now), the weights stream in segments, which give way
+        as the cache grows, and None says to try again. Otherwise, the advice for the
+        error: the smallest budget that holds the weights and this cache. The caller
+        holds the session's lock."""
         cfg, dev = self.config, self._device
         g = dev.granularity
         zones = dev.ledger.snapshot().zones
@@ -449,11 +451,22 @@ class OffloadSession(InferenceSessionMembers):
         trial = trial_for(len(self._segments_from[0].segments))
         pinned = isinstance(self._runner, StreamEngine) or not self._segments_from[0].streaming
         if pinned and cfg.offload and cfg.engine != "graph":
-            try:
-                plan = plan_budget(trial, **self._plan_inputs)
-                plan = plan_budget(trial_for(len(plan.segments)), **self._plan_inputs) if plan.streaming else plan
-            except BudgetExceeded:
-                plan = None
+            kept = zones["scratch"].reserve
+            now = -(-(zones["kv"].committed.current + nbytes) // g) * g
+
+            def planned(trial):
+                try:
+                    return plan_budget(trial, **self._plan_inputs)
+                except BudgetExceeded:
+                    return None
+
+            plan = planned(trial)
+            if plan is not None and plan.streaming:
+                plan = planned(trial_for(len(plan.segments)))
+            for fallback in (dict(kv_bytes=max(cfg.kv_bytes, kv), scratch_bytes=kept),
+                             dict(kv_bytes=max(cfg.kv_bytes, now), scratch_bytes=kept)):
+                if plan is None or not plan.streaming:
+                    plan = planned(dataclasses.replace(cfg, **fallback))
             if plan is not None and plan.streaming:
                 self._run_in_segments(plan)
                 why = (f"the KV cache needs up to {fmt_bytes(kv_peak)} and the weights, resident for the session's "
