@@ -206,7 +206,9 @@ class Generation:
         boundary = 2 * batch * 8 * (total + 1)
         self.kv_bufs = DeviceBuffers(dev, dev.kv, "kv",
                                      lambda nbytes: session._kv_shortage(nbytes, kv_peak, io_peak, boundary))
-        self.io_bufs = DeviceBuffers(dev, dev.scratch, "scratch")
+        # A step buffer short of room is the same shortage, seen from the scratch zone.
+        self.io_bufs = DeviceBuffers(dev, dev.scratch, "scratch",
+                                     lambda nbytes: session._kv_shortage(0, kv_peak, io_peak + nbytes, boundary))
         try:
             if spec.layout == "gqa":
                 self.cache = SharedKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, total, spec.head_size,
