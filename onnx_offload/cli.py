@@ -344,8 +344,9 @@ def cmd_cache(args) -> int:
     print(f"{cache}: {len(entries)} optimized models, {fmt_bytes(sum(e.nbytes for e in entries))} "
           f"(weights that optimization left unchanged are read from the models' own files, not kept here)")
     if entries:
-        print(table([(os.path.basename(e.path), fmt_bytes(e.nbytes), time.strftime("%Y-%m-%d %H:%M", time.localtime(e.made)))
-                     for e in entries], ("entry", "size", "made")))
+        rows = [(os.path.basename(e.path), fmt_bytes(e.nbytes), time.strftime("%Y-%m-%d %H:%M", time.localtime(e.made)))
+                for e in entries]
+        print(table(rows, ("entry", "size", "made")))
     return 0
 
 
@@ -405,7 +406,8 @@ def main(argv=None) -> int:
     d.set_defaults(fn=cmd_demo)
     c = sub.add_parser("cache", help="the optimized models kept between runs: show them, or remove them all")
     c.add_argument("action", nargs="?", choices=("info", "clear"), default="info")
-    c.add_argument("--cache-dir", help=f"the cache folder (overrides {ENV_CACHE_DIR}; default: the user cache directory)")
+    c.add_argument("--cache-dir",
+                   help=f"the cache folder (overrides {ENV_CACHE_DIR}; default: the user cache directory)")
     c.set_defaults(fn=cmd_cache)
     b = sub.add_parser("bench", help="benchmarks: arena page-in costs, session overhead, offloaded step time")
     b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "reliability"))

@@ -15,7 +15,10 @@ Two forms, one per export layout:
 
 Bytes come from the ``kv`` zone, which outranks the weights zone: when the budget is
 short the ledger asks the weights to give way (evicting unpinned weights between
-steps). A real shortage raises ``BudgetExceeded`` before the step, naming the zones.
+steps). Weights pinned for the session's life cannot; ``DeviceBuffers`` then asks the
+session (its `shortage` callback), which plans the budget again so that they stream.
+A real shortage raises ``BudgetExceeded`` before the step, naming the zones and the
+smallest budget that holds the weights and the cache (``peak_bytes``).
 """
 from __future__ import annotations
 

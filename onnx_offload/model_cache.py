@@ -134,6 +134,9 @@ def hold_entry(path: str) -> Optional[int]:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        pass  # a file system without flock: the entry is read unlocked
+    try:
         if os.path.samestat(os.fstat(fd), os.stat(path)):  # still the entry at that name
             return fd
     except OSError:
