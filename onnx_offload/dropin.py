@@ -41,7 +41,7 @@ class ModelMeta:
 
 class InferenceSessionMembers:
     """Mixed into OffloadSession; uses its _step(), _runner, _with_fallback(),
-    _one_plain_session(), _check_call() and the model facts it records at construction
+    _check_call() and the model facts it records at construction
     (_modelmeta, _overridable)."""
 
     def get_modelmeta(self) -> ModelMeta:
@@ -63,18 +63,15 @@ class InferenceSessionMembers:
                          "memory belong to that device. Create a new OffloadSession with the providers you want")
 
     def disable_fallback(self) -> None:
-        self._check_open()
-        for run in self._runner.runs:
-            run.session.disable_fallback()
+        for sess in self._sessions():
+            sess.disable_fallback()
 
     def enable_fallback(self) -> None:
-        self._check_open()
-        for run in self._runner.runs:
-            run.session.enable_fallback()
+        for sess in self._sessions():
+            sess.enable_fallback()
 
     def get_profiling_start_time_ns(self) -> int:
-        self._check_open()
-        return min(run.session.get_profiling_start_time_ns() for run in self._runner.runs)
+        return min(sess.get_profiling_start_time_ns() for sess in self._sessions())
 
     def end_profiling(self) -> str:
         """Ends profiling; returns the profile's file. With several segment sessions their
@@ -111,7 +108,7 @@ class InferenceSessionMembers:
         """As InferenceSession.run_with_ort_values: OrtValues in, OrtValues out (each in
         memory of its own, on the device the output was made on)."""
         with self._step():
-            if self._one_plain_session():
+            if self._runner.plain:
                 return self._runner.run_single_with_ort_values(output_names, input_dict_ort_values, run_options)
             self._check_call(input_dict_ort_values, output_names)
             values = self._with_fallback(lambda: self._runner.run_segments(input_dict_ort_values, run_options))
@@ -171,7 +168,7 @@ class InferenceSessionMembers:
         straight through; else an error saying why not."""
         self._check_open()
         runner = self._runner
-        if not self._one_plain_session():
+        if not self._runner.plain:
             raise StateError(f"{member} needs the model to run as one plain ORT session, and this session runs "
                              f"{len(runner.runs)} segment(s) with weights paged in between: {why}")
         if member.startswith("get_"):

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import onnxruntime as ort
 
+from ._core import round_up
 from .errors import BudgetExceeded
 from .ortvalues import FixedBuffer, nbytes_of
 
@@ -210,8 +211,8 @@ def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: i
     row = batch * kv_heads * head_size * np.dtype(dtype).itemsize
 
     def group(*positions):
-        nbytes = 2 * layers * sum(-(-row * n // alignment) * alignment for n in positions)
-        return -(-nbytes // granularity) * granularity + granularity
+        nbytes = 2 * layers * sum(round_up(row * n, alignment) for n in positions)
+        return round_up(nbytes, granularity) + granularity
 
     if layout == "gqa":
         return group(total)

@@ -29,7 +29,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
 from . import _core
 from .errors import CorruptModel, ModelNotFound, OffloadError, invalid_protobuf, with_ort_type
-from .ort_sessions import config_entry, copy_options, set_config
+from .ort_sessions import EXTERNAL_FOLDER_KEY, config_entry, copy_options, set_config
 
 OPTIMIZED = "optimized.onnx"
 OPTIMIZED_DATA = "optimized.onnx.data"
@@ -64,9 +64,6 @@ def optimization_level(name: Optional[str], sess_options: Optional[ort.SessionOp
     return ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 
 
-EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
-
-
 def external_data_folder(sess_options: Optional[ort.SessionOptions]) -> str:
     """Where ORT looks for the external data of a model given as bytes: the folder the
     SessionOptions name, else the current working directory."""
@@ -92,9 +89,8 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
         for t in all_tensors(model.graph):
             if t.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            location = next((e.value for e in t.external_data if e.key == "location"), "")
-            parts = location.replace("\\", "/").split("/")
-            if not location or os.path.isabs(location) or ".." in parts:
+            location = _external(t).get("location", "")
+            if not _inside(location):
                 raise CorruptModel(f"initializer {t.name!r} of the model bytes names external data {location!r} "
                                    f"outside the folder they are read from ({folder})")
             target, link = os.path.join(folder, location), os.path.join(workdir, location)
@@ -318,6 +314,12 @@ def _external(t: onnx.TensorProto) -> dict:
     return {e.key: e.value for e in t.external_data}
 
 
+def _inside(location: str) -> bool:
+    """Whether an external-data location names a file inside the model's folder (as ORT
+    requires): relative, and never through a parent folder."""
+    return bool(location) and not os.path.isabs(location) and ".." not in location.replace("\\", "/").split("/")
+
+
 def data_path(t: onnx.TensorProto, folder: str) -> str:
     """The file an optimized model's external tensor lives in: the optimized data file
     in `folder`, or the caller's own data file (an absolute path, see share_unchanged)."""
@@ -429,7 +431,7 @@ def share_unchanged(folder: str, src: str, chunk: int = 64 << 20) -> int:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             info = _external(t)
             location = info.get("location", "")
-            if location and not os.path.isabs(location) and ".." not in location.replace("\\", "/").split("/"):
+            if _inside(location):
                 theirs[t.name] = (t.data_type, tuple(t.dims), os.path.join(base, location),
                                   int(info.get("offset", 0)), int(info["length"]) if "length" in info else None)
     ours = [t for t in model.graph.initializer

@@ -44,10 +44,12 @@ _REPLAYED = ("add_session_config_entry", "add_free_dimension_override_by_name",
 # Initializers given through the options: the package places every weight itself.
 _REFUSED = ("add_initializer", "add_external_initializers", "add_external_initializers_from_files_in_memory")
 _calls: "weakref.WeakKeyDictionary[ort.SessionOptions, list]" = weakref.WeakKeyDictionary()
+# Where a model given as bytes finds its external data.
+EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 # Config entries about where the caller's model file and its data are, which the package
 # answers itself (its sessions read models it wrote): not copied.
 # So are those on how an optimized model is saved: the package saves its own, as ONNX.
-_FILE_KEYS = ("session.model_external_initializers_file_folder_path",
+_FILE_KEYS = (EXTERNAL_FOLDER_KEY,
               "session.optimized_model_external_initializers_file_name",
               "session.optimized_model_external_initializers_min_size_in_bytes", "session.save_model_format")
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
+from ._core import round_up
 from .model import WeightInfo
 from .policies import PolicyInputs, make_policy
 from .slots import slot_kind
@@ -79,14 +80,14 @@ def segment_costs(segments: Sequence[Sequence[str]], sizes: Dict[str, int], firs
     reader pays for the granules it lies in as well."""
     if not kind.stable_addresses:
         return [kind.packed_cost([sizes[n] for n in seg], granularity) for seg in segments]
-    where: Dict[str, Tuple[int, int]] = {}
+    granules: Dict[str, range] = {}  # the granules each weight lies in
     end = 0
     for pack in packs(segments, first_use):
         for n in pack:
-            start = -(-end // kind.alignment) * kind.alignment
+            start = round_up(end, kind.alignment)
             end = start + sizes[n]
-            where[n] = (start // granularity, (end - 1) // granularity if sizes[n] else start // granularity - 1)
-    return [len({g for n in seg for g in range(where[n][0], where[n][1] + 1)}) * granularity for seg in segments]
+            granules[n] = range(start // granularity, (end - 1) // granularity + 1 if sizes[n] else 0)
+    return [len({g for n in seg for g in granules[n]}) * granularity for seg in segments]
 
 
 class ResidencyManager:

@@ -97,6 +97,13 @@ class SegmentRunner:
                        f"input-shape signature, and replayed while their weights page behind fixed addresses",
                 self.capture.decode_only)
 
+    @property
+    def plain(self) -> bool:
+        """Unsplit, uncaptured, with the weights as initializers: one plain ORT session runs
+        the model as given. (Without stable addresses the weights are inputs, bound where
+        their slots are.)"""
+        return not self.streaming and not self.capture.enabled and self._stable
+
     # ------------------------------------------------------------------ construction
     def _create(self, seg: Segment) -> _SegmentRun:
         res = self.residency
@@ -142,9 +149,7 @@ class SegmentRunner:
 
     # ------------------------------------------------------------------ running
     def run(self, output_names, input_feed, run_options):
-        # Unsplit, uncaptured, with the weights as initializers: ORT's own run. (Without
-        # stable addresses the weights are inputs, bound where their slots are: below.)
-        if not self.streaming and not self.capture.enabled and self._stable:
+        if self.plain:  # ORT's own run
             mark = self._meter.mark() if self.steps < MEASURED_RUNS else None
             out = self.single.run(output_names, input_feed, run_options)
             self._after_single_run(mark)

@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ._core import round_up
 from .budget import plan_budget, smallest_budget
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag
 from .device import Device, cuda_available
@@ -438,21 +439,21 @@ class OffloadSession(InferenceSessionMembers):
         cfg, dev = self.config, self._device
         g = dev.granularity
         zones = dev.ledger.snapshot().zones
-        kv = -(-kv_peak // g) * g
+        kv = round_up(kv_peak, g)
         # Segments pass values between them through scratch, which the resident runner
         # never needed and whose sizes are known only once the segments run: the scratch
         # reserve is doubled, plus `boundary` bytes per segment.
-        base = 2 * max(zones["scratch"].reserve, -(-(zones["scratch"].committed.current + io_peak) // g) * g)
+        base = 2 * max(zones["scratch"].reserve, round_up(zones["scratch"].committed.current + io_peak, g))
 
         def trial_for(segments: int):
-            scratch = base + -(-boundary * segments // g) * g
+            scratch = base + round_up(boundary * segments, g)
             return dataclasses.replace(cfg, kv_bytes=max(cfg.kv_bytes, kv), scratch_bytes=scratch)
 
         trial = trial_for(len(self._segments_from[0].segments))
         pinned = isinstance(self._runner, StreamEngine) or not self._segments_from[0].streaming
         if pinned and cfg.offload and cfg.engine != "graph":
             kept = zones["scratch"].reserve
-            now = -(-(zones["kv"].committed.current + nbytes) // g) * g
+            now = round_up(zones["kv"].committed.current + nbytes, g)
 
             def planned(trial):
                 try:
@@ -515,13 +516,6 @@ class OffloadSession(InferenceSessionMembers):
             self._check_open()
             yield
 
-    def _one_plain_session(self) -> bool:
-        """Whether one plain ORT session runs the model as given: unsplit, no graphs of the
-        package's own, the weights as initializers. ORT then checks feeds and applies
-        overridden initializers itself."""
-        runner = self._runner
-        return not runner.streaming and not runner.capture.enabled and self._stable
-
     def _refuse_overrides(self, names) -> None:
         """An initializer the model also lists as an input is a weight in a slot here:
         feeding it would be silently ignored by the segments, so it is refused."""
@@ -534,7 +528,7 @@ class OffloadSession(InferenceSessionMembers):
     def _check_call(self, input_feed, output_names, always: bool = False) -> None:
         """What ORT checks of a call, raising what ORT raises, where ORT does not check
         it itself (or `always`, for a check that must come before the call returns)."""
-        plain = self._one_plain_session()
+        plain = self._runner.plain  # ORT then checks feeds and applies overridden initializers itself
         if not plain:
             self._refuse_overrides(input_feed)
         if not plain or always:

@@ -203,6 +203,7 @@ class StreamEngine:
     through the ring. Offers the runner's interface to the session."""
 
     streaming = True
+    plain = False  # the model runs captured, with the page-ins in its graph
 
     def __init__(self, device, residency, store, weights: Sequence[WeightInfo], plan: StreamPlan, factory, meter,
                  model, workdir: str, inputs: Sequence[str], graph_outputs: List[str], capture_reason: str,
