@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from . import _core
 from .errors import OffloadError
-from .segmenter import dims, onnx_type_string
+from .segmenter import dims, elem_name, onnx_type_string
 
 try:  # the type ORT itself raises for a bad input or output name
     from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
@@ -225,4 +225,4 @@ def _type_string(dtype: np.dtype) -> str:
         elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     except (KeyError, TypeError, ValueError):
         return f"tensor({np.dtype(dtype).name})"
-    return f"tensor({onnx.TensorProto.DataType.Name(elem).lower()})"
+    return f"tensor({elem_name(elem)})"

@@ -126,7 +126,8 @@ def value_types(model: onnx.ModelProto) -> Dict[str, onnx.TypeProto]:
     return types
 
 
-def _elem(elem_type: int) -> str:
+def elem_name(elem_type: int) -> str:
+    """An element type as ORT spells it inside tensor(...): float, int64, bfloat16, ..."""
     return onnx.helper.tensor_dtype_to_string(elem_type).split(".")[-1].lower()
 
 
@@ -135,15 +136,15 @@ def onnx_type_string(t: onnx.TypeProto) -> str:
     map(string,tensor(float)), optional(...), sparse_tensor(float)."""
     kind = t.WhichOneof("value")
     if kind == "tensor_type":
-        return f"tensor({_elem(t.tensor_type.elem_type)})"
+        return f"tensor({elem_name(t.tensor_type.elem_type)})"
     if kind == "sequence_type":
         return f"seq({onnx_type_string(t.sequence_type.elem_type)})"
     if kind == "map_type":
-        return f"map({_elem(t.map_type.key_type)},{onnx_type_string(t.map_type.value_type)})"
+        return f"map({elem_name(t.map_type.key_type)},{onnx_type_string(t.map_type.value_type)})"
     if kind == "optional_type":
         return f"optional({onnx_type_string(t.optional_type.elem_type)})"
     if kind == "sparse_tensor_type":
-        return f"sparse_tensor({_elem(t.sparse_tensor_type.elem_type)})"
+        return f"sparse_tensor({elem_name(t.sparse_tensor_type.elem_type)})"
     return "unknown"
 
 
