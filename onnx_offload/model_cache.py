@@ -7,6 +7,7 @@ optimization level, one weight threshold and one ORT version.
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import os
 import re
@@ -145,6 +146,23 @@ def hold_entry(path: str) -> Optional[int]:
     return None
 
 
+def set_aside(cache: str, path: str) -> bool:
+    """Moves the published entry `path` out of its name, into a ``.stale-`` folder that
+    remove_set_aside deletes: a lookup sees the entry whole or not at all, and a reader
+    that has its files open keeps them. False when another process moved it first (or
+    the folder cannot be written)."""
+    try:
+        os.rename(path, os.path.join(tempfile.mkdtemp(dir=cache, prefix=".stale-"), "entry"))
+        return True
+    except OSError:
+        return False
+
+
+def remove_set_aside(cache: str) -> None:
+    for stale in glob.glob(os.path.join(cache, ".stale-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def clear_cache(cache: str) -> Tuple[int, int, int]:
     """Removes every published entry under `cache` that no session is reading, the ones
     set aside, and partial ones abandoned by a killed pass. Returns (entries removed,
@@ -166,23 +184,20 @@ def clear_cache(cache: str) -> Tuple[int, int, int]:
             os.close(fd)
             continue
         try:
-            aside = tempfile.mkdtemp(dir=cache, prefix=".stale-")
-            os.rename(entry.path, os.path.join(aside, "entry"))
-        except OSError:
-            continue  # set aside by another process first
+            moved = set_aside(cache, entry.path)
         finally:
             os.close(fd)
-        removed += 1
-        freed += entry.nbytes
+        if moved:
+            removed += 1
+            freed += entry.nbytes
+    remove_set_aside(cache)
     now = time.time()
-    for name in os.listdir(cache) if os.path.isdir(cache) else ():
-        path = os.path.join(cache, name)
+    for partial in glob.glob(os.path.join(cache, ".partial-*")):
         try:
-            old = now - os.lstat(path).st_mtime > ABANDONED_S
+            if now - os.lstat(partial).st_mtime > ABANDONED_S:
+                shutil.rmtree(partial, ignore_errors=True)
         except FileNotFoundError:
             continue
-        if name.startswith(".stale-") or (name.startswith(".partial-") and old):
-            shutil.rmtree(path, ignore_errors=True)
     return removed, freed, busy
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import glob
 import os
 import shutil
 import tempfile
@@ -47,7 +46,7 @@ from .iobinding import OffloadIOBinding
 from .model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, materialize, optimization_level,
                     optimize_once, optimized_exists, point_weights_at_placeholder, read_weights, share_unchanged,
                     weights_as_inputs, write_optimized)
-from .model_cache import cache_key, hold_entry
+from .model_cache import cache_key, hold_entry, remove_set_aside, set_aside
 from .ort_memory import OrtMemoryMeter
 from .ort_sessions import (CUDA_EP, SessionFactory, choose_providers, copy_options, normalize_providers, options_key,
                            unseen)
@@ -180,12 +179,8 @@ class OffloadSession(InferenceSessionMembers):
                     continue
                 # An entry missing a file (removed by hand): set aside, then made again and
                 # published like a new one, never rewritten where others may be reading it.
-                try:
-                    os.rename(opt_dir, tempfile.mkdtemp(dir=cache, prefix=".stale-"))
-                except OSError:
-                    pass  # another process set it aside first
-                for stale in glob.glob(os.path.join(cache, ".stale-*")):
-                    shutil.rmtree(stale, ignore_errors=True)
+                set_aside(cache, opt_dir)
+                remove_set_aside(cache)
             published = self._publish_entry(cache, opt_dir, src, level, own_files)
             if published != opt_dir:
                 return published
