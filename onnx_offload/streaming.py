@@ -299,6 +299,16 @@ def ring_by_reads(units: Sequence[Unit], ring: int, copied: Sequence[int], reade
     return ring_of
 
 
+def leading_copies(copies: Sequence[tuple]) -> Sequence[tuple]:
+    """The copies at the head of a step's plan that wait for no reader: they land in
+    ring granules nothing of the step read before, so they can run before the step
+    starts, while the host works on the previous step's outputs."""
+    k = 0
+    while k < len(copies) and not copies[k][3]:
+        k += 1
+    return copies[:k]
+
+
 def plan_copies(units: Sequence[Unit], readers: Sequence[Sequence[int]], copied: Sequence[int],
                 first_from: Dict[int, int], granularity: int, address: Dict[str, int],
                 nbytes: Dict[str, int], source: Dict[str, int],
@@ -343,10 +353,12 @@ def plan_copies(units: Sequence[Unit], readers: Sequence[Sequence[int]], copied:
 class _Graph:
     """One signature's captured step: the graph and the buffers it reads and writes."""
 
-    def __init__(self, graph, buffers: Dict[str, FixedBuffer], outputs: Dict[str, ort.OrtValue]):
+    def __init__(self, graph, buffers: Dict[str, FixedBuffer], outputs: Dict[str, ort.OrtValue],
+                 lead: Tuple[Tuple[int, int, int], ...]):
         self.graph = graph
         self.buffers = buffers  # the engine's own: inputs it copies into, outputs the caller did not bind
         self.outputs = outputs  # every output's value, where the graph writes it
+        self.lead = lead  # (destination, source, bytes) of the copies issued before the launch
 
 
 class StreamEngine:
@@ -385,6 +397,8 @@ class StreamEngine:
         self.runs = []
         self.address: Dict[str, int] = {}
         self._per_step: Optional[Counters] = None
+        self._lead: Optional[tuple] = None  # the lead copies issued for the next step, if any
+        self._lead_done = self._compute_done = None  # events: after the lead copies, after queued compute
         try:
             self._map_ring()
             so = factory.session_options()
@@ -503,13 +517,13 @@ class StreamEngine:
             self.session.run_with_iobinding(io, self._run_options)  # at the addresses the capture uses
             stream.synchronize()
             graph = self._capture(io)
-            self._add_page_ins(graph)
+            lead = self._add_page_ins(graph)
             graph.instantiate(stream)
         except BaseException:
             for name in made:
                 dev.scratch.deallocate(buffers.pop(name).ptr)
             raise
-        return _Graph(graph, buffers, bound)
+        return _Graph(graph, buffers, bound, lead)
 
     def _capture(self, io):
         """One ORT run captured into a graph; StreamingUnavailable when it cannot be."""
@@ -553,10 +567,11 @@ class StreamEngine:
 
         return ring_by_reads(self.plan.units, len(self._handles), copied, readers, first_from, describe)
 
-    def _add_page_ins(self, graph) -> None:
+    def _add_page_ins(self, graph) -> Tuple[Tuple[int, int, int], ...]:
+        """Adds the page-in copies to the captured graph, all but the lead (returned)."""
         units = self.plan.units
         if not units:
-            return
+            return ()
         names = [n for u in units for n in u.names]
         ranges = [(self.address[n], self.address[n] + self.info[n].nbytes) for n in names]
         found = dict(zip(names, graph.readers(ranges)))
@@ -580,16 +595,37 @@ class StreamEngine:
             first_from[i] = low
         if not self._placed_by_reads:
             # ORT's reads, seen for the first time: the ring follows them from now on.
+            self.device.copy_stream.synchronize()  # no lead copy may still land in the ring
             self._place(self._ring_by_reads(graph, copied, readers, first_from))
             self._placed_by_reads = True
         copies = plan_copies(units, readers, copied, first_from, self.device.granularity, self.address,
                              {n: self.info[n].nbytes for n in names}, {n: self.store.ptr(n) for n in names}, found)
-        graph.add_copies(copies)
-        self._streamed_bytes = sum(c[2] for c in copies)
+        lead = leading_copies(copies)
+        graph.add_copies(copies[len(lead):])
+        return tuple((c[0], c[1], c[2]) for c in lead)
 
     # ------------------------------------------------------------------ running
+    def _issue_lead(self, lead) -> None:
+        """The lead copies of a step, on the copy stream after everything the compute
+        stream has queued; the next launch waits for them (`_lead_done`)."""
+        dev = self.device
+        self._lead = None
+        if self._lead_done is None:
+            self._lead_done, self._compute_done = dev.backend.create_event(), dev.backend.create_event()
+        self._compute_done.record(dev.compute_stream)
+        self._compute_done.wait_on(dev.copy_stream)
+        for dst, src, n in lead:
+            dev.backend.copy_h2d(dst, src, n, dev.copy_stream)
+        self._lead_done.record(dev.copy_stream)
+        self._lead = lead
+
     def _launch(self, g: _Graph) -> None:
         stream = self.device.compute_stream
+        if self._lead != g.lead:  # the copies issued after the last step were another graph's
+            self._issue_lead(g.lead)
+        if self._lead_done is not None:
+            self._lead_done.wait_on(stream)
+        self._lead = None  # the graph may overwrite them from here on
         g.graph.launch(stream)
         # As after ORT's own run, the outputs are complete on return: the caller reads
         # them from the host (the step's one host wait) or from any stream.
@@ -597,6 +633,9 @@ class StreamEngine:
         self.steps += 1
         self.graph_steps += 1
         self._count_step()
+        # The next step's lead copies run while the caller works on this one's outputs:
+        # they land in ring granules no reader of theirs has yet.
+        self._issue_lead(g.lead)
 
     def _count_step(self) -> None:
         """Counts a replayed step: every resident weight hits, every streamed one is copied."""
@@ -701,8 +740,10 @@ class StreamEngine:
     def close(self) -> None:
         """The graphs, then the ORT session (it may free scratch), then the ring."""
         try:
-            if not self.device.compute_stream.closed:
-                self.device.compute_stream.synchronize()
+            for stream in (self.device.compute_stream, self.device.copy_stream):
+                if not stream.closed:
+                    stream.synchronize()
+            self._lead = None
             for g in list(self._graphs.values()) + [self._oneshot]:
                 self._free(g)
             self._graphs.clear()

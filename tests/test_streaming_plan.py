@@ -10,8 +10,8 @@ from onnx_offload.model import WeightInfo
 from onnx_offload.models import mlp_stack, weight_bytes
 from onnx_offload.slots import slot_kind
 import onnx_offload.streaming as streaming
-from onnx_offload.streaming import (RING_FRACTION, RING_SLACK, StreamingUnavailable, choose_engine, plan_copies,
-                                     plan_stream, ring_by_reads)
+from onnx_offload.streaming import (RING_FRACTION, RING_SLACK, StreamingUnavailable, choose_engine, leading_copies,
+                                     plan_copies, plan_stream, ring_by_reads)
 
 MiB = 1 << 20
 G = 2 * MiB
@@ -171,6 +171,13 @@ def test_each_copy_starts_in_spare_granules_without_waiting_for_the_weight_befor
         starts.setdefault(name, c)
     for i, u in enumerate(units[1:], 1):
         assert not set(readers[i - 1]) & set(starts[u.names[0]][3]), (i, starts[u.names[0]][3])
+    # The lead, issued before the step starts: the first weight whole and the start of
+    # the second, in the spare granules; no more than the ring holds.
+    lead = leading_copies(copies)
+    assert not any(c[3] for c in lead) and copies[len(lead)][3]
+    first, second = units[0].names[0], units[1].names[0]
+    assert sum(c[2] for c in lead if c[0] < address[first] + units[0].granules * G) == units[0].nbytes
+    assert 0 < sum(c[2] for c in lead if c[0] >= address[second]) <= RING_SLACK * G
     # Without them, a weight as large as the one before it waits for that one's reader.
     units, readers, copies, address, _, _ = _copy_plan(fraction, slack_granules=0)
     waits = 0
