@@ -6,7 +6,8 @@ Layout (``plan_stream``, a pure function). The weights that stay resident live i
 the arena's weights zone, pinned for the session's life. Each of the others is a
 unit that streams: it has stable addresses of its own, from a granule boundary,
 inside one reservation. Behind those addresses lies the ring, a small set of
-physical granules that holds the largest streamed weight. A unit's granules are
+physical granules that holds the largest streamed weight and RING_SLACK spare
+granules. A unit's granules are
 mapped onto ring granules once: in turn at construction, then, when the first
 captured graph shows the order ORT reads the weights in, each unit onto the ring
 granules whose readers finish earliest.
@@ -18,15 +19,20 @@ package's compute stream, once to learn the outputs' shapes and once with every 
 bound where the graph will find it (it takes its memory and picks its kernels; what
 the streamed addresses hold then does not matter); a third ``run_with_iobinding`` is
 captured into a graph. The captured nodes' parameters are scanned for the units'
-addresses, which gives each weight's readers. One H2D copy node per streamed weight
-is then added, from the pinned host store to the weight's address, with these edges:
+addresses, which gives each weight's readers. H2D copy nodes are then added, from the
+pinned host store to the weights' addresses (``plan_copies``): a weight's granules are
+copied in runs by the unit that held their ring granules earlier in the step, with
+these edges:
 - each copy after the one before it, so one copy at a time runs at the link's rate;
-- each copy after every reader of the units that held its ring granules earlier
-  in the step;
-- each reader of a weight after that weight's copy.
-A replay is one graph launch: the copies run on the copy engine while the kernels
-run, a kernel waits only for its own weights, and nothing in a step maps, unmaps,
-sets access, creates or releases; the host waits once, at the end, for the outputs.
+- each run after every reader of the unit that held its ring granules;
+- each reader of a weight after every run of that weight.
+The part of a copy that lands in the spare granules thus runs while the weight before
+it is still read. The step's leading copies, which wait for no reader, are not in the
+graph: they are issued on the copy stream as soon as the step before ends, while the
+host reads its outputs, and the launch waits for them on an event. A replay is one
+graph launch: the copies run on the copy engine while the kernels run, a kernel waits
+only for its own weights, and nothing in a step maps, unmaps, sets access, creates or
+releases; the host waits once, at the end, for the outputs.
 """
 from __future__ import annotations
 
