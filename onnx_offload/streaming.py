@@ -47,6 +47,7 @@ from .errors import OffloadError
 from .graph_capture import GraphCaptureDecision
 from .model import WeightInfo, save_model
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
+from ._core import DEFAULT_ALIGNMENT as ALIGNMENT  # of each resident slot's start in the arena
 from .residency import Counters
 from .segmenter import Segment
 
@@ -173,12 +174,14 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
     else:
         raise StreamingUnavailable(f"the streaming engine fixes the resident set; policy {policy!r} changes it "
                                    f"every step")
-    must = set(shared)
+    # Weights several nodes read stay resident, and so do empty ones: they cost no bytes,
+    # and a unit of no granules has nothing to put in the ring.
+    must = set(shared) | {w.name for w in weights if w.nbytes == 0}
     resident: List[str] = [w.name for w in order if w.name in must]
     left = collections.Counter(w.nbytes for w in weights if w.name not in must)
-    if resident and cost(resident) + ring_for(max(left, default=0)) > allowance:
-        raise StreamingUnavailable(f"the weights budget of {allowance} bytes cannot hold the {len(resident)} weights "
-                                   f"read by several nodes ({cost(resident)} bytes) and a ring")
+    if set(shared) and cost(resident) + ring_for(max(left, default=0)) > allowance:
+        raise StreamingUnavailable(f"the weights budget of {allowance} bytes cannot hold the {len(set(shared))} "
+                                   f"weights read by several nodes ({cost(resident)} bytes) and a ring")
     for w in candidates:
         if w.name in must:
             continue
@@ -190,7 +193,7 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
         else:
             left[w.nbytes] += 1
     if policy == "planned":
-        resident = _fill(order, resident, must, allowance, cost, ring_for, candidates)
+        resident = _fill(order, resident, must, allowance, granularity, cost, ring_for, candidates)
     streamed = [w for w in order if w.name not in set(resident)]
     largest = max((w.nbytes for w in streamed), default=0)
     ring = ring_for(largest)
@@ -204,14 +207,15 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
     return StreamPlan([w.name for w in order if w.name in keep], units, ring, allowance)
 
 
-FILL_UNITS = 1 << 16  # the fill's resolution: the room left, in at most this many steps
+FILL_CELLS = 1 << 16  # the fill's resolution: the room left, in at most this many steps
+FILL_MASKS = 64 << 20  # the most bits the fill keeps to tell which sizes it took
 # What one more streamed weight costs a step beyond its bytes, in bytes the link moves
 # in that time: a copy node's own overhead, about 10 us on the H200. The fill trades
 # bytes against copies at this rate.
 COPY_COST = 512 << 10
 
 
-def _fill(order: Sequence[WeightInfo], resident: List[str], must, allowance: int,
+def _fill(order: Sequence[WeightInfo], resident: List[str], must, allowance: int, granularity: int,
           cost: Callable[[Sequence[str]], int], ring_for: Callable[[int], int],
           candidates: Sequence[WeightInfo]) -> List[str]:
     """The resident set that fills the weights budget best, for the ring `resident`
@@ -233,40 +237,50 @@ def _fill(order: Sequence[WeightInfo], resident: List[str], must, allowance: int
     # The weights above the ring's size stay as they are; those up to it are chosen again.
     fixed = [n for n in resident if n in must or bytes_of[n] > largest]
     free = [w for w in candidates if w.name not in must and w.nbytes <= largest]
-    room = allowance - ring_for(largest) - cost(fixed)
+
+    def slot(n: int) -> int:  # what a weight adds to a pack: its bytes, from an aligned start
+        return -(-n // ALIGNMENT) * ALIGNMENT
+
+    # A pack costs its aligned bytes rounded up to a granule: the room is what is left of
+    # the whole granules the budget holds beside the ring.
+    room = (allowance - ring_for(largest)) // granularity * granularity - sum(slot(bytes_of[n]) for n in fixed)
     if room <= 0 or not free:
         return resident
-    q = max(1, -(-room // FILL_UNITS))
-    cap = room // q
     by_size: Dict[int, List[WeightInfo]] = collections.defaultdict(list)
     for w in free:
         by_size[w.nbytes].append(w)
     # Binary splitting: c weights of one size become items of 1, 2, 4, ... weights.
-    items: List[Tuple[int, int, int]] = []  # (size, how many, steps they take)
+    items: List[Tuple[int, int]] = []  # (size, how many)
     for size, ws in by_size.items():
         c, k = len(ws), 1
         while c > 0:
             take = min(k, c)
-            items.append((size, take, -(-size * take // q)))  # rounded up: what fits in steps fits in bytes
+            items.append((size, take))
             c -= take
             k *= 2
+    cells = max(1, min(FILL_CELLS, FILL_MASKS // len(items)))
+    q = max(1, -(-room // cells))
+    cap = room // q
     worth = np.full(cap + 1, -1, dtype=np.int64)  # the most a fill of each size is worth; -1: none
     worth[0] = 0
-    history = []
-    for size, take, steps in items:
-        history.append(worth.copy())
+    took = []  # per item, packed: where it raised the worth
+    steps_of = []
+    for size, take in items:
+        steps = -(-slot(size) * take // q)  # rounded up: what fits in steps fits in bytes
+        steps_of.append(steps)
+        raised = np.zeros(cap + 1, dtype=bool)
         if steps <= cap:
-            before = history[-1][:cap + 1 - steps]
+            before = worth[:cap + 1 - steps]
             gain = np.where(before >= 0, before + take * (size + COPY_COST), -1)
+            raised[steps:] = gain > worth[steps:]
             worth[steps:] = np.maximum(worth[steps:], gain)
+        took.append(np.packbits(raised))
     at = int(np.argmax(worth))
     count: Dict[int, int] = collections.Counter()
-    after = worth
-    for (size, take, steps), before in zip(reversed(items), reversed(history)):
-        if after[at] != before[at]:  # this item raised the best fill's worth: it is in it
+    for (size, take), steps, bits in zip(reversed(items), reversed(steps_of), reversed(took)):
+        if bits[at >> 3] & (0x80 >> (at & 7)):  # this item raised the best fill's worth: it is in it
             count[size] += take
             at -= steps
-        after = before
     chosen_set = set(fixed)
     for size, ws in by_size.items():
         chosen_set.update(w.name for w in ws[:count[size]])
