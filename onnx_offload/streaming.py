@@ -53,8 +53,8 @@ from .segmenter import Segment
 
 # The ring's floor, as a share of the weights budget. Decode is bound by the link (on
 # the H200 a 23 MB weight copies in 0.4 ms and its reader takes microseconds), so a
-# ring above the largest streamed weight measured no faster and only took bytes from
-# the resident weights: the floor is 0.
+# ring that holds several weights measured no faster than one with a few spare
+# granules (below) and only took bytes from the resident weights: the floor is 0.
 RING_FRACTION = 0.0
 # Granules the ring holds beyond the largest streamed weight. A weight's copy that
 # reuses the granules of the weight before it must wait for that weight's reader (the
@@ -654,7 +654,8 @@ class StreamEngine:
         self.graph_steps += 1
         self._count_step()
         # The next step's lead copies run while the caller works on this one's outputs:
-        # they land in ring granules no reader of theirs has yet.
+        # nothing reads the granules they land in before the next launch, which waits
+        # for them.
         self._issue_lead(g.lead)
 
     def _count_step(self) -> None:
