@@ -65,6 +65,16 @@ def h2d_bandwidth(backend, stream, pinned: PinnedBuffer, nbytes: int, reps: int 
     return nbytes / (statistics.median(ms) / 1e3)
 
 
+def pinned_h2d(kind: str, nbytes: int) -> float:
+    """Pinned H2D bytes/s on a backend of its own, from a pinned buffer of `nbytes`."""
+    backend = _backend(kind)
+    pinned = PinnedBuffer(backend, nbytes)
+    try:
+        return h2d_bandwidth(backend, backend.create_stream(), pinned, nbytes)
+    finally:
+        pinned.close()
+
+
 def _delta(after: _core.DriverCounters, before: _core.DriverCounters, *keys) -> int:
     return sum(getattr(after, k) - getattr(before, k) for k in keys)
 

@@ -27,7 +27,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from .bench import PinnedBuffer, _backend, h2d_bandwidth
+from .bench import pinned_h2d
 from .bench_decode import WARMUP, in_process_of_its_own, setup
 from .config import GiB, MiB
 from .stats import fmt_bytes, table
@@ -88,7 +88,9 @@ def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, ca
                 d1, c1, g1 = st.driver.as_dict(), st.counters, st.graph_steps
         steps = np.diff(stamps) * 1e3
         measured = new - 2 - WARMUP
-        h2d = row_h2d(kind)
+        # The link's rate drifts by several percent over minutes on a shared host: a row's
+        # bound holds the rate its own copies saw, measured right after its decode.
+        h2d = pinned_h2d(kind, 256 * MiB)
         access = c1.access_bytes - c0.access_bytes
         st = s.stats()
         snap = st.ledger.zones
@@ -102,18 +104,6 @@ def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, ca
                     tokens=np.stack(tokens, 1))
     finally:
         s.close()
-
-
-def row_h2d(kind: str) -> float:
-    """Pinned H2D bytes/s, measured in the row's own process right after its decode:
-    the link's rate drifts by several percent over minutes on a shared host, and a
-    row's bound must hold the rate its own copies saw."""
-    backend = _backend(kind)
-    pinned = PinnedBuffer(backend, 256 * MiB)
-    try:
-        return h2d_bandwidth(backend, backend.create_stream(), pinned, pinned.array.nbytes)
-    finally:
-        pinned.close()
 
 
 def accelerate_row(shape: dict, ids: np.ndarray, new: int, weights: int, fraction: float) -> Dict:

@@ -30,7 +30,7 @@ from typing import Dict, List
 import numpy as np
 import onnxruntime as ort
 
-from .bench import PinnedBuffer, _backend, h2d_bandwidth
+from .bench import pinned_h2d
 from .config import GiB, MiB
 from .stats import fmt_bytes, table
 
@@ -71,11 +71,7 @@ def setup(kind: str, out_dir: str, prompt: int, new: int) -> tuple:
     path, shape = build_model(kind, out_dir)
     print(f"  model ready in {time.perf_counter() - t:.1f} s", flush=True)
     weights = os.path.getsize(path + ".data")
-    backend = _backend(kind)
-    pinned = PinnedBuffer(backend, GiB if kind == "cuda" else 128 * MiB)
-    bw = h2d_bandwidth(backend, backend.create_stream(), pinned, pinned.array.nbytes)
-    pinned.close()
-    del backend
+    bw = pinned_h2d(kind, GiB if kind == "cuda" else 128 * MiB)
     ids = np.random.default_rng(0).integers(0, shape["vocab"], (1, prompt))
     a = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new, kind=kind)
     print(f"  anchor: {a['ms_per_token']:.2f} ms/token; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)

@@ -18,7 +18,7 @@ import onnx
 import onnxruntime as ort
 
 from .errors import StateError
-from .ortvalues import IOInfo, detached
+from .ortvalues import IOInfo, check_required, detached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +180,7 @@ class InferenceSessionMembers:
         callback(outputs, user_data, error message), the message empty on success."""
         self._check_open()
         # ORT refuses missing inputs before it returns; every other error reaches the callback.
-        missing = [n for n in self._required_inputs if n not in input_feed]
-        if missing:
-            raise ValueError(f"Required inputs ({missing}) are missing from input feed ({list(input_feed)}).")
+        check_required(self._required_inputs, input_feed)
 
         def work():
             try:

@@ -187,14 +187,19 @@ def as_arrays(inputs: Sequence[IOInfo], feeds) -> dict:
     return out
 
 
+def check_required(required: Sequence[str], feeds) -> None:
+    """Raises what ORT's Python layer raises when a required input is not fed."""
+    missing = [n for n in required if n not in feeds]
+    if missing:
+        raise ValueError(f"Required inputs ({missing}) are missing from input feed ({list(feeds)}).")
+
+
 def check_feeds(required: Sequence[str], inputs: Sequence[IOInfo], known_outputs: Sequence[str], feeds,
                 output_names) -> None:
     """Raises what ORT raises for feeds or output names that do not match the graph:
     an unknown or missing name, a wrong element type, rank or fixed dimension."""
     by_name = {i.name: i for i in inputs}
-    missing = [n for n in required if n not in feeds]  # ORT's Python layer checks this first
-    if missing:
-        raise ValueError(f"Required inputs ({missing}) are missing from input feed ({list(feeds)}).")
+    check_required(required, feeds)  # ORT's Python layer checks this first
     unknown = [n for n in feeds if n not in by_name]
     if unknown:
         raise InvalidArgument(f"Invalid input name: {unknown[0]} (the model's inputs are {list(by_name)})")

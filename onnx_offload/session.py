@@ -520,13 +520,11 @@ class OffloadSession(InferenceSessionMembers):
                                   f"it is a weight in a slot: overriding it is not supported (its value would be "
                                   f"ignored)")
 
-    def _check_call(self, input_feed, output_names, always: bool = False) -> None:
+    def _check_call(self, input_feed, output_names) -> None:
         """What ORT checks of a call, raising what ORT raises, where ORT does not check
-        it itself (or `always`, for a check that must come before the call returns)."""
-        plain = self._runner.plain  # ORT then checks feeds and applies overridden initializers itself
-        if not plain:
+        it itself."""
+        if not self._runner.plain:  # else ORT checks feeds and applies overridden initializers itself
             self._refuse_overrides(input_feed)
-        if not plain or always:
             check_feeds(self._required_inputs, self._graph_inputs, [o.name for o in self._graph_outputs],
                         input_feed, output_names)
 

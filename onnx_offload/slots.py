@@ -113,7 +113,6 @@ class SlotKind:
     stable_addresses = True
     alignment = _core.DEFAULT_ALIGNMENT  # of each slot's address in the arena
 
-
     def make(self, arena, key: str, length: int):
         return _core.WeightSlot(arena, key, length, self.alignment, "weights")
 

@@ -41,13 +41,14 @@ import dataclasses
 import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import onnxruntime as ort
 
+from ._core import DEFAULT_ALIGNMENT as ALIGNMENT, round_up  # ALIGNMENT: of each resident slot's start
 from .errors import OffloadError
 from .graph_capture import GraphCaptureDecision
 from .model import WeightInfo, save_model
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
-from ._core import DEFAULT_ALIGNMENT as ALIGNMENT  # of each resident slot's start in the arena
 from .residency import Counters
 from .segmenter import Segment
 
@@ -89,10 +90,6 @@ def choose_engine(config, on_cuda: bool, streaming: bool, stable: bool, capture:
     if config.engine == "graph":
         raise StreamingUnavailable(f"engine='graph' cannot run this session: {why}")
     return "segments"
-
-
-def _round_up(n: int, g: int) -> int:
-    return -(-n // g) * g
 
 
 def _bit_reversed(i: int) -> float:
@@ -144,10 +141,10 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
     since a replayed graph copies the same weights every step.
     """
     order = sorted(weights, key=lambda w: (w.first_use, w.name))
-    floor = _round_up(int(allowance * RING_FRACTION), granularity)
+    floor = round_up(int(allowance * RING_FRACTION), granularity)
 
     def ring_for(largest: int) -> int:
-        return max(_round_up(largest, granularity) + RING_SLACK * granularity, floor) if largest else 0
+        return max(round_up(largest, granularity) + RING_SLACK * granularity, floor) if largest else 0
 
     if policy == "planned":
         # The few weights far above the typical size first (one streamed would size the
@@ -202,7 +199,7 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
                                    f"streamed weight ({largest} bytes)")
     # One weight per unit, from a granule boundary: ORT may read weights in another
     # order than the model lists them, and a unit never shares a granule with another.
-    units = [Unit([w.name], [0], w.nbytes, _round_up(w.nbytes, granularity) // granularity) for w in streamed]
+    units = [Unit([w.name], [0], w.nbytes, round_up(w.nbytes, granularity) // granularity) for w in streamed]
     keep = set(resident)
     return StreamPlan([w.name for w in order if w.name in keep], units, ring, allowance)
 
@@ -226,8 +223,6 @@ def _fill(order: Sequence[WeightInfo], resident: List[str], must, allowance: int
     the fill takes more copies only for more bytes than they cost. Within a size,
     residents are taken in `candidates` order, so the streamed ones stay spread over the
     step. Returns `resident` unless the fill is worth more and fits."""
-    import numpy as np
-
     keep = set(resident)
     bytes_of = {w.name: w.nbytes for w in order}
     streamed = [w for w in order if w.name not in keep]
@@ -237,13 +232,10 @@ def _fill(order: Sequence[WeightInfo], resident: List[str], must, allowance: int
     # The weights above the ring's size stay as they are; those up to it are chosen again.
     fixed = [n for n in resident if n in must or bytes_of[n] > largest]
     free = [w for w in candidates if w.name not in must and w.nbytes <= largest]
-
-    def slot(n: int) -> int:  # what a weight adds to a pack: its bytes, from an aligned start
-        return -(-n // ALIGNMENT) * ALIGNMENT
-
-    # A pack costs its aligned bytes rounded up to a granule: the room is what is left of
-    # the whole granules the budget holds beside the ring.
-    room = (allowance - ring_for(largest)) // granularity * granularity - sum(slot(bytes_of[n]) for n in fixed)
+    # A pack costs each weight's bytes from an aligned start, rounded up to a granule:
+    # the room is what is left of the whole granules the budget holds beside the ring.
+    room = (allowance - ring_for(largest)) // granularity * granularity - sum(
+        round_up(bytes_of[n], ALIGNMENT) for n in fixed)
     if room <= 0 or not free:
         return resident
     by_size: Dict[int, List[WeightInfo]] = collections.defaultdict(list)
@@ -266,7 +258,7 @@ def _fill(order: Sequence[WeightInfo], resident: List[str], must, allowance: int
     took = []  # per item, packed: where it raised the worth
     steps_of = []
     for size, take in items:
-        steps = -(-slot(size) * take // q)  # rounded up: what fits in steps fits in bytes
+        steps = -(-round_up(size, ALIGNMENT) * take // q)  # rounded up: what fits in steps fits in bytes
         steps_of.append(steps)
         raised = np.zeros(cap + 1, dtype=bool)
         if steps <= cap:

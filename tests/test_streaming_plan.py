@@ -137,14 +137,20 @@ def _copy_plan(fraction: float, slack_granules: int = RING_SLACK):
         address, source, size
 
 
+def _unit_at(units, address, dst: int) -> int:
+    """The unit whose addresses hold `dst`."""
+    return max(range(len(units)), key=lambda i: (address[units[i].names[0]] <= dst, address[units[i].names[0]]))
+
+
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
 def test_the_copies_cover_every_streamed_byte_once_and_wait_for_the_last_reader(fraction):
     units, readers, copies, address, source, size = _copy_plan(fraction)
     by_weight = {}
     for dst, src, n, after, before in copies:
-        name = max((w for w in address if address[w] <= dst), key=lambda w: address[w])
+        i = _unit_at(units, address, dst)
+        name = units[i].names[0]
         assert src - source[name] == dst - address[name]  # the same offset in the host store
-        assert before == reads_of(units, readers, name)
+        assert before == readers[i]
         by_weight.setdefault(name, []).append((dst - address[name], n))
     for u in units:
         runs = sorted(by_weight[u.names[0]])
@@ -161,17 +167,12 @@ def test_the_copies_cover_every_streamed_byte_once_and_wait_for_the_last_reader(
     for dst, src, n, after, before in copies:
         waited.update(after)
         first = dst - dst % G
-        i = None
         for va in range(first, dst + n, G):
             i, gr = g_of[va]
             if gr in holder and holder[gr] != i:
                 assert set(readers[holder[gr]]) <= waited
         for va in range(first, dst + n, G):
             holder[g_of[va][1]] = g_of[va][0]
-
-
-def reads_of(units, readers, name):
-    return next(readers[i] for i, u in enumerate(units) if u.names[0] == name)
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
@@ -181,10 +182,9 @@ def test_each_copy_starts_in_spare_granules_without_waiting_for_the_weight_befor
     units, readers, copies, address, _, _ = _copy_plan(fraction)
     starts = {}
     for c in copies:
-        name = max((w for w in address if address[w] <= c[0]), key=lambda w: address[w])
-        starts.setdefault(name, c)
-    for i, u in enumerate(units[1:], 1):
-        assert not set(readers[i - 1]) & set(starts[u.names[0]][3]), (i, starts[u.names[0]][3])
+        starts.setdefault(_unit_at(units, address, c[0]), c)
+    for i in range(1, len(units)):
+        assert not set(readers[i - 1]) & set(starts[i][3]), (i, starts[i][3])
     # The lead, issued before the step starts: the first weight whole and the start of
     # the second, in the spare granules; no more than the ring holds.
     lead = leading_copies(copies)
@@ -196,8 +196,7 @@ def test_each_copy_starts_in_spare_granules_without_waiting_for_the_weight_befor
     units, readers, copies, address, _, _ = _copy_plan(fraction, slack_granules=0)
     waits = 0
     for c in copies:
-        name = max((w for w in address if address[w] <= c[0]), key=lambda w: address[w])
-        i = next(k for k, u in enumerate(units) if u.names[0] == name)
+        i = _unit_at(units, address, c[0])
         waits += i > 0 and bool(set(readers[i - 1]) & set(c[3]))
     assert waits > 0
 
