@@ -8,12 +8,12 @@ namespace offload {
 
 void PhysicalBackend::inject_failure(const std::string& op, uint64_t after) {
   const std::atomic<uint64_t>* target = nullptr;
-  if (op == "create") target = &counters_.creates;
-  else if (op == "release") target = &counters_.releases;
-  else if (op == "map") target = &counters_.maps;
-  else if (op == "set_access") target = &counters_.set_access;
-  else if (op == "unmap") target = &counters_.unmaps;
-  else if (op == "plain_alloc") target = &counters_.plain_allocs;
+  if (op == "create") target = &counters_->creates;
+  else if (op == "release") target = &counters_->releases;
+  else if (op == "map") target = &counters_->maps;
+  else if (op == "set_access") target = &counters_->set_access;
+  else if (op == "unmap") target = &counters_->unmaps;
+  else if (op == "plain_alloc") target = &counters_->plain_allocs;
   else throw std::invalid_argument(concat("cannot inject a failure into '", op, "'"));
   fail_at_ = target->load() + after;
   fail_op_ = target;
@@ -21,7 +21,7 @@ void PhysicalBackend::inject_failure(const std::string& op, uint64_t after) {
 
 DriverCounters PhysicalBackend::counters() const {
   DriverCounters c;
-#define OFFLOAD_FIELD(name) c.name = counters_.name.load();
+#define OFFLOAD_FIELD(name) c.name = counters_->name.load();
   OFFLOAD_DRIVER_COUNTER_FIELDS(OFFLOAD_FIELD)
 #undef OFFLOAD_FIELD
   return c;

@@ -77,10 +77,13 @@ class DeviceGraph {
 };
 
 // Driver-call counters: how many calls and how long they took (the binding reads this list too).
+// host_waits counts the calls in which the host waits for device work: a stream's or an
+// event's synchronize.
 #define OFFLOAD_DRIVER_COUNTER_FIELDS(_)                                                   \
   _(creates) _(releases) _(maps) _(unmaps) _(set_access)                                  \
   _(create_ns) _(release_ns) _(map_ns) _(unmap_ns) _(set_access_ns)                       \
-  _(plain_allocs) _(plain_frees) _(plain_alloc_ns) _(plain_free_ns)
+  _(plain_allocs) _(plain_frees) _(plain_alloc_ns) _(plain_free_ns)                       \
+  _(host_waits) _(host_wait_ns)
 
 // A copy of the counters at one moment.
 struct DriverCounters {
@@ -88,6 +91,25 @@ struct DriverCounters {
   OFFLOAD_DRIVER_COUNTER_FIELDS(OFFLOAD_FIELD)
 #undef OFFLOAD_FIELD
 };
+
+// The counters as they are kept: shared by a backend and the streams and events it makes,
+// which may outlive it and count their own host waits here.
+struct AtomicDriverCounters {
+#define OFFLOAD_FIELD(name) std::atomic<uint64_t> name{0};
+  OFFLOAD_DRIVER_COUNTER_FIELDS(OFFLOAD_FIELD)
+#undef OFFLOAD_FIELD
+};
+using SharedCounters = std::shared_ptr<AtomicDriverCounters>;
+
+// Runs `wait`, a host wait, and counts it in `c` once it has returned.
+template <typename F>
+void counted_wait(AtomicDriverCounters& c, F&& wait) {
+  auto t0 = std::chrono::steady_clock::now();
+  wait();
+  c.host_wait_ns +=
+      uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  ++c.host_waits;
+}
 
 class PhysicalBackend {
  private:
@@ -112,21 +134,21 @@ class PhysicalBackend {
   virtual void free_reservation(uint64_t va, uint64_t bytes) noexcept = 0;
 
   // Physical handles and mappings, counted and timed.
-  uint64_t create(uint64_t bytes) { return timed(counters_.creates, counters_.create_ns, [&] { return do_create(bytes); }); }
-  void release(uint64_t handle) { timed(counters_.releases, counters_.release_ns, [&] { do_release(handle); return 0; }); }
+  uint64_t create(uint64_t bytes) { return timed(counters_->creates, counters_->create_ns, [&] { return do_create(bytes); }); }
+  void release(uint64_t handle) { timed(counters_->releases, counters_->release_ns, [&] { do_release(handle); return 0; }); }
   void map(uint64_t va, uint64_t bytes, uint64_t handle) {
-    timed(counters_.maps, counters_.map_ns, [&] { do_map(va, bytes, handle); return 0; });
+    timed(counters_->maps, counters_->map_ns, [&] { do_map(va, bytes, handle); return 0; });
   }
   void set_access(uint64_t va, uint64_t bytes) {
-    timed(counters_.set_access, counters_.set_access_ns, [&] { do_set_access(va, bytes); return 0; });
+    timed(counters_->set_access, counters_->set_access_ns, [&] { do_set_access(va, bytes); return 0; });
   }
-  void unmap(uint64_t va, uint64_t bytes) { timed(counters_.unmaps, counters_.unmap_ns, [&] { do_unmap(va, bytes); return 0; }); }
+  void unmap(uint64_t va, uint64_t bytes) { timed(counters_->unmaps, counters_->unmap_ns, [&] { do_unmap(va, bytes); return 0; }); }
   // Plain allocations (the cudaMalloc-per-page-in baseline), counted the same way.
   uint64_t plain_alloc(uint64_t bytes) {
-    return timed(counters_.plain_allocs, counters_.plain_alloc_ns, [&] { return do_plain_alloc(bytes); });
+    return timed(counters_->plain_allocs, counters_->plain_alloc_ns, [&] { return do_plain_alloc(bytes); });
   }
   void plain_free(uint64_t ptr, uint64_t bytes) {
-    timed(counters_.plain_frees, counters_.plain_free_ns, [&] { do_plain_free(ptr, bytes); return 0; });
+    timed(counters_->plain_frees, counters_->plain_free_ns, [&] { do_plain_free(ptr, bytes); return 0; });
   }
 
   // Streams, events and copies.
@@ -165,6 +187,8 @@ class PhysicalBackend {
   virtual void enqueue_delay(Stream& s, uint32_t ms) = 0;
 
  protected:
+  // For the streams and events a backend makes: they count their host waits here.
+  const SharedCounters& shared_counters() const { return counters_; }
   virtual uint64_t do_create(uint64_t bytes) = 0;
   virtual void do_release(uint64_t handle) = 0;
   virtual void do_map(uint64_t va, uint64_t bytes, uint64_t handle) = 0;
@@ -174,13 +198,8 @@ class PhysicalBackend {
   virtual void do_plain_free(uint64_t ptr, uint64_t bytes) = 0;
 
  private:
-  struct AtomicCounters {
-#define OFFLOAD_FIELD(name) std::atomic<uint64_t> name{0};
-    OFFLOAD_DRIVER_COUNTER_FIELDS(OFFLOAD_FIELD)
-#undef OFFLOAD_FIELD
-  };
   void maybe_fail(const std::atomic<uint64_t>& calls);
-  AtomicCounters counters_;
+  SharedCounters counters_ = std::make_shared<AtomicDriverCounters>();
   std::atomic<const std::atomic<uint64_t>*> fail_op_{nullptr};
   std::atomic<uint64_t> fail_at_{0};
 };

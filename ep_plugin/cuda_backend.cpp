@@ -41,7 +41,8 @@ using ContextRef = std::shared_ptr<const PrimaryContext>;
 // forgotten. ORT sessions given the stream as user_compute_stream must be gone by then.
 class CudaStream : public Stream {
  public:
-  CudaStream(ContextRef ctx, CUstream s, bool owned) : ctx_(std::move(ctx)), s_(s), owned_(owned) {}
+  CudaStream(ContextRef ctx, CUstream s, bool owned, SharedCounters counters)
+      : ctx_(std::move(ctx)), s_(s), owned_(owned), counters_(std::move(counters)) {}
   ~CudaStream() override {
     if (owned_ && s_ != nullptr) {
       CU_WARN(DRV(cuCtxSetCurrent)(ctx_->get()));
@@ -56,7 +57,7 @@ class CudaStream : public Stream {
   void synchronize() override {
     CUstream s = get();
     ctx_->make_current();
-    CU_CHECK(DRV(cuStreamSynchronize)(s));
+    counted_wait(*counters_, [&] { CU_CHECK(DRV(cuStreamSynchronize)(s)); });
   }
   bool is_capturing() override {
     if (closed_) return false;
@@ -82,6 +83,7 @@ class CudaStream : public Stream {
   ContextRef ctx_;
   CUstream s_;
   bool owned_;
+  SharedCounters counters_;
   std::mutex close_mu_;
   std::atomic<bool> closed_{false};
 };
@@ -94,7 +96,7 @@ CUstream raw(Stream& s) {
 
 class CudaEvent : public Event {
  public:
-  explicit CudaEvent(ContextRef ctx) : ctx_(std::move(ctx)) {
+  CudaEvent(ContextRef ctx, SharedCounters counters) : ctx_(std::move(ctx)), counters_(std::move(counters)) {
     ctx_->make_current();
     CU_CHECK(DRV(cuEventCreate)(&e_, CU_EVENT_DEFAULT));
   }
@@ -115,7 +117,7 @@ class CudaEvent : public Event {
   }
   void synchronize() override {
     ctx_->make_current();
-    CU_CHECK(DRV(cuEventSynchronize)(e_));
+    counted_wait(*counters_, [&] { CU_CHECK(DRV(cuEventSynchronize)(e_)); });
   }
   void wait_on(Stream& s) override {
     ctx_->make_current();
@@ -132,6 +134,7 @@ class CudaEvent : public Event {
 
  private:
   ContextRef ctx_;
+  SharedCounters counters_;
   CUevent e_ = nullptr;
 };
 
@@ -213,8 +216,7 @@ class CudaGraph : public DeviceGraph {
   std::string kernel_name(int node) override {
     ctx_->make_current();
     CUgraphNode n = node_at(node);
-    CUgraphNodeType t;
-    CU_CHECK(DRV(cuGraphNodeGetType)(n, &t));
+    const CUgraphNodeType t = types_[size_t(node)];
     if (t != CU_GRAPH_NODE_TYPE_KERNEL) return concat("(node type ", int(t), ")");
     CUDA_KERNEL_NODE_PARAMS p{};
     CU_CHECK(DRV(cuGraphKernelNodeGetParams)(n, &p));
@@ -431,12 +433,12 @@ class CudaBackend : public PhysicalBackend {
     current();
     CUstream s = nullptr;
     CU_CHECK(DRV(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING));
-    return std::make_shared<CudaStream>(ctx_, s, true);
+    return std::make_shared<CudaStream>(ctx_, s, true, shared_counters());
   }
   std::shared_ptr<Stream> wrap_stream(uint64_t native) override {
-    return std::make_shared<CudaStream>(ctx_, reinterpret_cast<CUstream>(uintptr_t(native)), false);
+    return std::make_shared<CudaStream>(ctx_, reinterpret_cast<CUstream>(uintptr_t(native)), false, shared_counters());
   }
-  std::shared_ptr<Event> create_event() override { return std::make_shared<CudaEvent>(ctx_); }
+  std::shared_ptr<Event> create_event() override { return std::make_shared<CudaEvent>(ctx_, shared_counters()); }
   void copy_h2d(uint64_t dst, const void* src, uint64_t n, Stream& s) override {
     current();
     CU_CHECK(DRV(cuMemcpyHtoDAsync)(CUdeviceptr(dst), src, n, raw(s)));

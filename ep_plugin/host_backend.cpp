@@ -71,7 +71,7 @@ using Task = std::function<void()>;
 // guards the queue; a task never takes either, so the join cannot wait on itself.
 class HostStream : public Stream {
  public:
-  explicit HostStream(uint64_t id) : id_(id), worker_([this] { run(); }) {}
+  HostStream(uint64_t id, SharedCounters counters) : id_(id), counters_(std::move(counters)), worker_([this] { run(); }) {}
   ~HostStream() override {
     try {
       close();
@@ -95,7 +95,7 @@ class HostStream : public Stream {
   void synchronize() override {
     auto f = std::make_shared<Fence>();
     enqueue([f] { f->signal(); });
-    f->wait();
+    counted_wait(*counters_, [&] { f->wait(); });
   }
   bool is_capturing() override {
     std::lock_guard<std::mutex> g(mu_);
@@ -154,6 +154,7 @@ class HostStream : public Stream {
     }
   }
   uint64_t id_;
+  SharedCounters counters_;
   std::mutex close_mu_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -172,7 +173,9 @@ HostStream& as_host(Stream& s) {
 
 class HostEvent : public Event {
  public:
-  HostEvent() { fence_->signal(); }  // like a CUDA event never recorded: complete
+  explicit HostEvent(SharedCounters counters) : counters_(std::move(counters)) {
+    fence_->signal();  // like a CUDA event never recorded: complete
+  }
   void record(Stream& s) override {
     auto f = std::make_shared<Fence>();
     as_host(s).enqueue([f] { f->signal(); });  // first: a refused record leaves the event as it was
@@ -180,7 +183,10 @@ class HostEvent : public Event {
     fence_ = f;
   }
   bool query() override { return current()->done(); }
-  void synchronize() override { current()->wait(); }
+  void synchronize() override {
+    auto f = current();
+    counted_wait(*counters_, [&] { f->wait(); });
+  }
   void wait_on(Stream& s) override {
     auto f = current();
     as_host(s).enqueue([f] { f->wait(); });
@@ -197,6 +203,7 @@ class HostEvent : public Event {
     std::lock_guard<std::mutex> g(mu_);
     return fence_;
   }
+  SharedCounters counters_;
   std::mutex mu_;
   std::shared_ptr<Fence> fence_ = std::make_shared<Fence>();
 };
@@ -241,11 +248,11 @@ class HostBackend : public PhysicalBackend {
     munmap(reinterpret_cast<void*>(va), round_up(bytes, gran_));
   }
 
-  std::shared_ptr<Stream> create_stream() override { return std::make_shared<HostStream>(++next_stream_); }
+  std::shared_ptr<Stream> create_stream() override { return std::make_shared<HostStream>(++next_stream_, shared_counters()); }
   std::shared_ptr<Stream> wrap_stream(uint64_t) override {
     throw std::invalid_argument("the host backend has no foreign streams to wrap");
   }
-  std::shared_ptr<Event> create_event() override { return std::make_shared<HostEvent>(); }
+  std::shared_ptr<Event> create_event() override { return std::make_shared<HostEvent>(shared_counters()); }
   void copy_h2d(uint64_t dst, const void* src, uint64_t n, Stream& s) override {
     as_host(s).enqueue([=] { std::memcpy(reinterpret_cast<void*>(dst), src, n); });
   }

@@ -98,6 +98,7 @@ def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, ca
                     ms_per_token=float(np.median(steps[WARMUP:])), prompt_ms=(stamps[0] - t0) * 1e3,
                     byte_hit_rate=(c1.hit_bytes - c0.hit_bytes) / access if access else 1.0,
                     driver_per_step={k: (d1[k] - d0[k]) / measured for k in STEADY},
+                    host_waits_per_step=(d1["host_waits"] - d0["host_waits"]) / measured,
                     graph_steps=(g1 - g0) / measured, peak_device=free0 - low[0],
                     ort_bytes=st.outside_bytes, peak_committed=st.peak_committed,
                     weights_budget=snap["weights"].allowance + snap["transient"].reserve, h2d_gbps=h2d / 1e9,
@@ -209,7 +210,7 @@ NAMES = {"graph": "OffloadSession (streaming engine)", "baseline": "non-VMM base
 def print_compare(res: Dict) -> str:
     a = res["anchor"]
     rows: List = [("100%", "plain ORT, all resident (anchor)", f"{a['ms_per_token']:.2f}",
-                   f"{1e3 / a['ms_per_token']:.1f}", "-", "-", "-", "-", "-", "-", "-", "-")]
+                   f"{1e3 / a['ms_per_token']:.1f}", "-", "-", "-", "-", "-", "-", "-", "-", "-")]
     for r in res["rows"]:
         driver = r.get("driver_per_step")
         name = NAMES[r["engine"]] if r.get("ran", "graph") == "graph" or r["engine"] != "graph" else \
@@ -221,15 +222,18 @@ def print_compare(res: Dict) -> str:
                      f"{r['vs_accelerate']:.1f}x" if r.get("vs_accelerate") else "-",
                      f"{r['byte_hit_rate']:.1%}" if "byte_hit_rate" in r else "-",
                      f"{sum(driver.values()):.1f}" if driver else "-",
+                     f"{r['host_waits_per_step']:.1f}" if "host_waits_per_step" in r else "-",
                      "-" if r["tokens_equal"] is None else ("yes" if r["tokens_equal"] else "NO")))
     text = (f"compare on {res['kind']}: {fmt_bytes(res['weights'])} of weights (TinyLlama shape, builder layout), "
             f"prompt {res['prompt']}, {res['new']} new tokens ({res['accelerate_new']} for accelerate), batch 1; "
             f"pinned H2D {res['h2d_gbps']:.1f} GB/s at the start; bound = max(anchor ms/token, (1 - f) x weights / "
             f"H2D), with the H2D that each row measured in its own process right after its decode (the start's "
             f"for accelerate); "
-            f"peak device = all the process took after its CUDA context\n"
+            f"peak device = all the process took after its CUDA context; host waits = the package's stream and "
+            f"event synchronizes (ORT's copy of the logits to the host is not counted)\n"
             + table(rows, ("weight budget", "engine", "ms/token", "tokens/s", "H2D GB/s", "bound ms", "vs bound", "peak device",
-                           "vs accelerate", "byte hit", "driver calls/step", "= anchor tokens")))
+                           "vs accelerate", "byte hit", "driver calls/step", "host waits/step",
+                           "= anchor tokens")))
     for f in res.get("failures", ()):
         text += f"\nFAILED {f}"
     if res["accelerate"] != "ran":

@@ -96,6 +96,7 @@ class OffloadStats:
             ("htod", f"{fmt_bytes(c.htod_bytes)} in {c.htod_ms:.2f} ms"),
             ("vram_alloc / vram_free", f"{self.vram_alloc_ms:.2f} ms / {self.vram_free_ms:.2f} ms"),
             ("driver creates / releases", f"{self.driver.creates} / {self.driver.releases}"),
+            ("host waits (synchronizes)", f"{self.driver.host_waits} in {self.driver.host_wait_ns / 1e6:.2f} ms"),
             ("budget", fmt_bytes(self.ledger.budget)),
             ("peak committed", fmt_bytes(self.peak_committed)),
             ("peak content", fmt_bytes(self.peak_content)),

@@ -152,6 +152,26 @@ def test_decommit_waits_for_the_last_reader(rig_factory):
     assert stats.unmaps_before_reader == 0
 
 
+def test_host_waits_are_counted_with_their_time(rig_factory):
+    rig = rig_factory(budget=8 * MiB)
+    b = rig.backend
+    ev = b.create_event()
+    before = b.counters()
+    b.enqueue_delay(rig.stream, 30)
+    ev.record(rig.stream)
+    ev.synchronize()  # waits out the delay
+    rig.stream.synchronize()
+    assert ev.query()  # no wait
+    after = b.counters()
+    assert after.host_waits - before.host_waits == 2
+    assert after.host_wait_ns - before.host_wait_ns >= 25e6
+    other = b.create_stream()
+    other.close()
+    with pytest.raises(StateError, match="closed"):
+        other.synchronize()  # refused: no wait, not counted
+    assert b.counters().host_waits == after.host_waits
+
+
 def test_unmap_before_a_running_reader_is_counted(rig_factory):
     """unmaps_before_reader is a real check: skipping the reader wait (a test hook) makes
     it count. The reader's event only follows a delay, so nothing reads the unmapped memory."""
