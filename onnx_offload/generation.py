@@ -4,8 +4,9 @@
 ``input_ids``, ``attention_mask``, ``past_key_values.N.key/value`` in, ``logits`` and
 ``present.N.key/value`` out, and ``position_ids`` when the model takes them. A graph
 with ``GroupQueryAttention`` is onnxruntime-genai's builder layout (the cache is shared
-between past and present); any other is standard attention (the cache grows in
-buckets). ``genai_config.json`` beside the model supplies what the graph leaves
+between past and present); any other is standard attention: with position_ids the
+cache grows in buckets; without, the model may count positions from the past's
+length, so the past is fed at its exact length. ``genai_config.json`` beside the model supplies what the graph leaves
 symbolic (head counts, the context length) and the EOS ids.
 
 A generation runs the prompt uncaptured, then one step per token at fixed shapes and
@@ -29,16 +30,17 @@ import onnxruntime as ort
 
 from .errors import UnsupportedModel
 from .interrupts import deferred_interrupts
-from .kv_cache import BucketKV, DeviceBuffers, SharedKV, peak_bytes, write
-from .ortvalues import IOInfo
+from .kv_cache import BucketKV, DeviceBuffers, ExactKV, SharedKV, bucket_for, peak_bytes, write
+from .ortvalues import FixedBuffer, IOInfo
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _GENERATIONS = itertools.count()  # names each generation's step plans
+MAX_POSITIONS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderSpec:
-    layout: str  # "gqa" (shared past/present) or "standard" (bucketed)
+    layout: str  # "gqa" (shared past/present), "standard" (bucketed) or "exact" (the past at its length)
     layers: int
     kv_heads: int
     head_size: int
@@ -128,10 +130,28 @@ def decoder_spec(inputs: Sequence[IOInfo], outputs: Sequence[IOInfo], op_types, 
     past0 = ins["past_key_values.0.key"]
     kv_heads = _dim(past0, 1, cfg.get("kv_heads"), "the KV head count")
     head_size = _dim(past0, 3, cfg.get("head_size"), "the head size")
+    for i in range(max(layers) + 1):
+        for kv in ("key", "value"):
+            info = ins[f"past_key_values.{i}.{kv}"]
+            rank = len(info.shape) if info.shape else None  # [] or None: not declared
+            if rank not in (None, 4):
+                raise UnsupportedModel(f"generate() feeds the past as [batch, kv_heads, length, head_size]; "
+                                       f"{info.name} has rank {rank}")
+            got = [info.shape[a] if rank else None for a in (1, 3)]
+            differs = any(isinstance(g, int) and g != w for g, w in zip(got, (kv_heads, head_size)))
+            if differs or info.dtype != past0.dtype:
+                raise UnsupportedModel(
+                    f"generate() keeps one KV shape and type for every layer, keys and values: {info.name} is "
+                    f"{info.type} [.., {got[0]}, .., {got[1]}], {past0.name} {past0.type} [.., {kv_heads}, .., "
+                    f"{head_size}]")
+    logits = outs["logits"]
+    if logits.shape and len(logits.shape) not in (2, 3):
+        raise UnsupportedModel(f"generate() reads logits as [batch, sequence, vocab] or, of the last position "
+                               f"only, [batch, vocab]; this model's have rank {len(logits.shape)}")
     bounds = [n for n in (cfg.get("max_length"), rotary_rows) if n]
-    vocab = outs["logits"].shape[-1] if outs["logits"].shape else None
-    return DecoderSpec("gqa" if "GroupQueryAttention" in op_types else "standard", max(layers) + 1, kv_heads,
-                       head_size, past0.dtype, outs["logits"].dtype, "position_ids" in ins,
+    vocab = logits.shape[-1] if logits.shape else None
+    layout = "gqa" if "GroupQueryAttention" in op_types else "standard" if "position_ids" in ins else "exact"
+    return DecoderSpec(layout, max(layers) + 1, kv_heads, head_size, past0.dtype, logits.dtype, "position_ids" in ins,
                        min(bounds) if bounds else None, cfg.get("eos", ()), dtypes["input_ids"], dtypes["attention_mask"],
                        dtypes["position_ids"], vocab if isinstance(vocab, int) and vocab > 0 else None)
 
@@ -198,7 +218,8 @@ class Generation:
         # the step buffers (ids, positions, mask, logits) in scratch.
         kv_peak = peak_bytes(spec.layout, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt,
                              total, dev.granularity)
-        io_peak = batch * (2 * 8 + 8 * (total + 1) + 4 * (spec.vocab or 0))
+        mask_peak = total if spec.layout == "gqa" else bucket_for(total) + 1
+        io_peak = batch * (2 * 8 + 8 * mask_peak + 4 * (spec.vocab or 0))
         # and, per segment boundary, a mask-sized value (as the mask a split model's
         # layers pass on; the hidden state of one position is smaller), twice: the
         # buffers of each bucket's steps are kept until the generation ends, and the
@@ -215,14 +236,15 @@ class Generation:
                                       spec.kv_dtype)
                 mask_len = total
             else:
-                self.cache = BucketKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype,
-                                      prompt)
+                form = ExactKV if spec.layout == "exact" else BucketKV
+                self.cache = form(self.kv_bufs, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype,
+                                  prompt)
                 mask_len = None
             self.ids = self.io_bufs.new([batch, 1], spec.ids_dtype)
             self.pos = self.io_bufs.new([batch, 1], spec.pos_dtype) if spec.position_ids else None
             self.mask = self.io_bufs.new([batch, mask_len], spec.mask_dtype) if mask_len else None
             self.logits = None
-            self._logits_vocab = None
+            self._logits_shape = None  # the prompt's logits' shape: [b, p, vocab], or [b, vocab] of the last
             self._bound = None  # (key, feeds, outputs) of the decode steps
             # The zero fills are queued on the compute stream; the CPU EP runs on this thread.
             dev.compute_stream.synchronize()
@@ -284,14 +306,17 @@ class Generation:
         if spec.layout != "gqa":
             self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers) for kv in ("key", "value")], p)
         logits = np.asarray(values["logits"].numpy())
-        self._logits_vocab = logits.shape[-1]
-        return logits[:, -1, :].astype(np.float32)
+        self._logits_shape = logits.shape
+        return last_position(logits)
 
     def _decode(self, tokens: np.ndarray, length: int) -> tuple:
         spec, s, b = self.spec, self.session, self.batch
         cur = length - 1  # the new token's position; `cur` positions are cached
         if self.logits is None:
-            self.logits = self.io_bufs.new([b, 1, self._logits_vocab], spec.logits_dtype)
+            self.logits = self.io_bufs.new([b, 1, self._logits_shape[-1]] if len(self._logits_shape) == 3
+                                           else [b, self._logits_shape[-1]], spec.logits_dtype)
+        if spec.layout == "exact":
+            return self._decode_exact(tokens, cur)
         if spec.layout == "gqa":
             mask = np.zeros((b, self.mask.shape[1]), np.int64)
             mask[:, :length] = 1
@@ -332,7 +357,34 @@ class Generation:
             self.cache.append(cur)  # in order on the stream; the next step's write waits for it
         # ORT waited for its work before returning, so the logits are complete; numpy()
         # is a host copy of them.
-        return self.logits.value.numpy()[:, -1, :].astype(np.float32), replayed
+        return last_position(self.logits.value.numpy()), replayed
+
+    def _decode_exact(self, tokens: np.ndarray, cur: int) -> tuple:
+        """A step of the exact layout: the past of `cur` positions as it is, the mask a
+        prefix of a buffer of ones. Its shapes are new every step: it runs uncaptured."""
+        spec, s, b = self.spec, self.session, self.batch
+        self.cache.ensure(cur + 1)
+        writes = [(self.ids, tokens.reshape(b, 1))]
+        if self.mask is None or self.mask.shape[0] < b * (cur + 1):
+            if self.mask is not None:
+                self.io_bufs.free(self.mask)
+                self.mask = None
+            self.mask = self.io_bufs.new([b * (self.cache.capacity + 1)], spec.mask_dtype)
+            writes.append((self.mask, np.ones(self.mask.shape, np.int64)))
+        write(s.device, *writes)
+        mask = FixedBuffer.on(s.device, self.mask.ptr, [b, cur + 1], spec.mask_dtype)
+        feeds = {"input_ids": self.ids.value, "attention_mask": mask.value}
+        outputs = {"logits": self.logits.value}
+        self.cache.bind(feeds, outputs)
+        s._run_bound(feeds, outputs, fixed=False)
+        self.cache.advance()
+        return last_position(self.logits.value.numpy()), False
+
+
+def last_position(logits: np.ndarray) -> np.ndarray:
+    """The last position's logits [batch, vocab], as float32, of [batch, sequence, vocab]
+    logits or of [batch, vocab] ones (a model that returns the last position only)."""
+    return (logits[:, -1, :] if logits.ndim == 3 else logits).astype(np.float32)
 
 
 def check_generate_args(session, input_ids, max_new_tokens, eos_token_id):
@@ -357,6 +409,9 @@ def check_generate_args(session, input_ids, max_new_tokens, eos_token_id):
     if spec.max_length and positions > spec.max_length:
         raise ValueError(f"a prompt of {ids.shape[1]} and {new} new tokens need {positions} positions; the model "
                          f"holds {spec.max_length}")
+    if positions > MAX_POSITIONS:
+        raise ValueError(f"a prompt of {ids.shape[1]} and {new} new tokens need {positions} positions; generate() "
+                         f"holds at most {MAX_POSITIONS} (positions and masks may be int32)")
     if eos_token_id is None:
         eos = spec.eos_token_id
     else:
@@ -381,11 +436,14 @@ def generate_tokens(session, ids: np.ndarray, new: int, sampling: Sampling, seed
     try:
         logits = gen.prompt(ids)
         done = np.zeros(b, bool)
+        ended = np.zeros(b, np.int64)  # the EOS id each finished row produced
         for step in range(new):
             tokens = sampling.pick(logits, rng)
             if eos:
-                tokens = np.where(done, eos[0], tokens)
-                done |= (tokens[:, None] == eos_ids).any(axis=1)
+                tokens = np.where(done, ended, tokens)
+                now = ~done & (tokens[:, None] == eos_ids).any(axis=1)
+                ended = np.where(now, tokens, ended)
+                done |= now
             last = done.all() or step + 1 == new
             if last:
                 # The cache goes back before the last token is handed over: a caller that

@@ -14,26 +14,40 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import StateError
-from .ortvalues import FixedBuffer, copy_into, detached, numpy_dtype, ortvalue_at
+from .ortvalues import FixedBuffer, as_ortvalue, copy_into, detached, numpy_dtype, ortvalue_at
 
 
 class OffloadIOBinding:
-    def __init__(self, runner_of, graph_outputs: List[str], device_id: int):
+    """Checks names as ORT's binding does, with its messages: an input the graph does not
+    have when it is bound; at the run, no output, an output the graph does not have, or a
+    required input left unbound."""
+
+    def __init__(self, runner_of, graph_inputs: List[str], required_inputs: List[str], graph_outputs: List[str],
+                 device_id: int):
         self._runner_of = runner_of  # the session's runner at the time of each run
         self._device = runner_of().device
+        self._graph_inputs = set(graph_inputs)
+        self._required_inputs = required_inputs
         self._graph_outputs = graph_outputs
         self._device_id = device_id
         self._inputs: Dict[str, ort.OrtValue] = {}
         self._outputs: Dict[str, Optional[ort.OrtValue]] = {}
         self._results: Dict[str, ort.OrtValue] = {}
 
+    def _input(self, name) -> None:
+        if name not in self._graph_inputs:
+            raise RuntimeError(f"Failed to find NodeArg with name: {name} in the def list")
+
     def bind_cpu_input(self, name, arr):
-        self._inputs[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
+        self._input(name)
+        self._inputs[name] = as_ortvalue(arr)
 
     def bind_ortvalue_input(self, name, value):
+        self._input(name)
         self._inputs[name] = value
 
     def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr):
+        self._input(name)
         on_cuda = str(device_type).lower() == "cuda"
         self._inputs[name] = ortvalue_at(buffer_ptr, shape, np.dtype(element_type), on_cuda, device_id)
 
@@ -61,8 +75,16 @@ class OffloadIOBinding:
         self._device.compute_stream.synchronize()
 
     def run(self, run_options) -> None:
+        if not self._outputs:
+            raise RuntimeError("Error in execution: At least one output should be requested.")
+        unknown = [n for n in self._outputs if n not in self._graph_outputs]
+        if unknown:
+            raise RuntimeError(f"Error in execution: Invalid output name: {unknown[0]}")
+        missing = [n for n in self._required_inputs if n not in self._inputs]
+        if missing:
+            raise RuntimeError(f"Error in execution: Missing Input: {missing[0]}")
         values = self._runner_of().run_segments(self._inputs, run_options)
-        names = list(self._outputs) or self._graph_outputs
+        names = list(self._outputs)
         self._results = {}
         for n in names:
             target = self._outputs.get(n)

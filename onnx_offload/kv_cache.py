@@ -1,6 +1,6 @@
 """The KV cache of a decode loop, on the device, in the ``kv`` zone of the one budget.
 
-Two forms, one per export layout:
+Three forms, one per export layout:
 
 - ``SharedKV`` (GroupQueryAttention, onnxruntime-genai's builder): one buffer per layer
   and per K/V, of the whole length the generation may reach, bound as both the past
@@ -11,7 +11,10 @@ Two forms, one per export layout:
   the new position (the last of the present) is copied on the device into the past at
   the current length; positions in between are zero and masked out by the attention
   mask. When the bucket fills, a bucket of twice the length takes its place, by a
-  device copy. Shapes repeat for every step inside a bucket.
+  device copy. Shapes repeat for every step inside a bucket. For models that take
+  position_ids: the padding is masked out, but the past's length is the bucket's.
+- ``ExactKV`` (standard attention without position_ids): the past at its exact length,
+  since such a model may count positions from it; shapes change every step.
 
 Bytes come from the ``kv`` zone, which outranks the weights zone: when the budget is
 short the ledger asks the weights to give way (evicting unpinned weights between
@@ -201,11 +204,96 @@ class BucketKV:
             outputs[f"present.{i}.value"] = self.present[2 * i + 1].value
 
 
+class ExactKV:
+    """Standard attention fed its past at its exact length, for a model that takes no
+    position_ids and so may derive positions from the past's length (as a ``torch.onnx``
+    export of a Llama or GPT-2 does): a bucket's padding would shift them. Each layer's K
+    and V have two buffers with room for `capacity` positions: the step reads the past,
+    [batch, heads, length, head_size], from the front of one, and ORT writes the present,
+    one position longer, at the front of the other, which is the next step's past.
+    Nothing is copied per step (the model's Concat writes the present), but the shapes
+    change every step, so these steps run uncaptured. When the room runs out, buffers of
+    twice the room take its place, the past copied on the device."""
+
+    def __init__(self, bufs: DeviceBuffers, layers: int, batch: int, kv_heads: int, head_size: int, dtype,
+                 length: int):
+        self._bufs = bufs
+        self.layers, self.batch, self.kv_heads, self.head_size = layers, batch, kv_heads, head_size
+        self.dtype = np.dtype(dtype)
+        self.capacity = 0
+        self.length = 0  # positions in the past
+        self.past: List[FixedBuffer] = []
+        self.present: List[FixedBuffer] = []
+        self._allocate(bucket_for(length))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes_of(b.shape, b.dtype) for b in self.past + self.present)
+
+    def _positions(self, n: int) -> int:
+        return self.batch * self.kv_heads * n * self.head_size
+
+    def _allocate(self, capacity: int):
+        """Buffers with room for `capacity` positions; returns the old ones."""
+        past, present = [], []
+        try:
+            for _ in range(2 * self.layers):
+                past.append(self._bufs.new([self._positions(capacity)], self.dtype,
+                                           what=f"the KV cache ({capacity} positions)"))
+                present.append(self._bufs.new([self._positions(capacity)], self.dtype,
+                                              what=f"the KV cache ({capacity} positions)"))
+        except BaseException:
+            for buf in past + present:
+                self._bufs.free(buf)
+            raise
+        old = (self.past, self.present)
+        self.past, self.present, self.capacity = past, present, capacity
+        return old
+
+    def _view(self, buf: FixedBuffer, positions: int) -> ort.OrtValue:
+        shape = [self.batch, self.kv_heads, positions, self.head_size]
+        return FixedBuffer.on(self._bufs.device, buf.ptr, shape, self.dtype).value
+
+    def fill_from(self, presents: Sequence[ort.OrtValue], length: int) -> None:
+        """The prompt's presents ([b, h, length, d] each) into the past."""
+        dev = self._bufs.device
+        for buf, value in zip(self.past, presents):
+            dev.backend.copy_d2d(buf.ptr, value.data_ptr(), self._positions(length) * self.dtype.itemsize,
+                                 dev.compute_stream)
+        dev.compute_stream.synchronize()  # the presents are ORT's, freed when the caller drops them
+        self.length = length
+
+    def ensure(self, length: int) -> None:
+        """Room for `length` positions in the present."""
+        if length <= self.capacity:
+            return
+        old_past, old_present = self._allocate(bucket_for(length))
+        dev = self._bufs.device
+        for buf, prev in zip(self.past, old_past):
+            dev.backend.copy_d2d(buf.ptr, prev.ptr, self._positions(self.length) * self.dtype.itemsize,
+                                 dev.compute_stream)
+        dev.compute_stream.synchronize()
+        for buf in old_past + old_present:
+            self._bufs.free(buf)
+
+    def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue]) -> None:
+        for i in range(self.layers):
+            for j, kv in enumerate(("key", "value")):
+                feeds[f"past_key_values.{i}.{kv}"] = self._view(self.past[2 * i + j], self.length)
+                outputs[f"present.{i}.{kv}"] = self._view(self.present[2 * i + j], self.length + 1)
+
+    def advance(self) -> None:
+        """After a step: its present is the next step's past."""
+        self.past, self.present = self.present, self.past
+        self.length += 1
+
+
 def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: int, dtype, prompt: int,
                total: int, granularity: int, alignment: int = 256) -> int:
     """The most committed bytes the cache of one generation holds at once: the whole
     length for the shared layout; for buckets, the last growth, when the old bucket and
-    the new one are both held (past and present of each). The buffers of one
+    the new one are both held (past and present of each; for the exact layout, its
+    two buffers of each). The buffers of one
     allocation lie one after another; each group counts a granule more, for the partly
     used granules at its ends."""
     row = batch * kv_heads * head_size * np.dtype(dtype).itemsize
@@ -217,9 +305,10 @@ def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: i
     if layout == "gqa":
         return group(total)
     last, first = bucket_for(total), bucket_for(prompt)
+    extra = 0 if layout == "exact" else 1  # a bucket's present holds one position more than its past
     if last == first:
-        return group(last, last + 1)
-    return group(last // 2, last // 2 + 1) + group(last, last + 1)
+        return group(last, last + extra)
+    return group(last // 2, last // 2 + extra) + group(last, last + extra)
 
 
 def bucket_for(length: int, smallest: int = 16) -> int:

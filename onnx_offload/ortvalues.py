@@ -6,6 +6,7 @@ device's compute stream, in order with the segments that read and write them.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Sequence
 
 import numpy as np
@@ -99,10 +100,34 @@ def nbytes_of(shape: Sequence[int], dtype: np.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
+def onnx_only(dtype) -> bool:
+    """An element type numpy has only through ml_dtypes (bfloat16, float8, int4, ...),
+    which ORT's numpy conversions refuse: values of it go by their ONNX element type."""
+    return np.dtype(dtype).type.__module__.split(".")[0] == "ml_dtypes"
+
+
+def _element_type(dtype):
+    """What ORT's OrtValue factories take for `dtype`: the numpy type, or the ONNX element
+    type where ORT has no numpy mapping of its own. Sub-byte types are refused: numpy
+    holds one element per byte, ORT two."""
+    dtype = np.dtype(dtype)
+    if not onnx_only(dtype):
+        return dtype
+    if dtype.name in ("int4", "uint4", "float4_e2m1fn"):
+        raise OffloadError(f"values of the sub-byte type {dtype.name} cannot be passed between segments")
+    return onnx.helper.np_dtype_to_tensor_dtype(dtype)
+
+
 def as_ortvalue(value) -> ort.OrtValue:
     if isinstance(value, ort.OrtValue):
         return value
-    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))
+    a = np.asarray(value)
+    if not a.flags.c_contiguous:  # (np.ascontiguousarray alone would make a 0-d array 1-d)
+        a = np.ascontiguousarray(a)
+    elem = _element_type(a.dtype)
+    if isinstance(elem, int):  # kept alive by the OrtValue, which views it
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(f"u{a.dtype.itemsize}"), elem)
+    return ort.OrtValue.ortvalue_from_numpy(a)
 
 
 class IOInfo:
@@ -164,10 +189,10 @@ def detached(device, value: ort.OrtValue, device_id: int) -> ort.OrtValue:
     this returns."""
     dtype = numpy_dtype(value.data_type())
     on_host = value.device_name().lower() == "cpu"
-    out = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), dtype, "cpu" if on_host else "cuda",
+    out = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), _element_type(dtype), "cpu" if on_host else "cuda",
                                                     0 if on_host else device_id)
     if on_host:
-        out.update_inplace(np.ascontiguousarray(value.numpy()))
+        ctypes.memmove(out.data_ptr(), value.data_ptr(), nbytes_of(value.shape(), dtype))
     else:
         copy_into(device, FixedBuffer(out.data_ptr(), value.shape(), dtype, out), value)
         device.compute_stream.synchronize()  # the copy is queued on the compute stream

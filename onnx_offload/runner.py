@@ -26,6 +26,7 @@ import copy
 import os
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import onnxruntime as ort
 
 from .errors import BudgetExceeded, ModelRunError, OffloadError, StateError, with_ort_type
@@ -66,13 +67,14 @@ class _Plan:
 class SegmentRunner:
     def __init__(self, device, residency, factory, meter, segments: List[Segment], workdir: str,
                  graph_outputs: List[str], *, streaming: bool, stable: bool, capture: GraphCaptureDecision,
-                 device_id: int):
+                 device_id: int, constants: Optional[Dict[str, np.ndarray]] = None):
         self.device = device
         self.residency = residency
         self._factory = factory
         self._meter = meter
         self._workdir = workdir
         self._graph_outputs = graph_outputs
+        self._constants = constants or {}  # graph outputs that are small initializers
         self.streaming = streaming
         self._stable = stable
         self.capture = capture
@@ -316,7 +318,8 @@ class SegmentRunner:
             values[name] = v
 
     def _pass_through(self, values, feeds) -> None:
-        """Graph outputs that no node produces: a graph input or a weight, returned as is."""
+        """Graph outputs that no node produces: a graph input, a weight or a small
+        initializer, returned as is."""
         for name in self._graph_outputs:
             if name in self._produced:
                 continue
@@ -328,6 +331,8 @@ class SegmentRunner:
                 info = self.residency.info[name]
                 data = self.residency.store.view(name).view(info.dtype).reshape(info.shape)
                 values[name] = as_ortvalue(data.copy())
+            elif name in self._constants:
+                values[name] = as_ortvalue(self._constants[name].copy())
 
     def _bind(self, io, seg: Segment, plan: Optional[_Plan], values, feeds, bound_outputs) -> None:
         device_name = "cuda" if self.device.is_cuda else "cpu"

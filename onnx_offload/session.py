@@ -366,9 +366,12 @@ class OffloadSession(InferenceSessionMembers):
                                            cfg.policy, vmm=stable, record_timeline=record_timeline)
         if not plan.streaming:
             self._residency.make_all_resident()
+        # Graph outputs that are initializers too small to be weights: no segment holds them.
+        constants = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer
+                     if t.name in outputs and t.name not in names and t.data_location != onnx.TensorProto.EXTERNAL}
         self._runner = SegmentRunner(dev, self._residency, factory, self._meter, segments, self._workdir,
                                      outputs, streaming=plan.streaming, stable=stable, capture=capture,
-                                     device_id=cfg.device_id)
+                                     device_id=cfg.device_id, constants=constants)
 
     def _with_fallback(self, call):
         """`call()`; when the streaming engine cannot build a step's graph (and the engine
@@ -538,7 +541,8 @@ class OffloadSession(InferenceSessionMembers):
         self._check_open()
         if not self._runner.streaming:
             return self._runner.single.io_binding()
-        return OffloadIOBinding(lambda: self._runner, [o.name for o in self._graph_outputs], self.config.device_id)
+        return OffloadIOBinding(lambda: self._runner, [i.name for i in self._graph_inputs], self._required_inputs,
+                                [o.name for o in self._graph_outputs], self.config.device_id)
 
     def run_with_iobinding(self, iobinding, run_options=None):
         with self._step():

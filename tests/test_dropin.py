@@ -429,3 +429,85 @@ def test_results_and_refusals_on_split_sessions(tmp_path):
         with pytest.raises(InvalidArgument, match="override"):
             s.run(None, {"x": x, "w": np.zeros((1024, 1024), np.float32)})
         np.testing.assert_allclose(s.run(None, {"x": x})[0], x @ np.ones((1024, 1024), np.float32), rtol=1e-5)
+
+
+def _split_model_with_extra_outputs():
+    """Six MatMuls (split at a third of the weights), and as further graph outputs a
+    0-d constant (too small to be a weight: it stays inside the model) and the result
+    cast to bfloat16, which numpy has only through ml_dtypes."""
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(0)
+    nodes, inits, cur = [], [], "x"
+    for i in range(6):
+        inits.append(numpy_helper.from_array(rng.standard_normal((128, 128)).astype(np.float32), f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [cur, f"w{i}"], [f"h{i}"]))
+        cur = f"h{i}"
+    nodes.append(helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.float32(3.5))))
+    nodes.append(helper.make_node("Cast", [cur], ["yb"], to=TensorProto.BFLOAT16))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 128])],
+                          [helper.make_tensor_value_info(cur, TensorProto.FLOAT, [4, 128]),
+                           helper.make_tensor_value_info("c", TensorProto.FLOAT, []),
+                           helper.make_tensor_value_info("yb", TensorProto.BFLOAT16, [4, 128])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), cur
+
+
+def test_a_split_model_returns_small_constants_and_bfloat16_as_ort_does():
+    model, y = _split_model_with_extra_outputs()
+    x = np.random.default_rng(1).standard_normal((4, 128)).astype(np.float32)
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = plain.run_with_ort_values(None, {"x": ort.OrtValue.ortvalue_from_numpy(x)})
+    with OffloadSession(model.SerializeToString(), providers=["CPUExecutionProvider"], offload=True, vmm=True,
+                        weight_bytes=weight_bytes(model) // 3, host_granularity=64 << 10) as s:
+        assert len(s.segments) > 1
+        c = s.run(["c"], {"x": x})[0]
+        assert c.shape == () and c == np.float32(3.5)
+        got = s.run_with_ort_values(None, {"x": ort.OrtValue.ortvalue_from_numpy(x)})
+        io = s.io_binding()
+        io.bind_cpu_input("x", x)
+        for name in (y, "c", "yb"):
+            io.bind_output(name)
+        s.run_with_iobinding(io)
+        for values in (got, io.get_outputs()):
+            assert [v.data_type() for v in values] == [v.data_type() for v in want]
+            assert [v.shape() for v in values] == [v.shape() for v in want]
+            np.testing.assert_allclose(values[0].numpy(), want[0].numpy(), rtol=1e-4, atol=1e-4)
+            assert values[1].numpy() == np.float32(3.5)
+            # bfloat16, compared as floats: its bits are the top half of a float32's
+            np.testing.assert_allclose(bf16_as_float(values[2]), bf16_as_float(want[2]), rtol=1e-2, atol=1e-2)
+
+
+def bf16_as_float(value) -> np.ndarray:
+    import ctypes
+    bits = np.ctypeslib.as_array(ctypes.cast(value.data_ptr(), ctypes.POINTER(ctypes.c_uint16)), value.shape())
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_a_split_binding_checks_names_as_ort_does():
+    model = mlp_stack(layers=6, hidden=256, batch=4)
+    x = np.ones((4, 256), np.float32)
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with OffloadSession(model.SerializeToString(), providers=["CPUExecutionProvider"], offload=True, vmm=True,
+                        weight_bytes=weight_bytes(model) // 3, host_granularity=64 << 10) as s:
+        assert len(s.segments) > 1
+        for sess in (plain, s):
+            io = sess.io_binding()
+            with pytest.raises(RuntimeError, match="Failed to find NodeArg with name: bogus"):
+                io.bind_cpu_input("bogus", x)
+            for setup, needle in ((lambda io: io.bind_output("nope"), "Invalid output name: nope"),
+                                  (lambda io: io.bind_output("x"), "Invalid output name: x"),
+                                  (lambda io: None, "At least one output should be requested")):
+                io = sess.io_binding()
+                io.bind_cpu_input("x", x)
+                setup(io)
+                with pytest.raises(RuntimeError, match=needle):
+                    sess.run_with_iobinding(io)
+            io = sess.io_binding()
+            io.bind_output("y")
+            with pytest.raises(RuntimeError):  # ORT's message names the node that lacks it
+                sess.run_with_iobinding(io)
+        io = s.io_binding()  # and the session runs on
+        io.bind_cpu_input("x", x)
+        io.bind_output("y")
+        s.run_with_iobinding(io)
+        np.testing.assert_allclose(io.copy_outputs_to_cpu()[0], plain.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+    assert s.stats().ledger.committed == 0

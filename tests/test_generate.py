@@ -19,15 +19,22 @@ from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
 from conftest import reference_greedy
 
 CPU = ["CPUExecutionProvider"]
-LAYOUTS = ("gqa", "standard")
+# "exact": the standard layout without position_ids; positions count from the past's length.
+LAYOUTS = ("gqa", "standard", "exact")
 
 
 _MODELS = {}
 
 
+def make_decoder(layout, **kw):
+    if layout == "exact":
+        return decoder_lm("standard", position_ids=False, **kw)
+    return decoder_lm(layout, **kw)
+
+
 def model_of(layout):
     if layout not in _MODELS:
-        _MODELS[layout] = decoder_lm(layout, max_length=256)
+        _MODELS[layout] = make_decoder(layout, max_length=256)
     return _MODELS[layout]
 
 
@@ -126,6 +133,17 @@ def test_eos_stops_every_row(layout):
     np.testing.assert_array_equal(got[0, :9], want[0, :9])
     assert (got[0, 9:] == eos).all()  # a finished row repeats its EOS
     np.testing.assert_array_equal(got[1], want[1, :got.shape[1]])
+
+
+def test_a_finished_row_repeats_the_eos_it_produced():
+    model = model_of("gqa")
+    ids = prompt(2)
+    want = reference_greedy(model, ids, 12)
+    eos = int(want[0, 6 + 2])
+    never = next(t for t in range(97) if t not in want)  # listed first, produced by no row
+    with session(model) as s:
+        got = s.generate(ids, 12, eos_token_id=[never, eos])
+    assert (got[0, 9:] == eos).all(), got[0]
 
 
 def test_genai_config_beside_the_model_gives_the_eos_and_head_counts(tmp_path):
@@ -407,6 +425,62 @@ def test_a_bad_genai_config_still_runs_and_generate_says_what_is_wrong(config, t
             s.generate(prompt(1), 4)
 
 
+def test_a_decoder_whose_logits_are_the_last_position_only_generates_the_same_tokens():
+    from onnx import TensorProto, helper
+
+    def last_only(m):  # logits [batch, vocab]: the last position's, as some exports return
+        for node in m.graph.node:
+            node.output[:] = ["full_logits" if o == "logits" else o for o in node.output]
+        m.graph.initializer.append(helper.make_tensor("last", TensorProto.INT64, [], [-1]))
+        m.graph.node.append(helper.make_node("Gather", ["full_logits", "last"], ["logits"], axis=1))
+        out = next(o for o in m.graph.output if o.name == "logits")
+        out.CopyFrom(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", 97]))
+    ids = prompt(2)
+    for layout in ("gqa", "exact"):
+        with session(model_of(layout)) as s:
+            want = s.generate(ids, 10)
+        with session(_with_inputs(model_of(layout), last_only)) as s:
+            np.testing.assert_array_equal(s.generate(ids, 10), want)
+
+
+@pytest.mark.parametrize("layer1_value", [
+    ("float", 2, 8),  # a value head size that is not the key's (MLA-style)
+    ("float", 1, 16),  # fewer KV heads in one layer (OpenELM-style)
+    ("float16", 2, 16),
+])
+def test_kv_shapes_that_differ_between_layers_are_refused_by_name(layer1_value):
+    from onnx import TensorProto, helper
+    from onnx_offload.generation import decoder_spec
+    from onnx_offload.ortvalues import IOInfo
+
+    def vi(name, elem, heads, size):
+        t = {"float": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[elem]
+        return IOInfo(helper.make_tensor_value_info(name, t, ["b", heads, "t", size]))
+    ids = [IOInfo(helper.make_tensor_value_info(n, TensorProto.INT64, ["b", "s"])) for n in ("input_ids", "attention_mask")]
+    pasts = [vi(f"past_key_values.{i}.{kv}", *(layer1_value if (i, kv) == (1, "value") else ("float", 2, 16)))
+             for i in range(2) for kv in ("key", "value")]
+    outs = [IOInfo(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 97]))]
+    outs += [vi(f"present.{i}.{kv}", "float", 2, 16) for i in range(2) for kv in ("key", "value")]
+    with pytest.raises(UnsupportedModel, match="one KV shape and type for every layer") as e:
+        decoder_spec(ids + pasts, outs, set(), None)
+    assert "past_key_values.1.value" in str(e.value)
+    assert decoder_spec(ids + pasts[:3] + [vi("past_key_values.1.value", "float", 2, 16)], outs, set(),
+                        None).layout == "exact"
+
+
+def test_a_past_fed_at_its_length_makes_positions_right_without_position_ids():
+    """A model without position_ids that counts positions from the past's length (as a
+    torch.onnx export of HF code given none does): a padded past would shift them."""
+    model = model_of("exact")
+    assert "position_ids" not in {i.name for i in model.graph.input}
+    ids = prompt(2, 20)  # past the first 16-position room: the cache grows once
+    want = reference_greedy(model, ids, 30)
+    with session(model, offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3) as s:
+        assert s.decoder_spec.layout == "exact" and len(s.segments) > 1
+        np.testing.assert_array_equal(s.generate(ids, 30), want)
+        assert kv_committed(s) == 0
+
+
 def _with_inputs(model, change):
     import onnx
     m = onnx.ModelProto()
@@ -455,10 +529,11 @@ def test_int32_token_ids_and_positions_are_fed_as_the_model_declares(layout):
     (dict(max_new_tokens="3"), TypeError, None),
     (dict(input_ids=np.array([[-1, 3]])), ValueError, r"token ids must lie in \[0, 97\)"),
     (dict(input_ids=np.array([[97, 3]])), ValueError, r"\[0, 97\)"),
+    (dict(max_new_tokens=2**60), ValueError, "holds at most 2147483647"),
 ])
 def test_generate_arguments_are_checked_at_the_call(kwargs, error, needle):
     args = {"input_ids": prompt(1), "max_new_tokens": 4, **kwargs}
-    with session(model_of("gqa")) as s:
+    with session(model_of("standard")) as s:  # no length bound from the model
         if error is None:
             assert s.generate(**args).shape[1] <= 10
         else:
@@ -481,8 +556,8 @@ def test_the_smallest_budget_named_runs_a_model_whose_weights_several_segments_r
     """The rotary tables are read by every layer: each segment that reads them pays for
     the granules they lie in, and the transient zone's reserve, so the budget named in
     the error, accounts for it (2 MiB granules, a segment's weights in about one)."""
-    model = decoder_lm(layout, layers=4, hidden=256, heads=8, kv_heads=4, intermediate=512, vocab=1000,
-                       max_length=256)
+    model = make_decoder(layout, layers=4, hidden=256, heads=8, kv_heads=4, intermediate=512, vocab=1000,
+                         max_length=256)
     ids = prompt(1)
     g = 2 << 20
 

@@ -8,6 +8,8 @@
 - ``standard``: the layout Optimum and torch.onnx write, with standard ONNX ops only. A
   ``position_ids`` input picks the rotary rows, KV heads are repeated with Expand, the mask
   bias is causal-and-padding, and present = Concat(past, new) on the sequence axis.
+  With ``position_ids=False`` there is no such input: the rotary rows are the positions
+  counted from the past's length, as HF's code takes them when it is given none.
 
 Both layouts draw the same weights in the same order, so with the same arguments they
 compute the same function and their greedy tokens can be compared with each other.
@@ -122,12 +124,14 @@ def _gqa_graph(g, layers, heads, kv_heads, eps):
     g("MatMul", [h, "lm_head"], ["logits"])
 
 
-def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype):
+def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids=True):
     """What torch.onnx exports for a Llama: RMSNorm and softmax computed in float32 (as the
-    HF code upcasts them), the rest in the model dtype."""
+    HF code upcasts them), the rest in the model dtype. Without `position_ids`, the
+    rotary rows are the positions counted from the past's length, as HF's code does when
+    it is given none."""
     hd, low = hidden // heads, np.dtype(dtype) != np.float32
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    for n, v in (("i0", 0), ("i1", 1), ("i2", 2), ("axes_1", [1]), ("axes_2", [2]), ("axes_12", [1, 2]),
+    for n, v in (("i0", 0), ("i1", 1), ("i2", 2), ("axes_1", [1]), ("axes_2", [2]), ("axes_12", [1, 2]), ("axes_01", [0, 1]),
                  ("axis_3", [3]), ("half", [hd // 2]), ("full", [hd]), ("zero1", [0]),
                  ("expand_rep", [1, 1, heads // kv_heads, 1, 1]), ("shape_q", [0, 0, heads, hd]),
                  ("shape_kv", [0, 0, kv_heads, hd]), ("shape_rep", [0, heads, -1, hd]), ("shape_out", [0, 0, hidden])):
@@ -156,8 +160,13 @@ def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype):
     causal = g("LessOrEqual", [g("Range", ["i0", total, "i1"]), qpos])
     padding = g("Unsqueeze", [g("Cast", ["attention_mask"], to=TensorProto.BOOL), "axes_12"])
     bias = g("Where", [g("And", [causal, padding]), "bias_open", "bias_masked"])
-    cos = g("Unsqueeze", [g("Gather", ["cos_table", "position_ids"]), "axes_1"])  # [batch, 1, seq, hd]
-    sin = g("Unsqueeze", [g("Gather", ["sin_table", "position_ids"]), "axes_1"])
+    if position_ids:
+        cos = g("Unsqueeze", [g("Gather", ["cos_table", "position_ids"]), "axes_1"])  # [batch, 1, seq, hd]
+        sin = g("Unsqueeze", [g("Gather", ["sin_table", "position_ids"]), "axes_1"])
+    else:
+        rows = g("Range", [past, g("Add", [past, seq]), "i1"])  # [seq]
+        cos = g("Unsqueeze", [g("Gather", ["cos_table", rows]), "axes_01"])  # [1, 1, seq, hd]
+        sin = g("Unsqueeze", [g("Gather", ["sin_table", rows]), "axes_01"])
 
     def split_heads(x, shape):
         return g("Transpose", [g("Reshape", [x, shape])], perm=[0, 2, 1, 3])
@@ -193,12 +202,16 @@ def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype):
 
 def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                intermediate: int = 128, vocab: int = 97, max_length: int = 128, dtype=np.float32,
-               seed: int = 0, eps: float = 1e-5, rope_theta: float = 10000.0) -> onnx.ModelProto:
+               seed: int = 0, eps: float = 1e-5, rope_theta: float = 10000.0,
+               position_ids: bool = True) -> onnx.ModelProto:
     """A Llama-shaped decoder (RMSNorm, rotary, grouped-query attention, SiLU MLP) with
     random weights, in layout "gqa" (onnxruntime-genai) or "standard" (Optimum/torch.onnx).
-    KV cache tensors are [batch, kv_heads, length, hidden // heads]."""
+    KV cache tensors are [batch, kv_heads, length, hidden // heads]. `position_ids=False`
+    (standard only): no position_ids input; positions count from the past's length."""
     if layout not in ("gqa", "standard"):
         raise ValueError(f"layout must be 'gqa' or 'standard', not {layout!r}")
+    if not position_ids and layout != "standard":
+        raise ValueError("position_ids=False needs the standard layout")
     if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
         raise ValueError("hidden must split into heads of even size, and heads into kv_heads groups")
     dtype = np.dtype(dtype)
@@ -216,12 +229,12 @@ def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: in
     if layout == "gqa":
         _gqa_graph(g, layers, heads, kv_heads, eps)
     else:
-        _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype)
+        _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids)
 
     i64, kv = TensorProto.INT64, ["batch_size", kv_heads, "past_sequence_length", hd]
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch_size", "sequence_length"]),
               helper.make_tensor_value_info("attention_mask", i64, ["batch_size", "total_sequence_length"])]
-    if layout == "standard":
+    if layout == "standard" and position_ids:
         inputs.append(helper.make_tensor_value_info("position_ids", i64, ["batch_size", "sequence_length"]))
     outputs = [helper.make_tensor_value_info("logits", elem, ["batch_size", "sequence_length", vocab])]
     for i in range(layers):
