@@ -244,6 +244,8 @@ class Generation:
             self.pos = self.io_bufs.new([batch, 1], spec.pos_dtype) if spec.position_ids else None
             self.mask = self.io_bufs.new([batch, mask_len], spec.mask_dtype) if mask_len else None
             self.logits = None
+            self.prompt_mask: Optional[np.ndarray] = None  # the prompt's padding, None for none
+            self._tokens = None  # each row's tokens so far (the next one's position)
             self._logits_shape = None  # the prompt's logits' shape: [b, p, vocab], or [b, vocab] of the last
             self._bound = None  # (key, feeds, outputs) of the decode steps
             # The zero fills are queued on the compute stream; the CPU EP runs on this thread.
@@ -275,10 +277,11 @@ class Generation:
     # Each step, cache growth included, runs under the session's lock with Ctrl-C held
     # back: allocations may make the weights give way, which the residency manager must
     # not see from two threads at once.
-    def prompt(self, input_ids: np.ndarray) -> np.ndarray:
-        """Runs the prompt uncaptured; returns the last position's logits [batch, vocab]."""
+    def prompt(self, input_ids: np.ndarray, mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Runs the prompt uncaptured (`mask`: its attention mask, None for all ones);
+        returns the last position's logits [batch, vocab]."""
         with self.session._step():
-            return self._prompt(input_ids)
+            return self._prompt(input_ids, mask)
 
     def decode(self, tokens: np.ndarray, length: int) -> tuple:
         """One token per row at position `length - 1` (so `length` positions in all).
@@ -286,14 +289,19 @@ class Generation:
         with self.session._step():
             return self._decode(tokens, length)
 
-    def _prompt(self, input_ids: np.ndarray) -> np.ndarray:
+    def _prompt(self, input_ids: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
         spec, s = self.spec, self.session
         b, p = input_ids.shape
+        self.prompt_mask = mask
+        # A row's positions count its tokens, not its padding (as HF's generate sets them).
+        self._tokens = np.full(b, p, np.int64) if mask is None else mask.sum(axis=1)
         feeds: Dict[str, ort.OrtValue] = {
             "input_ids": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(input_ids, spec.ids_dtype)),
-            "attention_mask": ort.OrtValue.ortvalue_from_numpy(np.ones((b, p), spec.mask_dtype))}
+            "attention_mask": ort.OrtValue.ortvalue_from_numpy(
+                np.ones((b, p), spec.mask_dtype) if mask is None else mask.astype(spec.mask_dtype))}
         if spec.position_ids:
-            feeds["position_ids"] = ort.OrtValue.ortvalue_from_numpy(np.tile(np.arange(p, dtype=spec.pos_dtype), (b, 1)))
+            pos = np.tile(np.arange(p), (b, 1)) if mask is None else np.where(mask == 1, np.cumsum(mask, 1) - 1, 1)
+            feeds["position_ids"] = ort.OrtValue.ortvalue_from_numpy(pos.astype(spec.pos_dtype))
         outputs: Dict[str, ort.OrtValue] = {}
         if spec.layout == "gqa":
             self.cache.bind(feeds, outputs)
@@ -328,10 +336,12 @@ class Generation:
                 self.mask = self.io_bufs.new([b, self.cache.bucket + 1], spec.mask_dtype)
             mask = np.zeros((b, self.cache.bucket + 1), np.int64)
             mask[:, :cur] = 1
+            if self.prompt_mask is not None:
+                mask[:, :self.prompt_mask.shape[1]] = self.prompt_mask
             mask[:, -1] = 1
         writes = [(self.ids, tokens.reshape(b, 1)), (self.mask, mask)]
         if self.pos is not None:
-            writes.append((self.pos, np.full((b, 1), cur, np.int64)))
+            writes.append((self.pos, self._tokens[:, None]))
         # One wait (on the CPU) for all of them; it also orders the last step's cache
         # copies before this step, as the stream does on CUDA.
         write(s.device, *writes)
@@ -353,6 +363,7 @@ class Generation:
             # The first step of these shapes learned the boundaries' sizes; the same step
             # again writes the same cache positions and runs under the new plan's graphs.
             _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
+        self._tokens = self._tokens + 1
         if spec.layout != "gqa":
             self.cache.append(cur)  # in order on the stream; the next step's write waits for it
         # ORT waited for its work before returning, so the logits are complete; numpy()
@@ -360,8 +371,9 @@ class Generation:
         return last_position(self.logits.value.numpy()), replayed
 
     def _decode_exact(self, tokens: np.ndarray, cur: int) -> tuple:
-        """A step of the exact layout: the past of `cur` positions as it is, the mask a
-        prefix of a buffer of ones. Its shapes are new every step: it runs uncaptured."""
+        """A step of the exact layout: the past of `cur` positions as it is, the mask at
+        the front of a buffer with room for the cache's (all ones, and written once, when
+        the prompt has no padding). Its shapes are new every step: it runs uncaptured."""
         spec, s, b = self.spec, self.session, self.batch
         self.cache.ensure(cur + 1)
         writes = [(self.ids, tokens.reshape(b, 1))]
@@ -370,13 +382,19 @@ class Generation:
                 self.io_bufs.free(self.mask)
                 self.mask = None
             self.mask = self.io_bufs.new([b * (self.cache.capacity + 1)], spec.mask_dtype)
-            writes.append((self.mask, np.ones(self.mask.shape, np.int64)))
-        write(s.device, *writes)
+            if self.prompt_mask is None:
+                writes.append((self.mask, np.ones(self.mask.shape, np.int64)))
         mask = FixedBuffer.on(s.device, self.mask.ptr, [b, cur + 1], spec.mask_dtype)
+        if self.prompt_mask is not None:
+            rows = np.ones((b, cur + 1), np.int64)
+            rows[:, :self.prompt_mask.shape[1]] = self.prompt_mask
+            writes.append((mask, rows))
+        write(s.device, *writes)
         feeds = {"input_ids": self.ids.value, "attention_mask": mask.value}
         outputs = {"logits": self.logits.value}
         self.cache.bind(feeds, outputs)
         s._run_bound(feeds, outputs, fixed=False)
+        self._tokens = self._tokens + 1
         self.cache.advance()
         return last_position(self.logits.value.numpy()), False
 
@@ -387,9 +405,9 @@ def last_position(logits: np.ndarray) -> np.ndarray:
     return (logits[:, -1, :] if logits.ndim == 3 else logits).astype(np.float32)
 
 
-def check_generate_args(session, input_ids, max_new_tokens, eos_token_id):
-    """(ids [batch, prompt] int64, new tokens, EOS ids) for a generation, or a clear error
-    before anything runs."""
+def check_generate_args(session, input_ids, max_new_tokens, eos_token_id, attention_mask=None):
+    """(ids [batch, prompt] int64, new tokens, EOS ids, the prompt's mask [batch, prompt]
+    int64 or None for all ones) for a generation, or a clear error before anything runs."""
     ids = np.asarray(input_ids)
     if ids.ndim == 1:
         ids = ids[None, :]
@@ -419,11 +437,34 @@ def check_generate_args(session, input_ids, max_new_tokens, eos_token_id):
         if arr.ndim != 1 or (arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer))):
             raise TypeError(f"eos_token_id must be an integer or a sequence of integers, got {eos_token_id!r}")
         eos = tuple(int(e) for e in arr)
-    return ids, new, eos
+    return ids, new, eos, check_prompt_mask(spec, attention_mask, ids.shape)
+
+
+def check_prompt_mask(spec: DecoderSpec, attention_mask, shape) -> Optional[np.ndarray]:
+    """The prompt's attention mask as int64, or None when it is all ones (or not given)."""
+    if attention_mask is None:
+        return None
+    mask = np.asarray(attention_mask)
+    if mask.ndim == 1:
+        mask = mask[None, :]
+    if mask.shape != tuple(shape):
+        raise ValueError(f"attention_mask must have the shape of input_ids {list(shape)}, got {list(mask.shape)}")
+    if not (mask.dtype == np.bool_ or np.issubdtype(mask.dtype, np.integer)) or not np.isin(mask, (0, 1)).all():
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (a token) only")
+    mask = mask.astype(np.int64)
+    if not mask.any(axis=1).all():
+        raise ValueError("every row of attention_mask needs at least one token (a 1)")
+    if mask.all():
+        return None
+    if spec.layout == "gqa":
+        raise ValueError("padding in attention_mask needs standard attention: GroupQueryAttention's cache "
+                         "holds each row's tokens from position 0, so generate rows of different lengths "
+                         "one at a time")
+    return mask
 
 
 def generate_tokens(session, ids: np.ndarray, new: int, sampling: Sampling, seed: Optional[int],
-                    eos: tuple) -> Iterator[np.ndarray]:
+                    eos: tuple, mask: Optional[np.ndarray] = None) -> Iterator[np.ndarray]:
     """Yields each step's new tokens [batch]; rows that reached EOS repeat their EOS.
     The arguments come from check_generate_args."""
     if new == 0:
@@ -434,7 +475,7 @@ def generate_tokens(session, ids: np.ndarray, new: int, sampling: Sampling, seed
     b, p = ids.shape
     gen = session._new_generation(spec, b, p, p + max(new - 1, 0))
     try:
-        logits = gen.prompt(ids)
+        logits = gen.prompt(ids, mask)
         done = np.zeros(b, bool)
         ended = np.zeros(b, np.int64)  # the EOS id each finished row produced
         for step in range(new):

@@ -555,29 +555,33 @@ class OffloadSession(InferenceSessionMembers):
             self._with_fallback(lambda: iobinding.run(run_options))
 
     # ------------------------------------------------------------------ generation
-    def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None, eos_token_id=None):
+    def generate(self, input_ids, max_new_tokens: int = 32, *, attention_mask=None, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+                 eos_token_id=None):
         """Token ids [batch, prompt + new] (int64): greedy unless `do_sample`. Generation
         stops at `max_new_tokens`, or when every row has produced an EOS id (from
-        `eos_token_id`, else genai_config.json); finished rows repeat their EOS."""
-        ids, steps = self._generation(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
-                                      eos_token_id)
+        `eos_token_id`, else genai_config.json); finished rows repeat their EOS.
+        `attention_mask` [batch, prompt]: 0 where a prompt is padded (left padding, as a
+        tokenizer gives for prompts of different lengths), else 1."""
+        ids, steps = self._generation(input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k,
+                                      top_p, seed, eos_token_id)
         return np.concatenate([ids] + [t[:, None] for t in steps], axis=1)
 
-    def generate_iter(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False,
+    def generate_iter(self, input_ids, max_new_tokens: int = 32, *, attention_mask=None, do_sample: bool = False,
                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                       eos_token_id=None):
         """The step-wise form of generate(): yields each step's new tokens [batch]."""
-        return self._generation(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+        return self._generation(input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k, top_p, seed,
                                 eos_token_id)[1]
 
-    def _generation(self, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id):
+    def _generation(self, input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k, top_p, seed,
+                    eos_token_id):
         """(the checked prompt ids, the generator of new tokens); the arguments are checked
         now, not at the first next()."""
         self._check_open()
         sampling = Sampling(do_sample, temperature, top_k, top_p)
-        ids, new, eos = check_generate_args(self, input_ids, max_new_tokens, eos_token_id)
-        return ids, generate_tokens(self, ids, new, sampling, seed, eos)
+        ids, new, eos, mask = check_generate_args(self, input_ids, max_new_tokens, eos_token_id, attention_mask)
+        return ids, generate_tokens(self, ids, new, sampling, seed, eos, mask)
 
     def _is_decoder(self) -> bool:
         try:

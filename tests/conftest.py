@@ -100,9 +100,10 @@ def rig_factory(request):
         r.arena.close()
 
 
-def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",)):
+def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",), attention_mask=None):
     """The decode loop a user writes with plain ORT: numpy KV cache, a past that grows
-    by one position per step, an attention mask of ones. Returns [batch, prompt + n]."""
+    by one position per step, an attention mask of ones (or the prompt's, then ones),
+    positions counting each row's tokens. Returns [batch, prompt + n]."""
     import onnxruntime as ort
     from onnx_offload.ortvalues import numpy_dtype
     s = ort.InferenceSession(model.SerializeToString(), providers=list(providers))
@@ -111,17 +112,18 @@ def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",)):
     b, p = ids.shape
     past = {i.name: np.zeros((b, i.shape[1], 0, i.shape[3]), numpy_dtype(i.type))
             for i in s.get_inputs() if i.name.startswith("past_key_values")}
-    feeds = dict(input_ids=ids, attention_mask=np.ones((b, p), np.int64), **past)
+    mask = np.ones((b, p), np.int64) if attention_mask is None else np.asarray(attention_mask, np.int64)
+    feeds = dict(input_ids=ids, attention_mask=mask, **past)
     if "position_ids" in names:
-        feeds["position_ids"] = np.tile(np.arange(p), (b, 1))
-    new, total = [], p
+        feeds["position_ids"] = np.where(mask == 1, np.cumsum(mask, 1) - 1, 1)
+    new = []
     for _ in range(n):
         r = dict(zip(outs, s.run(None, feeds)))
         tok = r["logits"][:, -1].argmax(-1).astype(np.int64)
         new.append(tok)
-        total += 1
-        feeds = {"input_ids": tok[:, None], "attention_mask": np.ones((b, total), np.int64)}
+        mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
+        feeds = {"input_ids": tok[:, None], "attention_mask": mask}
         if "position_ids" in names:
-            feeds["position_ids"] = np.full((b, 1), total - 1, np.int64)
+            feeds["position_ids"] = mask.sum(axis=1, keepdims=True) - 1
         feeds.update({k: r[k.replace("past_key_values", "present")] for k in past})
     return np.concatenate([ids] + [t[:, None] for t in new], axis=1)

@@ -481,6 +481,54 @@ def test_a_past_fed_at_its_length_makes_positions_right_without_position_ids():
         assert kv_committed(s) == 0
 
 
+@pytest.mark.parametrize("layout", ["standard", "exact"])
+@pytest.mark.parametrize("weights", ["resident", "a third"])
+def test_left_padded_prompts_of_different_lengths_generate_as_a_plain_ort_loop(layout, weights):
+    """A batch of prompts of different lengths, left-padded with their attention mask as
+    a tokenizer gives it: the tokens of a plain-ORT loop fed the same mask and positions;
+    with position_ids, each row's as if it ran alone (its positions count its tokens)."""
+    model = model_of(layout)
+    lengths = [9, 4, 1, 17]  # the longest crosses the first bucket of 16
+    rng = np.random.default_rng(7)
+    rows = [rng.integers(0, 97, n) for n in lengths]
+    p = max(lengths)
+    ids = np.zeros((len(rows), p), np.int64)
+    mask = np.zeros((len(rows), p), np.int64)
+    for r, row in enumerate(rows):
+        ids[r, p - len(row):], mask[r, p - len(row):] = row, 1
+    want = reference_greedy(model, ids, 20, attention_mask=mask)
+    kw = {} if weights == "resident" else dict(offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3)
+    with session(model, **kw) as s:
+        got = s.generate(ids, 20, attention_mask=mask)
+        np.testing.assert_array_equal(got, want)
+        assert [t.shape for t in s.generate_iter(ids, 3, attention_mask=mask.astype(bool))] == [(4,)] * 3
+        if layout == "standard":
+            for r, row in enumerate(rows):
+                np.testing.assert_array_equal(s.generate(row[None], 20)[0, len(row):], got[r, p:])
+        assert kv_committed(s) == 0
+
+
+@pytest.mark.parametrize("mask,error,needle", [
+    (np.ones((2, 5)), ValueError, "shape of input_ids"),
+    (np.full((2, 6), 2), ValueError, "0 .padding. and 1"),
+    (np.full((2, 6), 0.5), ValueError, "0 .padding. and 1"),
+    (np.array([[0] * 6, [1] * 6]), ValueError, "at least one token"),
+])
+def test_a_bad_attention_mask_is_refused_at_the_call(mask, error, needle):
+    with session(model_of("standard")) as s:
+        with pytest.raises(error, match=needle):
+            s.generate_iter(prompt(2), 4, attention_mask=mask)
+        assert kv_committed(s) == 0
+
+
+def test_padding_is_refused_for_the_shared_cache_and_all_ones_is_no_padding():
+    ids = prompt(2)
+    with session(model_of("gqa")) as s:
+        with pytest.raises(ValueError, match="one at a time"):
+            s.generate_iter(ids, 4, attention_mask=np.array([[0] + [1] * 5, [1] * 6]))
+        np.testing.assert_array_equal(s.generate(ids, 6, attention_mask=np.ones_like(ids)), s.generate(ids, 6))
+
+
 def _with_inputs(model, change):
     import onnx
     m = onnx.ModelProto()
