@@ -6,13 +6,15 @@
 with ``GroupQueryAttention`` is onnxruntime-genai's builder layout (the cache is shared
 between past and present); any other is standard attention: with position_ids the
 cache grows in buckets; without, the model may count positions from the past's
-length, so the past is fed at its exact length. ``genai_config.json`` beside the model supplies what the graph leaves
-symbolic (head counts, the context length) and the EOS ids.
+length, so the past is fed at its exact length. ``genai_config.json`` beside the model
+supplies what the graph leaves symbolic (head counts, the context length) and the EOS
+ids.
 
 A generation runs the prompt uncaptured, then one step per token at fixed shapes and
 addresses: token ids, attention mask, positions and logits live in device buffers the
 step writes in place, so under capture every decode step replays the same graphs (one
-per segment when the weights stream).
+per segment when the weights stream). The exact layout's shapes grow every step: its
+steps run uncaptured.
 """
 from __future__ import annotations
 

@@ -292,10 +292,9 @@ def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: i
                total: int, granularity: int, alignment: int = 256) -> int:
     """The most committed bytes the cache of one generation holds at once: the whole
     length for the shared layout; for buckets, the last growth, when the old bucket and
-    the new one are both held (past and present of each; for the exact layout, its
-    two buffers of each). The buffers of one
-    allocation lie one after another; each group counts a granule more, for the partly
-    used granules at its ends."""
+    the new one are both held (past and present of each; for the exact layout, its two
+    buffers of each). The buffers of one allocation lie one after another; each group
+    counts a granule more, for the partly used granules at its ends."""
     row = batch * kv_heads * head_size * np.dtype(dtype).itemsize
 
     def group(*positions):

@@ -100,18 +100,13 @@ def nbytes_of(shape: Sequence[int], dtype: np.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
-def onnx_only(dtype) -> bool:
-    """An element type numpy has only through ml_dtypes (bfloat16, float8, int4, ...),
-    which ORT's numpy conversions refuse: values of it go by their ONNX element type."""
-    return np.dtype(dtype).type.__module__.split(".")[0] == "ml_dtypes"
-
-
 def _element_type(dtype):
     """What ORT's OrtValue factories take for `dtype`: the numpy type, or the ONNX element
-    type where ORT has no numpy mapping of its own. Sub-byte types are refused: numpy
-    holds one element per byte, ORT two."""
+    type for the types numpy has only through ml_dtypes (bfloat16, float8), which ORT's
+    numpy conversions refuse. Sub-byte types are refused: numpy holds one element per
+    byte, ORT two."""
     dtype = np.dtype(dtype)
-    if not onnx_only(dtype):
+    if dtype.type.__module__.split(".")[0] != "ml_dtypes":
         return dtype
     if dtype.name in ("int4", "uint4", "float4_e2m1fn"):
         raise OffloadError(f"values of the sub-byte type {dtype.name} cannot be passed between segments")
@@ -189,8 +184,8 @@ def detached(device, value: ort.OrtValue, device_id: int) -> ort.OrtValue:
     this returns."""
     dtype = numpy_dtype(value.data_type())
     on_host = value.device_name().lower() == "cpu"
-    out = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), _element_type(dtype), "cpu" if on_host else "cuda",
-                                                    0 if on_host else device_id)
+    out = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), _element_type(dtype),
+                                                    "cpu" if on_host else "cuda", 0 if on_host else device_id)
     if on_host:
         ctypes.memmove(out.data_ptr(), value.data_ptr(), nbytes_of(value.shape(), dtype))
     else:
