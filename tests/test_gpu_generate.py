@@ -15,10 +15,12 @@ _MODELS = {}
 
 
 def model_of(layout):
-    # fp16: ORT's CUDA GroupQueryAttention takes fp16 and bf16 only.
+    # fp16: ORT's CUDA GroupQueryAttention takes fp16 and bf16 only. "exact": the standard
+    # layout without position_ids, whose past is fed at its exact length.
     if layout not in _MODELS:
-        _MODELS[layout] = decoder_lm(layout, layers=3, hidden=256, heads=8, kv_heads=2, intermediate=512,
-                                     vocab=512, max_length=512, dtype=np.float16)
+        _MODELS[layout] = decoder_lm("standard" if layout == "exact" else layout, layers=3, hidden=256, heads=8,
+                                     kv_heads=2, intermediate=512, vocab=512, max_length=512, dtype=np.float16,
+                                     position_ids=layout != "exact")
     return _MODELS[layout]
 
 
@@ -27,7 +29,7 @@ def session(model, weights, capture=None):
     return OffloadSession(model.SerializeToString(), providers=[CUDA], vram_limit="2GiB", cuda_graph=capture, **kw)
 
 
-@pytest.mark.parametrize("layout", ["gqa", "standard"])
+@pytest.mark.parametrize("layout", ["gqa", "standard", "exact"])
 @pytest.mark.parametrize("weights", ["resident", "a third"])
 @pytest.mark.parametrize("capture", [None, False])
 def test_greedy_tokens_equal_a_plain_ort_loop(layout, weights, capture):
@@ -63,3 +65,17 @@ def test_every_decode_step_replays_a_captured_graph(weights):
         # streaming engine runs the prompt step as a graph too.
         assert s.stats().graph_steps - before == (128 if s.engine == "graph" else 127)
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("layout", ["standard", "exact"])
+def test_left_padded_prompts_generate_as_a_plain_ort_loop(layout):
+    model = model_of(layout)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 512, (3, 12))
+    mask = np.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :11] = 0
+    want = reference_greedy(model, ids, 20, providers=[CUDA], attention_mask=mask)
+    with session(model, "a third") as s:
+        np.testing.assert_array_equal(s.generate(ids, 20, attention_mask=mask), want)
+        assert s.close().committed == 0
