@@ -55,7 +55,10 @@ class Device:
         self.closed = False
 
     def _set_zones(self, zones: Dict[str, ZonePlan]) -> None:
-        for name, z in zones.items():
+        # Reserves that shrink first: the ledger holds their sum within the budget at
+        # every step, and a plan may move bytes from one reserve to another.
+        now = self.ledger.snapshot().zones
+        for name, z in sorted(zones.items(), key=lambda kv: kv[1].reserve - (now[kv[0]].reserve if kv[0] in now else 0)):
             self.ledger.set_zone(name, allowance=z.allowance, reserve=z.reserve)
 
     def apply(self, plan: BudgetPlan) -> None:

@@ -25,12 +25,13 @@ import math
 import operator
 import os
 import re
+import warnings
 from typing import Dict, Iterator, Optional, Sequence
 
 import numpy as np
 import onnxruntime as ort
 
-from .errors import UnsupportedModel
+from .errors import BudgetExceeded, OffloadError, OffloadWarning, UnsupportedModel
 from .interrupts import deferred_interrupts
 from .kv_cache import BucketKV, DeviceBuffers, ExactKV, SharedKV, bucket_for, peak_bytes, write
 from .ortvalues import FixedBuffer, IOInfo
@@ -360,17 +361,50 @@ class Generation:
             self._bound = (key, feeds, outputs)
             self._keys.add(key)
         _, feeds, outputs = self._bound
-        _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
-        if not replayed and s._runner.streaming and s._runner.capture.enabled:
-            # The first step of these shapes learned the boundaries' sizes; the same step
-            # again writes the same cache positions and runs under the new plan's graphs.
+        try:
             _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
+            if not replayed and s._runner.streaming and s._runner.capture.enabled:
+                # The first step of these shapes learned the boundaries' sizes; the same step
+                # again writes the same cache positions and runs under the new plan's graphs.
+                _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
+        except RuntimeError as e:
+            if spec.layout != "standard" or isinstance(e, OffloadError):
+                raise
+            return self._pad_refused(tokens, cur, e)
         self._tokens = self._tokens + 1
         if spec.layout != "gqa":
             self.cache.append(cur)  # in order on the stream; the next step's write waits for it
         # ORT waited for its work before returning, so the logits are complete; numpy()
         # is a host copy of them.
         return last_position(self.logits.value.numpy()), replayed
+
+    def _pad_refused(self, tokens: np.ndarray, cur: int, error: RuntimeError) -> tuple:
+        """ORT failed on a step of the padded past (a model may size a table by the past's
+        length, as GPT-2's causal mask is sliced from a fixed one): the cache is laid out
+        at its exact length and the step runs again so. Should it pass, the session feeds
+        this model's past at its exact length from then on."""
+        s, old = self.session, self.cache
+        try:
+            cache = ExactKV(self.kv_bufs, self.spec.layers, self.batch, self.spec.kv_heads, self.spec.head_size,
+                            self.spec.kv_dtype, cur + 1)
+        except BudgetExceeded as short:  # no room for the other layout: ORT's error stands
+            raise error from short
+        cache.take_from(old, cur)
+        old.release()
+        s._runner.drop_plans(self._keys)
+        self.cache, self._bound = cache, None
+        self.io_bufs.free(self.mask)
+        self.mask = None
+        self.spec = dataclasses.replace(self.spec, layout="exact")
+        result = self._decode_exact(tokens, cur)
+        if s._decoder_spec.layout == "standard":
+            s._decoder_spec = dataclasses.replace(s._decoder_spec, layout="exact")
+            why = (f"generate(): ONNX Runtime failed on a past padded to {old.bucket} positions for a sequence of "
+                   f"{cur + 1} ({str(error).strip().splitlines()[-1][:300]}); this model's past is fed at its exact "
+                   f"length from now on, and its decode steps run uncaptured")
+            s._notes.append(why)
+            warnings.warn(why, OffloadWarning, stacklevel=5)
+        return result
 
     def _decode_exact(self, tokens: np.ndarray, cur: int) -> tuple:
         """A step of the exact layout: the past of `cur` positions as it is, the mask at
@@ -391,8 +425,12 @@ class Generation:
             rows = np.ones((b, cur + 1), np.int64)
             rows[:, :self.prompt_mask.shape[1]] = self.prompt_mask
             writes.append((mask, rows))
+        if self.pos is not None:  # a model with position_ids whose padded past ORT refused
+            writes.append((self.pos, self._tokens[:, None]))
         write(s.device, *writes)
         feeds = {"input_ids": self.ids.value, "attention_mask": mask.value}
+        if self.pos is not None:
+            feeds["position_ids"] = self.pos.value
         outputs = {"logits": self.logits.value}
         self.cache.bind(feeds, outputs)
         s._run_bound(feeds, outputs, fixed=False)

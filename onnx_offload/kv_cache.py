@@ -196,6 +196,13 @@ class BucketKV:
         for buf in old_past + old_present:
             self._bufs.free(buf)
 
+    def release(self) -> None:
+        """Gives the buffers back (the generation goes on with another cache)."""
+        self._bufs.device.compute_stream.synchronize()  # no copy still reads them
+        for buf in self.past + self.present:
+            self._bufs.free(buf)
+        self.past, self.present = [], []
+
     def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue]) -> None:
         for i in range(self.layers):
             feeds[f"past_key_values.{i}.key"] = self.past[2 * i].value
@@ -261,6 +268,15 @@ class ExactKV:
             dev.backend.copy_d2d(buf.ptr, value.data_ptr(), self._positions(length) * self.dtype.itemsize,
                                  dev.compute_stream)
         dev.compute_stream.synchronize()  # the presents are ORT's, freed when the caller drops them
+        self.length = length
+
+    def take_from(self, bucket: "BucketKV", length: int) -> None:
+        """The first `length` positions of a bucketed past, one strided copy per buffer."""
+        dev, row = self._bufs.device, self.head_size * self.dtype.itemsize
+        for buf, prev in zip(self.past, bucket.past):
+            dev.backend.copy_d2d_2d(buf.ptr, length * row, prev.ptr, bucket.bucket * row, length * row,
+                                    self.batch * self.kv_heads, dev.compute_stream)
+        dev.compute_stream.synchronize()
         self.length = length
 
     def ensure(self, length: int) -> None:

@@ -153,13 +153,19 @@ def dims(tensor_type) -> List:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
 
 
-def _value_info(name: str, types: Dict[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
+def _value_info(name: str, types: Dict[str, onnx.TypeProto], shaped: bool) -> onnx.ValueInfoProto:
+    """A segment's input or output. `shaped`: with the shape the model declares (a graph
+    input or output, a weight); a value passed between segments keeps the rank inference
+    gives it but no sizes, since inference may get a size wrong (a merged dimension),
+    and ORT refuses a value whose size differs from one its graph input declares."""
     if name not in types:
         raise ValueError(f"no type is known for boundary value {name!r}")
     t = types[name]
     if not t.HasField("tensor_type"):  # a sequence, map or optional: its type as inferred
         return helper.make_value_info(name, t)
     shape = dims(t.tensor_type) if t.tensor_type.HasField("shape") else None
+    if shape is not None and not shaped:
+        shape = [None] * len(shape)
     return helper.make_tensor_value_info(name, t.tensor_type.elem_type, shape)
 
 
@@ -196,6 +202,7 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
                 if name not in produced:
                     consumers.setdefault(name, set()).add(gi)
     types = value_types(model)
+    fed = {vi.name for vi in graph.input}
     segments = []
     if len(groups) > 1:
         # Values pass into segments, between them and out of the last as OrtValues,
@@ -227,8 +234,8 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
                    if o and (o in graph_outputs or any(c > gi for c in consumers.get(o, ())))]
         sub = helper.make_graph(
             nodes, f"{graph.name or 'graph'}_segment{gi}",
-            [_value_info(n, types) for n in inputs + weight_inputs],
-            [_value_info(n, types) for n in outputs],
+            [_value_info(n, types, n in fed or is_weight(n)) for n in inputs + weight_inputs],
+            [_value_info(n, types, n in graph_outputs) for n in outputs],
             initializer=constants + [initializers[n] for n in weights if n in initializers])
         m = helper.make_model(sub, opset_imports=list(model.opset_import), ir_version=model.ir_version)
         m.producer_name = "onnx-offload"

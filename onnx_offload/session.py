@@ -32,7 +32,7 @@ import onnx
 import onnxruntime as ort
 
 from ._core import round_up
-from .budget import plan_budget, smallest_budget
+from .budget import base_zones, plan_budget, smallest_budget
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag
 from .device import Device, cuda_available
 from .dropin import InferenceSessionMembers, model_facts
@@ -440,17 +440,24 @@ class OffloadSession(InferenceSessionMembers):
         kv = round_up(kv_peak, g)
         # Segments pass values between them through scratch, which the resident runner
         # never needed and whose sizes are known only once the segments run: the scratch
-        # reserve is doubled, plus `boundary` bytes per segment.
-        base = 2 * max(zones["scratch"].reserve, round_up(zones["scratch"].committed.current + io_peak, g))
+        # reserve the configuration gives is doubled, plus `boundary` bytes per segment.
+        # (The configuration's, not the reserve in force, which an earlier plan may have
+        # raised: a plan depends on the cache it is for, not on the ones before it.)
+        configured = base_zones(cfg, self._segments_from[0].budget, g)["scratch"].reserve
+        base = 2 * max(configured, round_up(zones["scratch"].committed.current + io_peak, g))
 
         def trial_for(segments: int):
             scratch = base + round_up(boundary * segments, g)
             return dataclasses.replace(cfg, kv_bytes=max(cfg.kv_bytes, kv), scratch_bytes=scratch)
 
-        trial = trial_for(len(self._segments_from[0].segments))
-        pinned = isinstance(self._runner, StreamEngine) or not self._segments_from[0].streaming
-        if pinned and cfg.offload and cfg.engine != "graph":
-            kept = zones["scratch"].reserve
+        in_force = self._segments_from[0]
+        trial = trial_for(len(in_force.segments))
+        pinned = isinstance(self._runner, StreamEngine) or not in_force.streaming
+        # Segments planned with less set aside for the cache than this generation needs (a
+        # shorter one came first): planned again, as a session new to this length would be.
+        short = in_force.streaming and kv > in_force.zones["kv"].reserve
+        if (pinned or short) and cfg.offload and cfg.engine != "graph":
+            kept = configured
             now = round_up(zones["kv"].committed.current + nbytes, g)
 
             def planned(trial):
@@ -468,10 +475,16 @@ class OffloadSession(InferenceSessionMembers):
                     plan = planned(dataclasses.replace(cfg, **fallback))
             if plan is not None and plan.streaming:
                 self._run_in_segments(plan)
-                why = (f"the KV cache needs up to {fmt_bytes(kv_peak)} and the weights, resident for the session's "
-                       f"life, left no room: the weights now stream in {len(plan.segments)} segments. Pass "
-                       f"kv_bytes={trial.kv_bytes} to plan for the cache from the start, or raise the budget to keep "
-                       f"the weights resident")
+                if pinned:
+                    why = (f"the KV cache needs up to {fmt_bytes(kv_peak)} and the weights, resident for the "
+                           f"session's life, left no room: the weights now stream in {len(plan.segments)} segments. "
+                           f"Pass kv_bytes={trial.kv_bytes} to plan for the cache from the start, or raise the budget "
+                           f"to keep the weights resident")
+                else:
+                    why = (f"the KV cache needs up to {fmt_bytes(kv_peak)}, more than the "
+                           f"{fmt_bytes(in_force.zones['kv'].reserve)} set aside for it: the weights now stream in "
+                           f"{len(plan.segments)} segments. Pass kv_bytes={trial.kv_bytes} to plan for the cache from "
+                           f"the start")
                 self._notes.append(why)
                 warnings.warn(why, OffloadWarning, stacklevel=2)
                 return None

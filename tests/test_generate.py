@@ -529,6 +529,48 @@ def test_padding_is_refused_for_the_shared_cache_and_all_ones_is_no_padding():
         np.testing.assert_array_equal(s.generate(ids, 6, attention_mask=np.ones_like(ids)), s.generate(ids, 6))
 
 
+def _causal_mask_from_a_table(m, rows):
+    """The causal mask sliced from a fixed [rows, rows] table by the key length (past +
+    sequence), as HF's GPT-2 takes it from its `bias` buffer."""
+    from onnx import helper, numpy_helper
+    le = next(n for n in m.graph.node if n.op_type == "LessOrEqual")
+    at = list(m.graph.node).index(le)
+    m.graph.node.remove(le)
+    for name, value in (("tbl", np.tril(np.ones((rows, rows), bool))), ("tbl_2", np.array([2])),
+                        ("tbl_1", np.array([1])), ("tbl_axes", np.array([0, 1])), ("tbl_0", np.array([0]))):
+        m.graph.initializer.append(numpy_helper.from_array(value, name))
+    nodes = [helper.make_node("Shape", ["past_key_values.0.key"], ["tbl_ps"]),
+             helper.make_node("Gather", ["tbl_ps", "tbl_2"], ["tbl_past"]),
+             helper.make_node("Shape", ["input_ids"], ["tbl_is"]),
+             helper.make_node("Gather", ["tbl_is", "tbl_1"], ["tbl_seq"]),
+             helper.make_node("Add", ["tbl_past", "tbl_seq"], ["tbl_key"]),
+             helper.make_node("Concat", ["tbl_past", "tbl_0"], ["tbl_starts"], axis=0),
+             helper.make_node("Concat", ["tbl_key", "tbl_key"], ["tbl_ends"], axis=0),
+             helper.make_node("Slice", ["tbl", "tbl_starts", "tbl_ends", "tbl_axes"], [le.output[0]])]
+    for node in reversed(nodes):
+        m.graph.node.insert(at, node)
+
+
+def test_a_model_that_refuses_a_padded_past_gets_it_at_its_exact_length():
+    """A past padded to its bucket (64 positions) is longer than the 64-row table this
+    model slices its causal mask from, though the sequence (49) is not: ORT fails on the
+    padded step, which runs again with the past at its exact length, and so does every
+    later generation, with a warning that says so."""
+    model = _with_inputs(decoder_lm("standard", max_length=256), lambda m: _causal_mask_from_a_table(m, 64))
+    ids = prompt(2, 10)
+    want = reference_greedy(model, ids, 40)
+    with session(model, offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3) as s:
+        assert s.decoder_spec.layout == "standard" and len(s.segments) > 1
+        with pytest.warns(OffloadWarning, match="exact length from now on"):
+            np.testing.assert_array_equal(s.generate(ids, 40), want)
+        assert s.decoder_spec.layout == "exact" and kv_committed(s) == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", OffloadWarning)
+            np.testing.assert_array_equal(s.generate(ids, 40), want)
+        assert any("padded" in n for n in s.stats().notes)
+    assert s.stats().ledger.committed == 0
+
+
 def _with_inputs(model, change):
     import onnx
     m = onnx.ModelProto()
@@ -657,6 +699,27 @@ def test_weights_resident_for_the_session_give_way_to_the_kv_cache(layout):
         np.testing.assert_array_equal(s.generate(ids, 24), want)  # and again, already streaming
         assert any("kv_bytes=" in n for n in s.stats().notes)
     assert s.stats().ledger.committed == 0
+
+
+@pytest.mark.parametrize("layout", ["standard", "exact"])
+def test_a_longer_generation_after_a_shorter_one_runs_where_a_new_session_runs_it(layout):
+    """The plan made for a short generation's cache is made again for a longer one's: what
+    a session can generate does not depend on what it generated before."""
+    model = make_decoder(layout, layers=3, hidden=128, heads=4, kv_heads=4, max_length=1024, dtype=np.float16)
+    ids = np.random.default_rng(33).integers(0, 97, (1, 33))
+
+    def make():
+        return session(model, offload=True, vmm=True, vram_limit=weight_bytes(model) + (2 << 20))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadWarning)
+        with make() as s:
+            want = s.generate(ids, 300)
+        with make() as s:
+            s.generate(ids, 100)
+            shorter = len(s.segments)
+            np.testing.assert_array_equal(s.generate(ids, 300), want)
+            assert len(s.segments) > shorter  # planned again, for the longer cache
+        assert s.stats().ledger.committed == 0
 
 
 def test_weights_that_cannot_start_streaming_stay_resident_and_the_session_runs_on(monkeypatch):
