@@ -67,6 +67,10 @@ def test_boundaries_are_minimal():
     for seg in segments[:-1]:
         assert len(seg.outputs) == 1
     onnx.checker.check_model(segments[0].model)
+    # Between segments, a value keeps its rank and declares no sizes (inference may merge
+    # one wrong, and ORT refuses a value whose size differs); the model's own input keeps its.
+    assert [d.HasField("dim_value") for d in segments[1].model.graph.input[0].type.tensor_type.shape.dim] == [False] * 2
+    assert [d.dim_value for d in segments[0].model.graph.input[0].type.tensor_type.shape.dim] == [2, 64]
 
 
 def test_boundary_types_of_contrib_ops_come_from_ort_s_own_inference():
