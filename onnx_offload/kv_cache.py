@@ -129,13 +129,17 @@ class SharedKV:
             feeds[f"past_key_values.{i}.value"] = outputs[f"present.{i}.value"] = v.value
 
 
-class BucketKV:
+class _GrowingKV:
+    """The standard layout's caches: per layer and K/V, a past buffer and a present buffer
+    with room for `room` positions, replaced by buffers of twice the room as the cache
+    grows (the old ones given back once the past is copied over)."""
+
     def __init__(self, bufs: DeviceBuffers, layers: int, batch: int, kv_heads: int, head_size: int, dtype,
                  length: int):
         self._bufs = bufs
         self.layers, self.batch, self.kv_heads, self.head_size = layers, batch, kv_heads, head_size
         self.dtype = np.dtype(dtype)
-        self.bucket = 0
+        self.room = 0
         self.past: List[FixedBuffer] = []
         self.present: List[FixedBuffer] = []
         self._allocate(bucket_for(length))
@@ -147,22 +151,54 @@ class BucketKV:
     def _row(self) -> int:
         return self.head_size * self.dtype.itemsize
 
-    def _allocate(self, bucket: int):
-        """New past and present buffers for `bucket`; returns the old ones."""
-        b, h, d = self.batch, self.kv_heads, self.head_size
+    def _shapes(self, room: int):
+        """(the past's shape, the present's, whether the past starts zeroed) for `room`."""
+        raise NotImplementedError
+
+    def _allocate(self, room: int):
+        """New past and present buffers for `room` positions; returns the old ones."""
+        past_shape, present_shape, zero = self._shapes(room)
         past, present = [], []
         try:
             for _ in range(2 * self.layers):
-                past.append(self._bufs.new([b, h, bucket, d], self.dtype, zero=True,
-                                           what=f"the KV cache ({bucket} positions)"))
-                present.append(self._bufs.new([b, h, bucket + 1, d], self.dtype, what="the KV cache's present"))
+                past.append(self._bufs.new(past_shape, self.dtype, zero=zero, what=f"the KV cache ({room} positions)"))
+                present.append(self._bufs.new(present_shape, self.dtype, what="the KV cache's present"))
         except BaseException:
             for buf in past + present:
                 self._bufs.free(buf)
             raise
         old = (self.past, self.present)
-        self.past, self.present, self.bucket = past, present, bucket
+        self.past, self.present, self.room = past, present, room
         return old
+
+    def _grow(self, length: int, copy) -> None:
+        """Room for `length` positions: `copy(new, old, old_room)` moves each past over."""
+        if length <= self.room:
+            return
+        old_room = self.room
+        old_past, old_present = self._allocate(bucket_for(length))
+        for buf, prev in zip(self.past, old_past):
+            copy(buf, prev, old_room)
+        self._bufs.device.compute_stream.synchronize()
+        for buf in old_past + old_present:
+            self._bufs.free(buf)
+
+    def release(self) -> None:
+        """Gives the buffers back (the generation goes on with another cache)."""
+        self._bufs.device.compute_stream.synchronize()  # no copy still reads them
+        for buf in self.past + self.present:
+            self._bufs.free(buf)
+        self.past, self.present = [], []
+
+
+class BucketKV(_GrowingKV):
+    @property
+    def bucket(self) -> int:
+        return self.room
+
+    def _shapes(self, room: int):
+        b, h, d = self.batch, self.kv_heads, self.head_size
+        return [b, h, room, d], [b, h, room + 1, d], True
 
     def fill_from(self, presents: Sequence[ort.OrtValue], length: int) -> None:
         """The prompt's presents ([b, h, length, d] each) into the past."""
@@ -184,24 +220,10 @@ class BucketKV:
 
     def ensure(self, length: int) -> None:
         """Room for `length` cached positions: a larger bucket, copied on the device."""
-        if length <= self.bucket:
-            return
-        old_bucket = self.bucket
-        old_past, old_present = self._allocate(bucket_for(length))
         dev, row = self._bufs.device, self._row()
-        for buf, prev in zip(self.past, old_past):
-            dev.backend.copy_d2d_2d(buf.ptr, self.bucket * row, prev.ptr, old_bucket * row, old_bucket * row,
-                                    self.batch * self.kv_heads, dev.compute_stream)
-        dev.compute_stream.synchronize()
-        for buf in old_past + old_present:
-            self._bufs.free(buf)
-
-    def release(self) -> None:
-        """Gives the buffers back (the generation goes on with another cache)."""
-        self._bufs.device.compute_stream.synchronize()  # no copy still reads them
-        for buf in self.past + self.present:
-            self._bufs.free(buf)
-        self.past, self.present = [], []
+        self._grow(length, lambda buf, prev, old: dev.backend.copy_d2d_2d(
+            buf.ptr, self.bucket * row, prev.ptr, old * row, old * row, self.batch * self.kv_heads,
+            dev.compute_stream))
 
     def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue]) -> None:
         for i in range(self.layers):
@@ -211,7 +233,7 @@ class BucketKV:
             outputs[f"present.{i}.value"] = self.present[2 * i + 1].value
 
 
-class ExactKV:
+class ExactKV(_GrowingKV):
     """Standard attention fed its past at its exact length, for a model that takes no
     position_ids and so may derive positions from the past's length (as a ``torch.onnx``
     export of a Llama or GPT-2 does): a bucket's padding would shift them. Each layer's K
@@ -222,40 +244,19 @@ class ExactKV:
     change every step, so these steps run uncaptured. When the room runs out, buffers of
     twice the room take its place, the past copied on the device."""
 
-    def __init__(self, bufs: DeviceBuffers, layers: int, batch: int, kv_heads: int, head_size: int, dtype,
-                 length: int):
-        self._bufs = bufs
-        self.layers, self.batch, self.kv_heads, self.head_size = layers, batch, kv_heads, head_size
-        self.dtype = np.dtype(dtype)
-        self.capacity = 0
+    def __init__(self, *args):
         self.length = 0  # positions in the past
-        self.past: List[FixedBuffer] = []
-        self.present: List[FixedBuffer] = []
-        self._allocate(bucket_for(length))
+        super().__init__(*args)
 
     @property
-    def nbytes(self) -> int:
-        return sum(nbytes_of(b.shape, b.dtype) for b in self.past + self.present)
+    def capacity(self) -> int:
+        return self.room
 
     def _positions(self, n: int) -> int:
         return self.batch * self.kv_heads * n * self.head_size
 
-    def _allocate(self, capacity: int):
-        """Buffers with room for `capacity` positions; returns the old ones."""
-        past, present = [], []
-        try:
-            for _ in range(2 * self.layers):
-                past.append(self._bufs.new([self._positions(capacity)], self.dtype,
-                                           what=f"the KV cache ({capacity} positions)"))
-                present.append(self._bufs.new([self._positions(capacity)], self.dtype,
-                                              what=f"the KV cache ({capacity} positions)"))
-        except BaseException:
-            for buf in past + present:
-                self._bufs.free(buf)
-            raise
-        old = (self.past, self.present)
-        self.past, self.present, self.capacity = past, present, capacity
-        return old
+    def _shapes(self, room: int):
+        return [self._positions(room)], [self._positions(room)], False
 
     def _view(self, buf: FixedBuffer, positions: int) -> ort.OrtValue:
         shape = [self.batch, self.kv_heads, positions, self.head_size]
@@ -270,9 +271,9 @@ class ExactKV:
         dev.compute_stream.synchronize()  # the presents are ORT's, freed when the caller drops them
         self.length = length
 
-    def take_from(self, bucket: "BucketKV", length: int) -> None:
+    def take_from(self, bucket: BucketKV, length: int) -> None:
         """The first `length` positions of a bucketed past, one strided copy per buffer."""
-        dev, row = self._bufs.device, self.head_size * self.dtype.itemsize
+        dev, row = self._bufs.device, self._row()
         for buf, prev in zip(self.past, bucket.past):
             dev.backend.copy_d2d_2d(buf.ptr, length * row, prev.ptr, bucket.bucket * row, length * row,
                                     self.batch * self.kv_heads, dev.compute_stream)
@@ -281,16 +282,9 @@ class ExactKV:
 
     def ensure(self, length: int) -> None:
         """Room for `length` positions in the present."""
-        if length <= self.capacity:
-            return
-        old_past, old_present = self._allocate(bucket_for(length))
-        dev = self._bufs.device
-        for buf, prev in zip(self.past, old_past):
-            dev.backend.copy_d2d(buf.ptr, prev.ptr, self._positions(self.length) * self.dtype.itemsize,
-                                 dev.compute_stream)
-        dev.compute_stream.synchronize()
-        for buf in old_past + old_present:
-            self._bufs.free(buf)
+        dev, nbytes = self._bufs.device, self._positions(self.length) * self.dtype.itemsize
+        self._grow(length, lambda buf, prev, old: dev.backend.copy_d2d(buf.ptr, prev.ptr, nbytes,
+                                                                       dev.compute_stream))
 
     def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue]) -> None:
         for i in range(self.layers):
