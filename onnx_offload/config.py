@@ -210,6 +210,9 @@ class OffloadConfig:
 
 
     def __post_init__(self):
+        # The switches as the environment spells them too ("0" is off, not a true string).
+        self.offload = parse_flag(self.offload, "offload")
+        self.vmm = parse_flag(self.vmm, "vmm")
         self.vram_limit = parse_vram_limit(self.vram_limit, "vram_limit", smallest_budget(self.host_granularity))
         self.policy = parse_policy(self.policy, "policy")
         self.engine = parse_engine(self.engine, "engine")

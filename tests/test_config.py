@@ -49,6 +49,19 @@ def test_keywords_win_over_the_environment():
     assert c.offload and c.vram_limit == 2 * GiB and c.graph_override is True and c.cuda_graph is None
 
 
+@pytest.mark.parametrize("value,expected", [(True, True), ("1", True), ("true", True), (1, True),
+                                            (False, False), ("0", False), ("false", False), (0, False)])
+def test_switches_given_by_keyword_read_as_the_environment_spells_them(value, expected):
+    c = OffloadConfig.from_env({}, offload=value, vmm=value)
+    assert c.offload is expected and c.vmm is expected
+
+
+@pytest.mark.parametrize("value", ["yes", "off", 2, 0.5, []])
+def test_a_bad_switch_by_keyword_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="offload=.*not valid"):
+        OffloadConfig.from_env({}, offload=value)
+
+
 @pytest.mark.parametrize("name,value,forms", [
     ("ONNX_GENAI_WEIGHT_OFFLOAD", "yes", "'0' or '1'"),
     ("ONNX_GENAI_WEIGHT_OFFLOAD_VMM", "2", "'0' or '1'"),
