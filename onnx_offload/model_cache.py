@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -95,6 +96,34 @@ def _fingerprint(path: str) -> bytes:
             f.seek(offset)
             h.update(f.read(_SAMPLE_BYTES))
     return h.digest()
+
+
+MANIFEST = "manifest.json"  # the fingerprints of an entry's files, written before it is published
+
+
+def write_manifest(folder: str) -> None:
+    """Fingerprints every file of an entry about to be published (see _fingerprint)."""
+    prints = {rel: _fingerprint(os.path.join(folder, rel)).hex() for rel in _entry_files(folder)}
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump(prints, f)
+
+
+def entry_intact(folder: str) -> bool:
+    """Whether a published entry's files are the ones its manifest fingerprinted: a file
+    truncated, rewritten or added since, or no manifest, and the entry is not used."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            prints = json.load(f)
+        if not isinstance(prints, dict) or set(prints) != set(_entry_files(folder)):
+            return False
+        return all(_fingerprint(os.path.join(folder, rel)).hex() == fp for rel, fp in prints.items())
+    except (OSError, ValueError):
+        return False
+
+
+def _entry_files(folder: str) -> List[str]:
+    return sorted(os.path.relpath(os.path.join(root, f), folder) for root, _, files in os.walk(folder)
+                  for f in files if not (root == folder and f == MANIFEST))
 
 
 _ENTRY = re.compile(r"[0-9a-f]{24}$")  # a published entry is named by its key

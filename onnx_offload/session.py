@@ -46,7 +46,7 @@ from .iobinding import OffloadIOBinding
 from .model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, materialize, optimization_level,
                     optimize_once, optimized_exists, point_weights_at_placeholder, read_weights, share_unchanged,
                     weights_as_inputs, write_optimized)
-from .model_cache import cache_key, hold_entry, remove_set_aside, set_aside
+from .model_cache import cache_key, entry_intact, hold_entry, remove_set_aside, set_aside, write_manifest
 from .ort_memory import OrtMemoryMeter
 from .ort_sessions import (CUDA_EP, SessionFactory, choose_providers, copy_options, normalize_providers, options_key,
                            unseen)
@@ -173,12 +173,20 @@ class OffloadSession(InferenceSessionMembers):
         for _ in range(3):
             if os.path.isdir(opt_dir):
                 if optimized_exists(os.path.join(opt_dir, OPTIMIZED)):
-                    self._entry_lock = hold_entry(opt_dir)
-                    if self._entry_lock is not None:
+                    lock = hold_entry(opt_dir)
+                    if lock is None:
+                        continue
+                    if entry_intact(opt_dir):
+                        self._entry_lock = lock
                         return opt_dir
-                    continue
-                # An entry missing a file (removed by hand): set aside, then made again and
-                # published like a new one, never rewritten where others may be reading it.
+                    os.close(lock)
+                    why = (f"the cache entry {opt_dir} is not as it was made (a file changed, was cut short or "
+                           f"added since): it is made again")
+                    warnings.warn(why, OffloadWarning, stacklevel=4)
+                    self._notes.append(why)
+                # An entry missing a file (removed by hand) or changed: set aside, then made
+                # again and published like a new one, never rewritten where others may be
+                # reading it.
                 set_aside(cache, opt_dir)
                 remove_set_aside(cache)
             published = self._publish_entry(cache, opt_dir, src, level, own_files)
@@ -203,6 +211,7 @@ class OffloadSession(InferenceSessionMembers):
                           self._disabled_optimizers, self._options)
             if own_files:
                 share_unchanged(tmp, src)
+            write_manifest(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted pass leaves nothing behind
             raise

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import warnings
 
 import numpy as np
 import onnx
@@ -268,6 +269,39 @@ def test_an_entry_missing_a_file_is_made_again_and_published_whole(tmp_path):
     assert_same(path, feeds, cache_dir=cache)
     assert os.listdir(cache) == [entry]  # made again under its key; nothing set aside is left
     assert os.path.exists(os.path.join(cache, entry, "optimized.onnx"))
+
+
+@pytest.mark.parametrize("damage", ["garbled", "truncated", "added"])
+def test_an_entry_changed_on_disk_is_made_again_never_trusted(tmp_path, damage):
+    """Bytes of the entry's data file rewritten, the file cut short, a file added: the
+    entry no longer matches the fingerprints it was published with, so it is made again
+    (with a warning), and outputs stay ORT's."""
+    from onnx_offload import OffloadWarning
+    rng = np.random.default_rng(5)
+    ws = [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), f"w{i}") for i in range(2)]
+    model = make_model([helper.make_node("MatMul", ["x", "w0"], ["h"]), helper.make_node("MatMul", ["h", "w1"], ["y"])],
+                       [tensor("x", [4, 64])], [tensor("y", [4, 64])], ws)
+    path = str(tmp_path / "m.onnx")
+    onnx.save(model, path)  # the weights inside the .onnx: the entry holds its own copy
+    feeds = {"x": rng.standard_normal((4, 64)).astype(np.float32)}
+    cache = str(tmp_path / "cache")
+    assert_same(path, feeds, cache_dir=cache)
+    (entry,) = os.listdir(cache)
+    data = os.path.join(cache, entry, "optimized.onnx.data")
+    if damage == "garbled":
+        with open(data, "r+b") as f:
+            f.seek(8192)
+            f.write(np.full(1024, 0.5, np.float32).tobytes())
+    elif damage == "truncated":
+        os.truncate(data, os.path.getsize(data) // 2)
+    else:
+        open(os.path.join(cache, entry, "stray"), "w").close()
+    with pytest.warns(OffloadWarning, match="not as it was made"):
+        assert_same(path, feeds, cache_dir=cache)
+    assert os.listdir(cache) == [entry]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OffloadWarning)  # the entry made again is used as it is
+        assert_same(path, feeds, cache_dir=cache)
 
 
 def test_cache_key_ignores_unrelated_stat_changes(tmp_path):
