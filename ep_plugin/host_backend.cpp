@@ -116,8 +116,13 @@ class HostStream : public Stream {
     return std::move(captured_);
   }
   // Runs what is queued, then joins the worker. An open capture is abandoned: its work
-  // was never queued.
+  // was never queued. In a process forked after the stream was made, the worker (and
+  // whoever held the locks at the fork) does not exist: the stream is only let go.
   void close() override {
+    if (getpid() != pid_) {
+      if (worker_.joinable()) worker_.detach();
+      return;
+    }
     if (std::this_thread::get_id() == worker_.get_id())
       throw StateError(concat("host stream ", id_, " cannot be closed by its own work"));
     std::lock_guard<std::mutex> closing(close_mu_);
@@ -155,6 +160,7 @@ class HostStream : public Stream {
   }
   uint64_t id_;
   SharedCounters counters_;
+  pid_t pid_ = getpid();  // the process whose thread the worker is
   std::mutex close_mu_;
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -92,15 +93,31 @@ def check_config_flags(args) -> None:
         parse_bytes(args.weight_bytes, "--weight-bytes")
 
 
-def positive_int(text: str) -> int:
+def positive_int(text: str, least: int = 1) -> int:
     """An argparse type: an integer of at least 1."""
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    if n < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {text!r}")
     return n
+
+
+def count(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    return positive_int(text, least=0)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return x
 
 
 def load_feeds(path: str) -> dict:
@@ -395,10 +412,10 @@ def main(argv=None) -> int:
     src.add_argument("--prompt", help="text, encoded by the tokenizer.json beside the model ('tokenizers' package)")
     g.add_argument("--max-new-tokens", type=positive_int, default=32)
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--temperature", type=positive_float, default=1.0)
+    g.add_argument("--top-k", type=count, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=count)
     _config_flags(g)
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="a small model under a budget below its weights (GPU if present, else CPU)")
@@ -413,7 +430,7 @@ def main(argv=None) -> int:
     b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "reliability"))
     b.add_argument("--out", default="onnx-offload-bench")
     b.add_argument("--json")
-    b.add_argument("--weight-gb", type=float, default=8.0)
+    b.add_argument("--weight-gb", type=positive_float, default=8.0)
     b.add_argument("--cpu", action="store_true")
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)

@@ -46,7 +46,7 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 BYTES_FORMS = "an integer byte count (6000000000) or a size with a unit (6GiB, 512MiB, 6GB)"
 LIMIT_FORMS = BYTES_FORMS + ", a fraction of device memory in (0, 1] (0.9), or 'auto'"
-BOOL_FORMS = "'0' or '1'"
+BOOL_FORMS = "'0' or '1' ('false' or 'true')"
 
 
 def parse_bytes(value: Union[str, int], name: str = "value") -> int:
@@ -146,9 +146,21 @@ def parse_cache_dir(value, name: str = ENV_CACHE_DIR) -> str:
         return text.lower()
     if text.lower() in ("0", "none", "false"):
         return "off"
+    if text.lower() in ("1", "true", "on"):  # a switch turned on, not a folder named "1"
+        return "auto"
     if not text:
         raise ValueError(f"{name}={value!r} is not valid: expected a folder, 'auto' or 'off'")
     return os.path.expanduser(text)
+
+
+def _parse_index(value, name: str) -> int:
+    """A device index: a non-negative integer, or its digits (as provider options give it)."""
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())):
+        raise ValueError(f"{name}={value!r} is not valid: expected a non-negative integer")
+    n = int(value)
+    if n < 0:
+        raise ValueError(f"{name}={value!r} is not valid: expected a non-negative integer")
+    return n
 
 
 def default_cache_dir() -> str:
@@ -213,6 +225,16 @@ class OffloadConfig:
         # The switches as the environment spells them too ("0" is off, not a true string).
         self.offload = parse_flag(self.offload, "offload")
         self.vmm = parse_flag(self.vmm, "vmm")
+        self.host_granularity = parse_bytes(self.host_granularity, "host_granularity")
+        if self.zone_va_bytes is not None:
+            self.zone_va_bytes = parse_bytes(self.zone_va_bytes, "zone_va_bytes")
+        self.device_id = _parse_index(self.device_id, "device_id")
+        classes = self.handle_classes
+        if not isinstance(classes, (tuple, list)) or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in classes):
+            raise ValueError(f"handle_classes={classes!r} is not valid: expected a sequence of positive granule "
+                             f"counts, or () for the arena's defaults")
+        self.handle_classes = tuple(classes)
         self.vram_limit = parse_vram_limit(self.vram_limit, "vram_limit", smallest_budget(self.host_granularity))
         self.policy = parse_policy(self.policy, "policy")
         self.engine = parse_engine(self.engine, "engine")
@@ -227,7 +249,7 @@ class OffloadConfig:
                 continue
             if isinstance(v, str):
                 setattr(self, field, parse_bytes(v, field))
-            elif not isinstance(v, int) or v < 0:
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{field}={v!r} is not valid: expected a non-negative byte count")
 
     @classmethod

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import operator
 import os
 import shutil
 import tempfile
@@ -602,6 +603,8 @@ class OffloadSession(InferenceSessionMembers):
         now, not at the first next()."""
         self._check_open()
         sampling = Sampling(do_sample, temperature, top_k, top_p)
+        if seed is not None and (isinstance(seed, bool) or operator.index(seed) < 0):  # TypeError for 2.5 or "3"
+            raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
         ids, new, eos, mask = check_generate_args(self, input_ids, max_new_tokens, eos_token_id, attention_mask)
         return ids, generate_tokens(self, ids, new, sampling, seed, eos, mask)
 

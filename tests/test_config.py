@@ -86,3 +86,24 @@ def test_budget_resolution():
     assert OffloadConfig(vram_limit=None).resolve_budget(free, total) == int(free * 0.9)
     assert OffloadConfig(vram_limit=0.5).resolve_budget(free, total) == 40 * GiB
     assert OffloadConfig(vram_limit="6GiB").resolve_budget(free, total) == 6 * GiB
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(host_granularity=-1), "host_granularity=-1"), (dict(zone_va_bytes=-5), "zone_va_bytes=-5"),
+    (dict(handle_classes=("a",)), "handle_classes"), (dict(handle_classes=(0,)), "handle_classes"),
+    (dict(kv_bytes=True), "kv_bytes=True"), (dict(device_id="x"), "device_id='x'"), (dict(device_id=-1), "device_id"),
+])
+def test_advanced_keywords_are_checked_by_name(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        OffloadConfig.from_env({}, **kw)
+
+
+def test_advanced_keywords_take_sizes_and_digits():
+    c = OffloadConfig.from_env({}, host_granularity="64KiB", zone_va_bytes="1GiB", device_id="1", handle_classes=[1, 4])
+    assert (c.host_granularity, c.zone_va_bytes, c.device_id, c.handle_classes) == (64 << 10, GiB, 1, (1, 4))
+
+
+@pytest.mark.parametrize("value,expected", [("1", "auto"), ("true", "auto"), ("ON", "auto"), ("0", "off"),
+                                            ("none", "off"), ("auto", "auto")])
+def test_cache_dir_switches_are_not_folder_names(value, expected):
+    assert OffloadConfig.from_env({"ONNX_OFFLOAD_CACHE_DIR": value}).cache_dir == expected

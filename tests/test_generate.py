@@ -265,12 +265,18 @@ def test_cli_generate_prints_the_tokens_of_generate(tmp_path, capsys):
     (["--prompt-ids", "1,2;3"], "same number"),
     (["--prompt-ids", "1,,2"], "expected integers"),
     (["--prompt-ids", "99999999999999999999999,2"], "64-bit"),
-    (["--prompt-ids", "1,2", "--temperature", "nan", "--do-sample"], "temperature must be a finite"),
+    (["--prompt-ids", "1,2", "--temperature", "nan", "--do-sample"], "--temperature: must be a finite number"),
+    (["--prompt-ids", "1,2", "--seed", "-5"], "--seed: must be at least 0"),
+    (["--prompt-ids", "1,2", "--top-k", "-1"], "--top-k: must be at least 0"),
     (["--prompt", "hello"], "tokenizer.json"),
 ])
 def test_cli_generate_refuses_bad_prompts_before_loading(tmp_path, capsys, argv, needle):
     path = save_decoder(model_of("gqa"), str(tmp_path / "llm"))
-    assert main(["generate", path, "--cpu"] + argv) == 2
+    try:
+        rc = main(["generate", path, "--cpu"] + argv)
+    except SystemExit as e:  # refused by the argument parser
+        rc = e.code
+    assert rc == 2
     err = capsys.readouterr().err
     assert needle in err and "loading weights" not in err
 
@@ -620,6 +626,8 @@ def test_int32_token_ids_and_positions_are_fed_as_the_model_declares(layout):
     (dict(input_ids=np.array([[-1, 3]])), ValueError, r"token ids must lie in \[0, 97\)"),
     (dict(input_ids=np.array([[97, 3]])), ValueError, r"\[0, 97\)"),
     (dict(max_new_tokens=2**60), ValueError, "holds at most 2147483647"),
+    (dict(seed=-5), ValueError, "seed must be"),
+    (dict(seed=1.5), TypeError, None),
 ])
 def test_generate_arguments_are_checked_at_the_call(kwargs, error, needle):
     args = {"input_ids": prompt(1), "max_new_tokens": 4, **kwargs}
