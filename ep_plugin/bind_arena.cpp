@@ -223,6 +223,7 @@ void bind_slots(py::module_& m) {
       .def("allocate", &ScratchAllocator::allocate, py::arg("bytes"), Release())
       .def("deallocate", &ScratchAllocator::deallocate, py::arg("ptr"), Release())
       .def("empty_cache", &ScratchAllocator::empty_cache, Release())
+      .def("release_all", &ScratchAllocator::release_all, Release())
       .def("last_error", &ScratchAllocator::last_error, Drain())
       .def("stats", &ScratchAllocator::stats, Drain());
 

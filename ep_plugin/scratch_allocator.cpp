@@ -93,6 +93,18 @@ void ScratchAllocator::deallocate(uint64_t ptr) {
   live_.erase(it);
 }
 
+uint64_t ScratchAllocator::release_all() {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& [ptr, size] : live_) {
+    cache_.insert({size, ptr});
+    stats_.cached_bytes += size;
+    ++stats_.frees;
+  }
+  stats_.live_bytes = 0;
+  live_.clear();
+  return empty_cache_locked();
+}
+
 uint64_t ScratchAllocator::empty_cache() {
   std::lock_guard<std::mutex> g(mu_);
   return empty_cache_locked();

@@ -31,6 +31,9 @@ class ScratchAllocator {
   uint64_t allocate(uint64_t bytes);  // throws BudgetExceeded
   void deallocate(uint64_t ptr);
   uint64_t empty_cache();  // returns committed bytes freed
+  // Frees every live block too, then empties the cache: one call, so that a caller
+  // interrupted half way through giving its blocks back cannot keep some.
+  uint64_t release_all();
   // The same, reporting failure through the return value (for callers across a C ABI).
   uint64_t try_allocate(uint64_t bytes) noexcept;
   std::string last_error();

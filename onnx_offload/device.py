@@ -51,7 +51,6 @@ class Device:
         self.arena.guard_capture(self.compute_stream)
         self.scratch = _core.ScratchAllocator(self.arena, "scratch")
         self.ledger.set_reclaimer("scratch", lambda n: self.scratch.empty_cache())
-        self.kv = _core.ScratchAllocator(self.arena, "kv")  # generate()'s KV caches
         self.closed = False
 
     def _set_zones(self, zones: Dict[str, ZonePlan]) -> None:
@@ -85,8 +84,6 @@ class Device:
             self.ledger.clear_reclaimer(zone)
         self.scratch.empty_cache()
         self.scratch = None
-        self.kv.empty_cache()
-        self.kv = None
         self.arena.close()
         # Ends the worker threads (host) or CUstreams now, not at GC. The ORT sessions
         # that ran on compute_stream are gone: the session closes its runner first.

@@ -228,10 +228,10 @@ class Generation:
         # buffers of each bucket's steps are kept until the generation ends, and the
         # buckets double
         boundary = 2 * batch * 8 * (total + 1)
-        self.kv_bufs = DeviceBuffers(dev, dev.kv, "kv",
+        self.kv_bufs = DeviceBuffers(dev, "kv",
                                      lambda nbytes: session._kv_shortage(nbytes, kv_peak, io_peak, boundary))
         # A step buffer short of room is the same shortage, seen from the scratch zone.
-        self.io_bufs = DeviceBuffers(dev, dev.scratch, "scratch",
+        self.io_bufs = DeviceBuffers(dev, "scratch",
                                      lambda nbytes: session._kv_shortage(0, kv_peak, io_peak + nbytes, boundary))
         try:
             if spec.layout == "gqa":

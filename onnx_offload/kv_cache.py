@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import onnxruntime as ort
 
+from . import _core
 from ._core import round_up
 from .errors import BudgetExceeded
 from .ortvalues import FixedBuffer, nbytes_of
@@ -43,11 +44,14 @@ def describe_zones(ledger) -> str:
 
 
 class DeviceBuffers:
-    """Buffers of one zone's allocator, freed together; every byte is in the ledger."""
+    """Buffers in one zone, freed together; every byte is in the ledger. They come from
+    an allocator of their own, which gives back whatever it holds in one call (or when it
+    is dropped): an interrupt between an allocation and its bookkeeping, or half way
+    through close(), leaves nothing behind."""
 
-    def __init__(self, device, allocator, zone: str, shortage: Optional[Callable[[int], Optional[str]]] = None):
+    def __init__(self, device, zone: str, shortage: Optional[Callable[[int], Optional[str]]] = None):
         self.device = device
-        self._alloc = allocator
+        self._alloc = _core.ScratchAllocator(device.arena, zone)
         self.zone = zone
         # Called when the budget cannot give a buffer: None once it made room (the
         # allocation is tried again), else advice for the error.
@@ -85,17 +89,17 @@ class DeviceBuffers:
         return buf
 
     def free(self, buf: FixedBuffer) -> None:
+        """One buffer back to the budget now (a cache that grew, a mask replaced)."""
         self._ptrs.remove(buf.ptr)
         self._alloc.deallocate(buf.ptr)
+        self._alloc.empty_cache()
 
     def close(self) -> None:
+        self._ptrs.clear()
         if self.device.closed:  # the session closed first: the arena gave everything back
-            self._ptrs.clear()
             return
         self.device.compute_stream.synchronize()  # no copy still reads or writes them
-        while self._ptrs:
-            self._alloc.deallocate(self._ptrs.pop())
-        self._alloc.empty_cache()  # the zone's committed bytes follow the cache: back to 0
+        self._alloc.release_all()  # the zone's committed bytes: back to what they were
 
 
 def write(device, *pairs) -> None:

@@ -401,6 +401,72 @@ def test_ctrl_c_while_the_cache_is_made_or_given_back_leaks_nothing(where, monke
         np.testing.assert_array_equal(s.generate(ids, 8), want)
 
 
+def test_an_interrupt_between_an_allocation_and_its_bookkeeping_loses_nothing(monkeypatch):
+    """A KeyboardInterrupt that no SIGINT raised (so nothing holds it back) lands right
+    after a cache buffer is allocated, before the generation has noted it: the buffer
+    still goes back, since the generation's allocator gives back all it holds."""
+    from onnx_offload import kv_cache
+    model = model_of("exact")
+    ids = prompt(2)
+    calls = []
+
+    class Interrupted(kv_cache._core.ScratchAllocator):
+        def allocate(self, nbytes):
+            ptr = super().allocate(nbytes)
+            calls.append(nbytes)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return ptr
+    with session(model) as s:
+        want = s.generate(ids, 8)
+        with monkeypatch.context() as m:
+            m.setattr(kv_cache._core, "ScratchAllocator", Interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                s.generate(ids, 8)
+        assert len(calls) == 3
+        zones = s.device.ledger.snapshot().zones
+        assert zones["kv"].committed.current == 0 and zones["scratch"].content.current == 0
+        np.testing.assert_array_equal(s.generate(ids, 8), want)
+
+
+def test_interrupts_from_another_signal_at_any_moment_leak_nothing():
+    """A SIGALRM handler that raises KeyboardInterrupt, at random moments of many
+    generations: the idle session holds no cache byte afterwards, and generates right."""
+    import gc
+    import signal
+    model = model_of("exact")
+    ids = prompt(2, 15)
+    armed = [False]
+
+    def handler(signum, frame):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, handler)
+    rng = np.random.default_rng(7)
+    try:
+        with session(model) as s:
+            want = s.generate(ids, 20)
+            for _ in range(500):
+                try:
+                    armed[0] = True
+                    signal.setitimer(signal.ITIMER_REAL, float(rng.uniform(0, 0.01)))
+                    s.generate(ids, 20)
+                except KeyboardInterrupt:
+                    pass
+                finally:
+                    armed[0] = False
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            gc.collect()
+            zones = s.device.ledger.snapshot().zones
+            assert zones["kv"].committed.current == 0 and zones["scratch"].content.current == 0
+            np.testing.assert_array_equal(s.generate(ids, 20), want)
+        assert s.stats().ledger.committed == 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_generation_longer_than_the_model_is_refused_before_it_runs(layout, tmp_path):
     model = model_of(layout)
