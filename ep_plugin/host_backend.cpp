@@ -254,7 +254,14 @@ class HostBackend : public PhysicalBackend {
     munmap(reinterpret_cast<void*>(va), round_up(bytes, gran_));
   }
 
-  std::shared_ptr<Stream> create_stream() override { return std::make_shared<HostStream>(++next_stream_, shared_counters()); }
+  // A stream dropped in a forked child is never destroyed: its condition variable still
+  // counts the parent's worker as a waiter, and destroying it would wait for that thread.
+  std::shared_ptr<Stream> create_stream() override {
+    const pid_t pid = getpid();
+    return std::shared_ptr<HostStream>(new HostStream(++next_stream_, shared_counters()), [pid](HostStream* s) {
+      if (getpid() == pid) delete s;
+    });
+  }
   std::shared_ptr<Stream> wrap_stream(uint64_t) override {
     throw std::invalid_argument("the host backend has no foreign streams to wrap");
   }

@@ -35,6 +35,7 @@ from .errors import BudgetExceeded, OffloadError, OffloadWarning, UnsupportedMod
 from .interrupts import deferred_interrupts
 from .kv_cache import BucketKV, DeviceBuffers, ExactKV, SharedKV, bucket_for, peak_bytes, write
 from .ortvalues import FixedBuffer, IOInfo
+from .streaming import StreamEngine
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _GENERATIONS = itertools.count()  # names each generation's step plans
@@ -361,16 +362,25 @@ class Generation:
             self._bound = (key, feeds, outputs)
             self._keys.add(key)
         _, feeds, outputs = self._bound
-        try:
+
+        def step() -> bool:
             _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
             if not replayed and s._runner.streaming and s._runner.capture.enabled:
                 # The first step of these shapes learned the boundaries' sizes; the same step
                 # again writes the same cache positions and runs under the new plan's graphs.
                 _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
+            return replayed
+        try:
+            replayed = step()
         except RuntimeError as e:
             if spec.layout != "standard" or isinstance(e, OffloadError):
                 raise
-            return self._pad_refused(tokens, cur, e)
+            try:  # once more as it was: a failure of the moment (memory short) is not the padding's
+                replayed = step()
+            except RuntimeError as again:
+                if isinstance(again, OffloadError):
+                    raise
+                return self._pad_refused(tokens, cur, e)
         self._tokens = self._tokens + 1
         if spec.layout != "gqa":
             self.cache.append(cur)  # in order on the stream; the next step's write waits for it
@@ -379,24 +389,31 @@ class Generation:
         return last_position(self.logits.value.numpy()), replayed
 
     def _pad_refused(self, tokens: np.ndarray, cur: int, error: RuntimeError) -> tuple:
-        """ORT failed on a step of the padded past (a model may size a table by the past's
-        length, as GPT-2's causal mask is sliced from a fixed one): the cache is laid out
-        at its exact length and the step runs again so. Should it pass, the session feeds
-        this model's past at its exact length from then on."""
+        """ORT failed twice on a step of the padded past (a model may size a table by the
+        past's length, as GPT-2's causal mask is sliced from a fixed one): the cache is laid
+        out at its exact length and the step runs again so. Should it pass, the session
+        feeds this model's past at its exact length from then on (in segments, where the
+        streaming engine ran it: it would capture a graph per step); should it fail too,
+        ORT's first error is raised."""
         s, old = self.session, self.cache
         try:
             cache = ExactKV(self.kv_bufs, self.spec.layers, self.batch, self.spec.kv_heads, self.spec.head_size,
                             self.spec.kv_dtype, cur + 1)
         except BudgetExceeded as short:  # no room for the other layout: ORT's error stands
             raise error from short
-        cache.take_from(old, cur)
-        old.release()
         s._runner.drop_plans(self._keys)
         self.cache, self._bound = cache, None
-        self.io_bufs.free(self.mask)
-        self.mask = None
-        self.spec = dataclasses.replace(self.spec, layout="exact")
-        result = self._decode_exact(tokens, cur)
+        try:
+            cache.take_from(old, cur)
+            old.release()
+            self.io_bufs.free(self.mask)
+            self.mask = None
+            self.spec = dataclasses.replace(self.spec, layout="exact")
+            if isinstance(s._runner, StreamEngine) and s.config.engine != "graph":
+                s._run_in_segments(s._segments_from[0])
+            result = self._decode_exact(tokens, cur)
+        except (RuntimeError, ValueError) as other:  # the other layout fails too: ORT's error stands
+            raise error from other
         if s._decoder_spec.layout == "standard":
             s._decoder_spec = dataclasses.replace(s._decoder_spec, layout="exact")
             why = (f"generate(): ONNX Runtime failed on a past padded to {old.bucket} positions for a sequence of "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import operator
 import os
@@ -26,6 +27,7 @@ import shutil
 import tempfile
 import threading
 import warnings
+import weakref
 from typing import List, Optional
 
 import numpy as np
@@ -80,6 +82,22 @@ def _provider_int(value, name: str) -> int:
     return n
 
 
+# The sessions of this process. A forked child keeps its parent's for good: freeing them
+# there would wait on threads that do not exist in the child (ORT's thread pools, the
+# host backend's stream workers) and hang it, and the child cannot use them anyway
+# (StateError). So a child may drop them, or replace them with its own.
+_LIVE: "weakref.WeakSet[OffloadSession]" = weakref.WeakSet()
+_KEPT_IN_CHILD: list = []
+
+
+def _keep_in_child() -> None:
+    _KEPT_IN_CHILD.extend(_LIVE)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT_IN_CHILD))  # not freed even at interpreter exit
+
+
+os.register_at_fork(after_in_child=_keep_in_child)
+
+
 class OffloadSession(InferenceSessionMembers):
     def __init__(self, path_or_bytes, sess_options: Optional[ort.SessionOptions] = None, providers=None,
                  provider_options=None, *, config: Optional[OffloadConfig] = None, progress=None,
@@ -120,6 +138,7 @@ class OffloadSession(InferenceSessionMembers):
         self._graph_request = parse_flag(self._cuda_options.pop("enable_cuda_graph", None),
                                          "enable_cuda_graph (CUDA provider option)")
         self._pid = os.getpid()
+        _LIVE.add(self)
         self._cwd = os.getcwd()  # where ORT writes relative file names (profiles)
         self._lock = threading.RLock()  # one step at a time: slots, pins and fixed buffers are shared
         self._user_options = sess_options
@@ -316,7 +335,9 @@ class OffloadSession(InferenceSessionMembers):
             on_cuda=self._on_cuda, offload=cfg.offload, stable_addresses=stable, override=override,
             override_source=source, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why,
             decoder=self._is_decoder() and not self._op_types & CONTROL_FLOW_OPS)
-        engine = choose_engine(cfg, self._on_cuda, plan.streaming, stable, capture)
+        spec = self._decoder_spec
+        engine = choose_engine(cfg, self._on_cuda, plan.streaming, stable, capture,
+                               growing_steps=not isinstance(spec, Exception) and spec.layout == "exact")
         layout = None
         if engine == "graph":
             # The streaming engine's weights budget holds the resident weights and the ring.

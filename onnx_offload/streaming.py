@@ -72,8 +72,10 @@ class StreamingUnavailable(OffloadError):
     """The streaming engine cannot run this model or these shapes; says why."""
 
 
-def choose_engine(config, on_cuda: bool, streaming: bool, stable: bool, capture: GraphCaptureDecision) -> str:
-    """"graph" (the streaming engine) or "segments", for the configuration's `engine`."""
+def choose_engine(config, on_cuda: bool, streaming: bool, stable: bool, capture: GraphCaptureDecision,
+                  growing_steps: bool = False) -> str:
+    """"graph" (the streaming engine) or "segments", for the configuration's `engine`.
+    `growing_steps`: a decoder whose decode steps change shape every step."""
     if config.engine == "segments" or not streaming:
         return "segments"
     why = None
@@ -85,6 +87,9 @@ def choose_engine(config, on_cuda: bool, streaming: bool, stable: bool, capture:
         why = f"graph capture is off ({capture.reason})"
     elif config.policy not in ("planned", "stable"):
         why = f"policy {config.policy!r} changes the resident set from step to step; a replayed graph cannot"
+    elif growing_steps:
+        why = ("this decoder's past is fed at its exact length, so each decode step has new shapes, and the "
+               "engine would capture a graph for every one")
     if why is None:
         return "graph"
     if config.engine == "graph":

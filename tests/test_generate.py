@@ -643,6 +643,28 @@ def test_a_model_that_refuses_a_padded_past_gets_it_at_its_exact_length():
     assert s.stats().ledger.committed == 0
 
 
+def test_a_failure_of_the_moment_in_a_padded_step_changes_no_layout(monkeypatch):
+    """ORT failing once on a padded step (memory short for a moment) is not the padding's
+    doing: the step runs again as it was, and the layout stays."""
+    from onnx_offload import OffloadSession as S
+    model = model_of("standard")
+    ids = prompt(2)
+    want = reference_greedy(model, ids, 12)
+    real, calls = S._run_bound, []
+
+    def flaky(self, feeds, outputs, *, fixed, key=None):
+        calls.append(fixed)
+        if fixed and calls.count(True) == 3:
+            raise RuntimeError("Failed to allocate memory for requested buffer of size 4096")
+        return real(self, feeds, outputs, fixed=fixed, key=key)
+    with session(model) as s:
+        monkeypatch.setattr(S, "_run_bound", flaky)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", OffloadWarning)
+            np.testing.assert_array_equal(s.generate(ids, 12), want)
+        assert s.decoder_spec.layout == "standard" and calls.count(True) >= 4
+
+
 def _with_inputs(model, change):
     import onnx
     m = onnx.ModelProto()

@@ -99,3 +99,48 @@ def test_closed_device_streams_are_closed():
         dev.compute_stream.synchronize()
     with pytest.raises(StateError, match="closed"):
         dev.copy_stream.synchronize()
+
+
+def test_a_forked_child_drops_its_parents_session_and_makes_its_own():
+    """The child cannot use the parent's session (StateError); dropping it must not free
+    it there, where ORT's thread pools and the stream workers it would wait for do not
+    exist. The child then runs a session of its own, and the parent runs on."""
+    import signal
+    import warnings
+    from onnx_offload.models.decoder import decoder_lm
+    model = decoder_lm("standard", max_length=64).SerializeToString()
+    ids = np.arange(4)[None]
+
+    def make():
+        return OffloadSession(model, providers=CPU, vram_limit="64MiB", host_granularity=4096)
+    s = make()
+    want = s.generate(ids, 4)
+    time.sleep(0.3)  # ORT's pool threads stop spinning and wait on their condition variables
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running: this test's point
+        pid = os.fork()
+    if pid == 0:  # 0: as it should be; 1: the parent's session was usable; 2: anything else
+        code = 2
+        try:
+            try:
+                s.generate(ids, 4)
+                code = 1
+            except StateError:
+                s = None  # dropped
+                gc.collect()
+                with make() as own:
+                    code = 0 if np.array_equal(own.generate(ids, 4), want) else 2
+        finally:
+            os._exit(code)  # onnxruntime, once imported, hangs a forked child's normal exit
+    deadline, status = time.monotonic() + 30, None
+    while status is None and time.monotonic() < deadline:
+        done, st = os.waitpid(pid, os.WNOHANG)
+        status = st if done else None
+        time.sleep(0.02)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert status is not None, "the child hung"
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    np.testing.assert_array_equal(s.generate(ids, 4), want)
+    assert s.close().committed == 0

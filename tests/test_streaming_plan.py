@@ -251,6 +251,12 @@ def test_choose_engine(engine, on_cuda, streaming, stable, capture, policy, want
     assert choose_engine(cfg, on_cuda, streaming, stable, capture) == want
 
 
+def test_a_decoder_whose_steps_grow_runs_in_segments_unless_the_engine_is_asked_for():
+    assert choose_engine(OffloadConfig(), True, True, True, ON, growing_steps=True) == "segments"
+    with pytest.raises(StreamingUnavailable, match="exact length"):
+        choose_engine(OffloadConfig(engine="graph"), True, True, True, ON, growing_steps=True)
+
+
 def test_engine_from_the_environment_and_bad_values():
     assert OffloadConfig.from_env({"ONNX_OFFLOAD_ENGINE": "segments"}).engine == "segments"
     assert OffloadConfig.from_env({}).engine == "auto"
@@ -276,7 +282,7 @@ def test_a_model_the_engine_cannot_capture_moves_to_segments_and_says_so(monkeyp
     from onnx_offload.errors import OffloadWarning
     from onnx_offload.models.decoder import decoder_lm
     from conftest import reference_greedy
-    monkeypatch.setattr(session_module, "choose_engine", lambda *a: "graph")
+    monkeypatch.setattr(session_module, "choose_engine", lambda *a, **kw: "graph")
     model = decoder_lm("gqa", layers=2, hidden=64, max_length=64)
     ids = np.random.default_rng(0).integers(0, 97, (1, 5))
     feeds = {"input_ids": ids, "attention_mask": np.ones((1, 5), np.int64)}
@@ -316,7 +322,7 @@ def test_an_engine_that_fails_half_way_gives_everything_back(monkeypatch, op, af
     import onnx_offload.session as session_module
     from onnx_offload import OffloadError, _core
     from onnx_offload.models.decoder import decoder_lm
-    monkeypatch.setattr(session_module, "choose_engine", lambda *a: "graph")
+    monkeypatch.setattr(session_module, "choose_engine", lambda *a, **kw: "graph")
     made = []
 
     def backend(kind, config):
