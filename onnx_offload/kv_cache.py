@@ -89,8 +89,11 @@ class DeviceBuffers:
         return buf
 
     def free(self, buf: FixedBuffer) -> None:
-        """One buffer back to the budget now (a cache that grew, a mask replaced)."""
+        """One buffer back to the budget now (a cache that grew, a mask replaced, an
+        allocation rolled back), once the stream has run what it queued on it (a zero
+        fill, a copy): its memory is unmapped."""
         self._ptrs.remove(buf.ptr)
+        self.device.compute_stream.synchronize()
         self._alloc.deallocate(buf.ptr)
         self._alloc.empty_cache()
 

@@ -222,18 +222,31 @@ class ResidencyManager:
         return ready
 
     def release(self, k: int, reader_event=None) -> None:
-        """Segment k has been submitted; `reader_event` marks the end of its reads."""
+        """Segment k has been submitted; `reader_event` marks the end of its reads. The
+        segment stays pending until the release is whole: one cut short by an exception
+        (an interrupt lands between any two lines) is finished by settle()."""
         names = self.segments[k]
-        start, ready, bypass = self._pending.pop(k)
+        start, ready, bypass = self._pending[k]
         for n in names:
-            if reader_event is not None:
-                self.slots[n].mark_read(reader_event)
-            self.slots[n].unpin()
-        if bypass:
-            self._evict(bypass)  # waits for the reader inside
+            slot = self.slots[n]
+            if reader_event is not None and slot.state != "evicted":
+                slot.mark_read(reader_event)
+            if slot.state == "pinned":
+                slot.unpin()
+        streamed = [n for n in bypass if self.slots[n].state != "evicted"]
+        if streamed:
+            self._evict(streamed)  # waits for the reader inside
+        del self._pending[k]
         if ready is not None:
             ready.synchronize()
             self.counters.htod_ms += ready.elapsed_ms(start)
+
+    def settle(self) -> None:
+        """Releases every segment still pending: one acquired by a step that an exception
+        cut short before it could release it (its weights stay pinned, its streamed ones
+        in the transient zone, until this runs)."""
+        for k in list(self._pending):
+            self.release(k, None)
 
     def end_step(self) -> None:
         self.counters.steps += 1

@@ -243,11 +243,13 @@ class SegmentRunner:
         graph_options = self._graph_run_options(plan, run_options)
         values: Dict[str, ort.OrtValue] = {}
         before = copy.copy(res.counters) if self.streaming else None
-        for run in self.runs:
-            seg = run.seg
-            # Unsplit, every weight is resident and pinned for the session's life.
-            ready = res.acquire(seg.index) if self.streaming else None
-            try:
+        if self.streaming:
+            res.settle()  # what a step cut short by an exception left acquired
+        try:  # an exception anywhere in the step (an interrupt lands between any two lines)
+            for run in self.runs:
+                seg = run.seg
+                # Unsplit, every weight is resident and pinned for the session's life.
+                ready = res.acquire(seg.index) if self.streaming else None
                 if ready is not None:
                     if dev.is_cuda:
                         # ORT runs the segment on the compute stream: a stream wait orders
@@ -275,19 +277,17 @@ class SegmentRunner:
                     for name in seg.outputs:
                         if name not in bound_outputs:
                             values[name] = plan.buffers[name].value
-                reader = None
                 if self.streaming:
                     # The segment's reads end here: ORT synchronizes its stream before
                     # returning, and this event, on that stream, orders every later unmap
                     # after it.
                     reader = dev.backend.create_event()
                     reader.record(dev.compute_stream)
-            except BaseException:
-                if self.streaming:
-                    res.release(seg.index, None)
-                raise
+                    res.release(seg.index, reader)
+        except BaseException:
             if self.streaming:
-                res.release(seg.index, reader)
+                res.settle()  # what the step acquired and did not release
+            raise
         if self.streaming:
             res.end_step()
             self.last_step = res.counters.minus(before)

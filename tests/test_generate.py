@@ -467,6 +467,48 @@ def test_interrupts_from_another_signal_at_any_moment_leak_nothing():
         signal.signal(signal.SIGALRM, previous)
 
 
+@pytest.mark.parametrize("batch", [10000, 20000])
+def test_a_batch_whose_cache_cannot_fit_is_refused_and_the_session_runs_on(batch):
+    """The cache's first buffers fit, a later one does not: those allocated are given back
+    once the stream has run their zero fills (never unmapped under them), and the error is
+    the budget's."""
+    model = model_of("standard")
+    with session(model) as s:
+        with pytest.raises(BudgetExceeded, match="KV cache"):
+            s.generate(np.ones((batch, 3), np.int64), 2)
+        assert kv_committed(s) == 0
+        np.testing.assert_array_equal(s.generate(prompt(2), 6), reference_greedy(model, prompt(2), 6))
+    assert s.stats().ledger.committed == 0
+
+
+def test_an_interrupt_right_after_a_page_in_leaves_nothing_pinned(monkeypatch):
+    """An exception between a segment's page-in and the code that releases it (a signal's
+    handler may raise anywhere): the step gives back what it acquired, the transient zone
+    is empty when the session is idle, and later generations are right."""
+    from onnx_offload import residency
+    model = model_of("standard")
+    ids = prompt(2)
+    want = reference_greedy(model, ids, 12)
+    real, calls = residency.ResidencyManager.acquire, []
+
+    def acquire(self, k):
+        ready = real(self, k)
+        calls.append(k)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return ready
+    with session(model, offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3) as s:
+        assert len(s.segments) > 2
+        with monkeypatch.context() as m:
+            m.setattr(residency.ResidencyManager, "acquire", acquire)
+            with pytest.raises(KeyboardInterrupt):
+                s.generate(ids, 12)
+        zones = s.device.ledger.snapshot().zones
+        assert zones["transient"].committed.current == 0 and kv_committed(s) == 0
+        np.testing.assert_array_equal(s.generate(ids, 12), want)
+    assert s.stats().ledger.committed == 0
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_generation_longer_than_the_model_is_refused_before_it_runs(layout, tmp_path):
     model = model_of(layout)
