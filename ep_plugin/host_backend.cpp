@@ -71,7 +71,8 @@ using Task = std::function<void()>;
 // guards the queue; a task never takes either, so the join cannot wait on itself.
 class HostStream : public Stream {
  public:
-  HostStream(uint64_t id, SharedCounters counters) : id_(id), counters_(std::move(counters)), worker_([this] { run(); }) {}
+  HostStream(uint64_t id, SharedCounters counters)
+      : id_(id), counters_(std::move(counters)), worker_([this] { run(); }) {}
   ~HostStream() override {
     try {
       close();

@@ -57,7 +57,11 @@ class Device:
         # Reserves that shrink first: the ledger holds their sum within the budget at
         # every step, and a plan may move bytes from one reserve to another.
         now = self.ledger.snapshot().zones
-        for name, z in sorted(zones.items(), key=lambda kv: kv[1].reserve - (now[kv[0]].reserve if kv[0] in now else 0)):
+
+        def growth(item) -> int:
+            name, z = item
+            return z.reserve - (now[name].reserve if name in now else 0)
+        for name, z in sorted(zones.items(), key=growth):
             self.ledger.set_zone(name, allowance=z.allowance, reserve=z.reserve)
 
     def apply(self, plan: BudgetPlan) -> None:

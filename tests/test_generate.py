@@ -570,7 +570,8 @@ def test_kv_shapes_that_differ_between_layers_are_refused_by_name(layer1_value):
     def vi(name, elem, heads, size):
         t = {"float": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[elem]
         return IOInfo(helper.make_tensor_value_info(name, t, ["b", heads, "t", size]))
-    ids = [IOInfo(helper.make_tensor_value_info(n, TensorProto.INT64, ["b", "s"])) for n in ("input_ids", "attention_mask")]
+    ids = [IOInfo(helper.make_tensor_value_info(n, TensorProto.INT64, ["b", "s"]))
+           for n in ("input_ids", "attention_mask")]
     pasts = [vi(f"past_key_values.{i}.{kv}", *(layer1_value if (i, kv) == (1, "value") else ("float", 2, 16)))
              for i in range(2) for kv in ("key", "value")]
     outs = [IOInfo(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 97]))]

@@ -131,8 +131,8 @@ def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids
     it is given none."""
     hd, low = hidden // heads, np.dtype(dtype) != np.float32
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    for n, v in (("i0", 0), ("i1", 1), ("i2", 2), ("axes_1", [1]), ("axes_2", [2]), ("axes_12", [1, 2]), ("axes_01", [0, 1]),
-                 ("axis_3", [3]), ("half", [hd // 2]), ("full", [hd]), ("zero1", [0]),
+    for n, v in (("i0", 0), ("i1", 1), ("i2", 2), ("axes_1", [1]), ("axes_2", [2]), ("axes_12", [1, 2]),
+                 ("axes_01", [0, 1]), ("axis_3", [3]), ("half", [hd // 2]), ("full", [hd]), ("zero1", [0]),
                  ("expand_rep", [1, 1, heads // kv_heads, 1, 1]), ("shape_q", [0, 0, heads, hd]),
                  ("shape_kv", [0, 0, kv_heads, hd]), ("shape_rep", [0, heads, -1, hd]), ("shape_out", [0, 0, hidden])):
         g.const(n, v)
