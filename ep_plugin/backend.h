@@ -101,14 +101,20 @@ struct AtomicDriverCounters {
 };
 using SharedCounters = std::shared_ptr<AtomicDriverCounters>;
 
+// Runs `f` and, once it has returned, adds one to `calls` and its duration to `ns`.
+template <typename F>
+auto counted(std::atomic<uint64_t>& calls, std::atomic<uint64_t>& ns, F&& f) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto result = f();
+  ns += uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  ++calls;
+  return result;
+}
+
 // Runs `wait`, a host wait, and counts it in `c` once it has returned.
 template <typename F>
 void counted_wait(AtomicDriverCounters& c, F&& wait) {
-  auto t0 = std::chrono::steady_clock::now();
-  wait();
-  c.host_wait_ns +=
-      uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-  ++c.host_waits;
+  counted(c.host_waits, c.host_wait_ns, [&] { wait(); return 0; });
 }
 
 class PhysicalBackend {
@@ -116,11 +122,7 @@ class PhysicalBackend {
   template <typename F>
   auto timed(std::atomic<uint64_t>& calls, std::atomic<uint64_t>& ns, F&& f) {
     maybe_fail(calls);
-    auto t0 = std::chrono::steady_clock::now();
-    auto result = f();
-    ns += uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-    ++calls;
-    return result;
+    return counted(calls, ns, std::forward<F>(f));
   }
 
  public:

@@ -153,7 +153,7 @@ def parse_cache_dir(value, name: str = ENV_CACHE_DIR) -> str:
     return os.path.expanduser(text)
 
 
-def _parse_index(value, name: str) -> int:
+def parse_index(value, name: str) -> int:
     """A device index: a non-negative integer, or its digits (as provider options give it)."""
     if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())):
         raise ValueError(f"{name}={value!r} is not valid: expected a non-negative integer")
@@ -228,7 +228,7 @@ class OffloadConfig:
         self.host_granularity = parse_bytes(self.host_granularity, "host_granularity")
         if self.zone_va_bytes is not None:
             self.zone_va_bytes = parse_bytes(self.zone_va_bytes, "zone_va_bytes")
-        self.device_id = _parse_index(self.device_id, "device_id")
+        self.device_id = parse_index(self.device_id, "device_id")
         classes = self.handle_classes
         if not isinstance(classes, (tuple, list)) or not all(
                 isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in classes):

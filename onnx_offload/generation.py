@@ -462,7 +462,7 @@ def last_position(logits: np.ndarray) -> np.ndarray:
     return (logits[:, -1, :] if logits.ndim == 3 else logits).astype(np.float32)
 
 
-def check_generate_args(session, input_ids, max_new_tokens, eos_token_id, attention_mask=None):
+def check_generate_args(session, input_ids, max_new_tokens, eos_token_id, attention_mask=None, seed=None):
     """(ids [batch, prompt] int64, new tokens, EOS ids, the prompt's mask [batch, prompt]
     int64 or None for all ones) for a generation, or a clear error before anything runs."""
     ids = np.asarray(input_ids)
@@ -475,6 +475,8 @@ def check_generate_args(session, input_ids, max_new_tokens, eos_token_id, attent
     new = operator.index(max_new_tokens)  # TypeError for 2.5 or "3"
     if new < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if seed is not None and (isinstance(seed, bool) or operator.index(seed) < 0):
+        raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
     spec = session.decoder_spec
     if ids.min() < 0 or (spec.vocab and ids.max() >= spec.vocab):
         raise ValueError(f"token ids must lie in [0, {spec.vocab or 'the vocabulary size'}), got ids from "

@@ -88,13 +88,16 @@ class DeviceBuffers:
             dev.backend.fill(ptr, 0, nbytes, dev.compute_stream)
         return buf
 
-    def free(self, buf: FixedBuffer) -> None:
-        """One buffer back to the budget now (a cache that grew, a mask replaced, an
-        allocation rolled back), once the stream has run what it queued on it (a zero
-        fill, a copy): its memory is unmapped."""
-        self._ptrs.remove(buf.ptr)
+    def free(self, *bufs: FixedBuffer) -> None:
+        """Buffers back to the budget now (a cache that grew, a mask replaced, an
+        allocation rolled back), once the stream has run what it queued on them (a zero
+        fill, a copy): their memory is unmapped."""
+        if not bufs:
+            return
         self.device.compute_stream.synchronize()
-        self._alloc.deallocate(buf.ptr)
+        for buf in bufs:
+            self._ptrs.remove(buf.ptr)
+            self._alloc.deallocate(buf.ptr)
         self._alloc.empty_cache()
 
     def close(self) -> None:
@@ -171,8 +174,7 @@ class _GrowingKV:
                 past.append(self._bufs.new(past_shape, self.dtype, zero=zero, what=f"the KV cache ({room} positions)"))
                 present.append(self._bufs.new(present_shape, self.dtype, what="the KV cache's present"))
         except BaseException:
-            for buf in past + present:
-                self._bufs.free(buf)
+            self._bufs.free(*past, *present)
             raise
         old = (self.past, self.present)
         self.past, self.present, self.room = past, present, room
@@ -186,15 +188,11 @@ class _GrowingKV:
         old_past, old_present = self._allocate(bucket_for(length))
         for buf, prev in zip(self.past, old_past):
             copy(buf, prev, old_room)
-        self._bufs.device.compute_stream.synchronize()
-        for buf in old_past + old_present:
-            self._bufs.free(buf)
+        self._bufs.free(*old_past, *old_present)  # once the copies have run
 
     def release(self) -> None:
         """Gives the buffers back (the generation goes on with another cache)."""
-        self._bufs.device.compute_stream.synchronize()  # no copy still reads them
-        for buf in self.past + self.present:
-            self._bufs.free(buf)
+        self._bufs.free(*self.past, *self.present)  # once no copy reads them
         self.past, self.present = [], []
 
 

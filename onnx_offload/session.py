@@ -21,7 +21,6 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
-import operator
 import os
 import shutil
 import tempfile
@@ -36,7 +35,7 @@ import onnxruntime as ort
 
 from ._core import round_up
 from .budget import base_zones, plan_budget, smallest_budget
-from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag
+from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag, parse_index
 from .device import Device, cuda_available
 from .dropin import InferenceSessionMembers, model_facts
 from .errors import BudgetExceeded, CudaUnavailable, OffloadWarning, StateError
@@ -70,16 +69,6 @@ def _cuda_status() -> str:
         return "this onnxruntime has no CUDA execution provider"
     ok, why = cuda_available()
     return "" if ok else why
-
-
-def _provider_int(value, name: str) -> int:
-    try:
-        n = int(str(value).strip())
-    except ValueError:
-        raise ValueError(f"{name}={value!r} in the CUDA provider options is not an integer") from None
-    if n < 0:
-        raise ValueError(f"{name}={value!r} in the CUDA provider options is negative")
-    return n
 
 
 # The sessions of this process. A forked child keeps its parent's for good: freeing them
@@ -123,9 +112,9 @@ class OffloadSession(InferenceSessionMembers):
             given |= {f for f in ("device_id", "vram_limit") if getattr(config, f) != getattr(OffloadConfig(), f)}
         taken = {}
         if "device_id" in cuda_given and "device_id" not in given and self._on_cuda:
-            taken["device_id"] = _provider_int(cuda_given["device_id"], "device_id")
+            taken["device_id"] = parse_index(cuda_given["device_id"], "device_id (CUDA provider option)")
         if "gpu_mem_limit" in cuda_given and "vram_limit" not in given and self._on_cuda:
-            taken["vram_limit"] = _provider_int(cuda_given["gpu_mem_limit"], "gpu_mem_limit")
+            taken["vram_limit"] = parse_index(cuda_given["gpu_mem_limit"], "gpu_mem_limit (CUDA provider option)")
         if taken:
             try:
                 self.config = dataclasses.replace(self.config, **taken)
@@ -468,20 +457,20 @@ class OffloadSession(InferenceSessionMembers):
         cfg, dev = self.config, self._device
         g = dev.granularity
         zones = dev.ledger.snapshot().zones
+        in_force = self._segments_from[0]
         kv = round_up(kv_peak, g)
         # Segments pass values between them through scratch, which the resident runner
         # never needed and whose sizes are known only once the segments run: the scratch
         # reserve the configuration gives is doubled, plus `boundary` bytes per segment.
         # (The configuration's, not the reserve in force, which an earlier plan may have
         # raised: a plan depends on the cache it is for, not on the ones before it.)
-        configured = base_zones(cfg, self._segments_from[0].budget, g)["scratch"].reserve
+        configured = base_zones(cfg, in_force.budget, g)["scratch"].reserve
         base = 2 * max(configured, round_up(zones["scratch"].committed.current + io_peak, g))
 
         def trial_for(segments: int):
             scratch = base + round_up(boundary * segments, g)
             return dataclasses.replace(cfg, kv_bytes=max(cfg.kv_bytes, kv), scratch_bytes=scratch)
 
-        in_force = self._segments_from[0]
         trial = trial_for(len(in_force.segments))
         pinned = isinstance(self._runner, StreamEngine) or not in_force.streaming
         # Segments planned with less set aside for the cache than this generation needs (a
@@ -521,7 +510,7 @@ class OffloadSession(InferenceSessionMembers):
                 return None
         # The smallest budget for this cache, with the scratch its segments need: their
         # number depends on the budget, so the search runs again while it grows.
-        segments = len(self._segments_from[0].segments)
+        segments = len(in_force.segments)
         for _ in range(3):
             trial = trial_for(segments)
             least = smallest_budget(trial, **self._plan_inputs)
@@ -624,9 +613,7 @@ class OffloadSession(InferenceSessionMembers):
         now, not at the first next()."""
         self._check_open()
         sampling = Sampling(do_sample, temperature, top_k, top_p)
-        if seed is not None and (isinstance(seed, bool) or operator.index(seed) < 0):  # TypeError for 2.5 or "3"
-            raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
-        ids, new, eos, mask = check_generate_args(self, input_ids, max_new_tokens, eos_token_id, attention_mask)
+        ids, new, eos, mask = check_generate_args(self, input_ids, max_new_tokens, eos_token_id, attention_mask, seed)
         return ids, generate_tokens(self, ids, new, sampling, seed, eos, mask)
 
     def _is_decoder(self) -> bool:
