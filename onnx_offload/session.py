@@ -326,7 +326,8 @@ class OffloadSession(InferenceSessionMembers):
             decoder=self._is_decoder() and not self._op_types & CONTROL_FLOW_OPS)
         spec = self._decoder_spec
         engine = choose_engine(cfg, self._on_cuda, plan.streaming, stable, capture,
-                               growing_steps=not isinstance(spec, Exception) and spec.layout == "exact")
+                               growing_steps=not isinstance(spec, Exception) and spec.layout == "exact",
+                               notes=self._notes)
         layout = None
         if engine == "graph":
             # The streaming engine's weights budget holds the resident weights and the ring.

@@ -73,9 +73,10 @@ class StreamingUnavailable(OffloadError):
 
 
 def choose_engine(config, on_cuda: bool, streaming: bool, stable: bool, capture: GraphCaptureDecision,
-                  growing_steps: bool = False) -> str:
+                  growing_steps: bool = False, notes: Optional[List[str]] = None) -> str:
     """"graph" (the streaming engine) or "segments", for the configuration's `engine`.
-    `growing_steps`: a decoder whose decode steps change shape every step."""
+    `growing_steps`: a decoder whose decode steps change shape every step. Why streamed
+    weights on the CUDA EP run in segments instead is appended to `notes`."""
     if config.engine == "segments" or not streaming:
         return "segments"
     why = None
@@ -94,6 +95,8 @@ def choose_engine(config, on_cuda: bool, streaming: bool, stable: bool, capture:
         return "graph"
     if config.engine == "graph":
         raise StreamingUnavailable(f"engine='graph' cannot run this session: {why}")
+    if on_cuda and notes is not None:
+        notes.append(f"the weights run in segments: {why}")
     return "segments"
 
 

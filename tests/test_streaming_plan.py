@@ -252,7 +252,9 @@ def test_choose_engine(engine, on_cuda, streaming, stable, capture, policy, want
 
 
 def test_a_decoder_whose_steps_grow_runs_in_segments_unless_the_engine_is_asked_for():
-    assert choose_engine(OffloadConfig(), True, True, True, ON, growing_steps=True) == "segments"
+    notes = []
+    assert choose_engine(OffloadConfig(), True, True, True, ON, growing_steps=True, notes=notes) == "segments"
+    assert len(notes) == 1 and "segments" in notes[0] and "exact length" in notes[0], notes
     with pytest.raises(StreamingUnavailable, match="exact length"):
         choose_engine(OffloadConfig(engine="graph"), True, True, True, ON, growing_steps=True)
 
