@@ -7,7 +7,7 @@ the arena's weights zone, pinned for the session's life. Each of the others is a
 unit that streams: it has stable addresses of its own, from a granule boundary,
 inside one reservation. Behind those addresses lies the ring, a small set of
 physical granules that holds the largest streamed weight and RING_SLACK spare
-granules. A unit's granules are
+granule(s). A unit's granules are
 mapped onto ring granules once: in turn at construction, then, when the first
 captured graph shows the order ORT reads the weights in, each unit onto the ring
 granules whose readers finish earliest.
@@ -60,10 +60,12 @@ RING_FRACTION = 0.0
 # Granules the ring holds beyond the largest streamed weight. A weight's copy that
 # reuses the granules of the weight before it must wait for that weight's reader (the
 # copy, a dependency hop, the kernel, another hop); the part of the copy that lands in
-# the spare granules does not, and runs meanwhile, so the copy engine does not idle
-# between two weights. On the H200, over 0 to 4 spare 2 MiB granules at three budgets,
-# two gave the fastest steps; each costs the resident weights one granule.
-RING_SLACK = 2
+# the spare granule does not, and runs meanwhile, so the copy engine does not idle
+# between two weights. On the H200 (a 2.05 GiB TinyLlama-shape decoder, 2 MiB granules),
+# no spare granule gave slower steps; one and two gave the same step within 1% at
+# budgets of 25, 50 and 75%, and each costs the resident weights one granule: at 25%
+# a second one would keep the resident bytes under 0.95 of the weights budget.
+RING_SLACK = 1
 GRAPH_SIGNATURES = 8  # input-shape signatures kept captured
 GIANT = 4  # a weight over this many times the median size is resident first under `planned`
 

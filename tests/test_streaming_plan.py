@@ -53,9 +53,9 @@ def test_layout_fills_the_budget_with_a_small_ring(fraction, policy):
     assert set(plan.resident) | set(plan.streamed) == set(size) and not set(plan.resident) & set(plan.streamed)
     if policy == "planned":
         # The byte hit rate against what the weights budget allows: the ring holds one MLP
-        # weight and two spare granules (26 MiB, 5% of the budget at 25%); the fill leaves
-        # room only where more bytes would cost more copies than they save.
-        assert resident / total >= 0.94 * allowance / total, (resident / total, fraction)
+        # weight and a spare granule (24 MiB, under 5% of the budget at 25%); the fill
+        # leaves room only where more bytes would cost more copies than they save.
+        assert resident / total >= 0.95 * allowance / total, (resident / total, fraction)
         assert "lm_head" in plan.resident and "embed" in plan.resident  # the largest first
     else:
         assert "embed" in plan.resident  # the model's first weights
