@@ -9,7 +9,9 @@ Rows, each in a process of its own (see ``bench_decode``):
   memory at every page-in, uncaptured;
 - HF accelerate's CPU offload (``device_map`` from ``max_memory``) of a
   ``transformers`` Llama of the same shape with random weights, decoding with its KV
-  cache, when torch, transformers and accelerate import (else skipped, saying why).
+  cache, when torch, transformers and accelerate import (else skipped, saying why);
+- two OffloadSessions at once at 25%, each with its own budget and a thread of its own:
+  each step's bound is then twice its page-in bytes over the one link.
 
 The model is the TinyLlama shape in onnxruntime-genai's builder layout (fp16) on
 CUDA, a small one on the CPU. The bound is max(anchor ms/token, (1 - f) x weight bytes
@@ -40,21 +42,33 @@ def _kv_bytes(shape: dict, batch: int, length: int) -> int:
     return 2 * shape["layers"] * batch * shape["kv_heads"] * length * hd * np.dtype(shape["dtype"]).itemsize
 
 
-def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, cache: str, weights: int,
-                fraction: float, engine: str, scratch: int) -> Dict:
-    """OffloadSession at a weights budget of `fraction`: engine "graph" (the streaming
-    engine) or "baseline" (segments paged into fresh device memory, no graphs)."""
-    from . import _core
+class _PeakDevice:
+    """The most device memory the process took since it was made: the device's free
+    memory, sampled, against its value at the start (nothing on the CPU)."""
+
+    def __init__(self, kind: str):
+        import threading
+        from . import _core
+        self.backend = _core.make_cuda_backend(0) if kind == "cuda" else None
+        self.free0 = self.low = self.backend.mem_info()[0] if self.backend else 0
+        self._lock = threading.Lock()  # threads sample at once
+
+    def sample(self) -> None:
+        if self.backend:
+            free = self.backend.mem_info()[0]
+            with self._lock:
+                self.low = min(self.low, free)
+
+    @property
+    def peak(self) -> int:
+        return self.free0 - self.low
+
+
+def _session(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, cache: str, weights: int,
+             fraction: float, engine: str, scratch: int):
+    """An OffloadSession at a weights budget of `fraction`, made as the rows make it."""
     from .session import OffloadSession
     provider = "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
-    backend = _core.make_cuda_backend(0) if kind == "cuda" else None
-    free0 = backend.mem_info()[0] if backend else 0
-    low = [free0]
-
-    def sample():
-        if backend:
-            low[0] = min(low[0], backend.mem_info()[0])
-
     # The weights budget is f of the weights; the KV cache and ORT's scratch are reserved
     # on top of it (the streaming engine's resident weights cannot lend to the cache).
     # The cache's buffers are carved from whole granules: one more covers their padding.
@@ -68,8 +82,17 @@ def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, ca
         kw.update(vmm=False, cuda_graph=False)
     if kind != "cuda":
         kw["host_granularity"] = 64 << 10
+    return OffloadSession(path, providers=[provider], **kw)
+
+
+def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, cache: str, weights: int,
+                fraction: float, engine: str, scratch: int) -> Dict:
+    """OffloadSession at a weights budget of `fraction`: engine "graph" (the streaming
+    engine) or "baseline" (segments paged into fresh device memory, no graphs)."""
+    device = _PeakDevice(kind)
+    sample = device.sample
     t0 = time.perf_counter()
-    s = OffloadSession(path, providers=[provider], **kw)
+    s = _session(path, shape, ids, new, kind, cache, weights, fraction, engine, scratch)
     load_s = time.perf_counter() - t0
     try:
         sample()
@@ -99,12 +122,64 @@ def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, ca
                     byte_hit_rate=(c1.hit_bytes - c0.hit_bytes) / access if access else 1.0,
                     driver_per_step={k: (d1[k] - d0[k]) / measured for k in STEADY},
                     host_waits_per_step=(d1["host_waits"] - d0["host_waits"]) / measured,
-                    graph_steps=(g1 - g0) / measured, peak_device=free0 - low[0],
+                    graph_steps=(g1 - g0) / measured, peak_device=device.peak,
                     ort_bytes=st.outside_bytes, peak_committed=st.peak_committed,
                     weights_budget=snap["weights"].allowance + snap["transient"].reserve, h2d_gbps=h2d / 1e9,
                     tokens=np.stack(tokens, 1))
     finally:
         s.close()
+
+
+def tenants_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, cache: str, weights: int,
+                fraction: float, scratch: int) -> Dict:
+    """Two sessions at once, each with its own budget of `fraction` of the weights, each
+    decoding in a thread of its own from the same start: they share the device and its
+    link. A step of either is timed only while the other decodes too."""
+    import threading
+    device = _PeakDevice(kind)
+    sessions = []
+    try:
+        for _ in range(2):
+            sessions.append(_session(path, shape, ids, new, kind, cache, weights, fraction, "graph", scratch))
+            device.sample()
+        stamps: List[List[float]] = [[], []]
+        tokens: List[list] = [[], []]
+        errors: List[BaseException] = []
+        start = threading.Barrier(2)
+
+        def work(i: int) -> None:
+            try:
+                start.wait()
+                stamps[i].append(time.perf_counter())
+                for tok in sessions[i].generate_iter(ids, new):
+                    stamps[i].append(time.perf_counter())
+                    tokens[i].append(tok)
+                    device.sample()
+            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        both = (max(st[0] for st in stamps), min(st[-1] for st in stamps))  # when both decoded
+        medians = []
+        for st in stamps:
+            # The decode steps (the first stamp starts the prompt) past the warm-up, whole
+            # inside the time both decoded.
+            steps = [(b - a) * 1e3 for a, b in zip(st[1 + WARMUP:], st[2 + WARMUP:]) if a >= both[0] and b <= both[1]]
+            medians.append(float(np.median(steps)) if steps else float("nan"))
+        h2d = pinned_h2d(kind, 256 * MiB)
+        runs = [np.stack(t, 1) for t in tokens]
+        return dict(engine="two sessions", ran=[s.engine for s in sessions], fraction=fraction,
+                    ms_per_token=medians, peak_device=device.peak, h2d_gbps=h2d / 1e9,
+                    same_tokens=bool(np.array_equal(runs[0], runs[1])), tokens=runs[0])
+    finally:
+        for s in sessions:
+            s.close()
 
 
 def accelerate_row(shape: dict, ids: np.ndarray, new: int, weights: int, fraction: float) -> Dict:
@@ -163,7 +238,7 @@ def accelerate_missing() -> str:
 
 
 def bench_compare(kind: str, out_dir: str, prompt: int = 128, new: int = 64, fractions=(0.25, 0.5, 0.75),
-                  accelerate_new: int = 16) -> Dict:
+                  accelerate_new: int = 16, tenants_fraction: float = 0.25) -> Dict:
     path, shape, weights, bw, ids, a = setup(kind, out_dir, prompt, new)
     scratch = 512 * MiB if kind == "cuda" else 4 * MiB
     cache = os.path.join(out_dir, "cache")
@@ -195,12 +270,31 @@ def bench_compare(kind: str, out_dir: str, prompt: int = 128, new: int = 64, fra
                      kv_bytes=_kv_bytes(shape, 1, prompt + new))
             rows.append(r)
             print(f"  {int(frac * 100)}% {engine}: {r['ms_per_token']:.2f} ms/token (bound {bound:.2f})", flush=True)
+    # Two tenants: both stream (1 - f) of the weights every step over the one link.
+    tenants = None
+    try:
+        tenants = in_process_of_its_own("bench_compare", "tenants_row", path=path, shape=shape, ids=ids.tolist(),
+                                        new=new, kind=kind, cache=cache, weights=weights, fraction=tenants_fraction,
+                                        scratch=scratch)
+    except RuntimeError as e:
+        last = [ln for ln in str(e).splitlines() if ln.strip()][-1]
+        failures.append(f"two sessions at {int(tenants_fraction * 100)}%: {last.strip()[:600]}")
+        print(f"  two sessions: FAILED: {last.strip()[:600]}", flush=True)
+    if tenants is not None:
+        tokens = tenants.pop("tokens")
+        tenants.update(bound_ms=max(a["ms_per_token"], 2 * (1 - tenants_fraction) * weights / (tenants["h2d_gbps"] * 1e9) * 1e3),
+                       tokens_equal=bool(np.array_equal(tokens, a["tokens"])) and tenants["same_tokens"],
+                       kv_bytes=_kv_bytes(shape, 1, prompt + new))
+        print(f"  two sessions at {int(tenants_fraction * 100)}%: "
+              + " and ".join(f"{m:.2f}" for m in tenants["ms_per_token"])
+              + f" ms/token (bound {tenants['bound_ms']:.2f})", flush=True)
     for r in rows:
         acc = [x for x in rows if x["engine"] == "accelerate" and x["fraction"] == r["fraction"]]
         r["vs_accelerate"] = acc[0]["ms_per_token"] / r["ms_per_token"] if acc else None
     a.pop("tokens")
     return dict(kind=kind, weights=weights, h2d_gbps=bw / 1e9, prompt=prompt, new=new, anchor=a, rows=rows,
-                shape=shape, accelerate=why_not or "ran", accelerate_new=accelerate_new, failures=failures)
+                shape=shape, accelerate=why_not or "ran", accelerate_new=accelerate_new, failures=failures,
+                tenants=tenants)
 
 
 NAMES = {"graph": "OffloadSession (streaming engine)", "baseline": "non-VMM baseline (segments, cuMemAlloc)",
@@ -244,6 +338,15 @@ def print_compare(res: Dict) -> str:
                      f"KV {fmt_bytes(r['kv_bytes'])}, peak device {fmt_bytes(r['peak_device'])} "
                      f"(budget + KV + {fmt_bytes(r['peak_device'] - r['weights_budget'] - r['kv_bytes'])}), "
                      f"ORT's own memory {fmt_bytes(r['ort_bytes'])}, graph steps per step {r['graph_steps']:.2f}")
+    t = res.get("tenants")
+    if t:
+        f = int(t["fraction"] * 100)
+        text += (f"\ntwo sessions at once ({'/'.join(t['ran'])}), each with a weights budget of {f}%, each decoding "
+                 f"in a thread: " + " and ".join(f"{m:.2f}" for m in t["ms_per_token"])
+                 + f" ms/token; shared-link bound {t['bound_ms']:.2f} ms (2 x (1 - {t['fraction']:g}) x weights / "
+                 f"H2D {t['h2d_gbps']:.1f} GB/s): " + " and ".join(f"{m / t['bound_ms']:.2f}x" for m in t["ms_per_token"])
+                 + f"; peak device {fmt_bytes(t['peak_device'])} (KV {fmt_bytes(t['kv_bytes'])} each); tokens = anchor: "
+                 + ("yes" if t["tokens_equal"] else "NO"))
     return text
 
 
