@@ -35,8 +35,10 @@ class ModelMeta:
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> "ModelMeta":
+        # A model without model_version reads as ORT's "no version", the largest int64.
+        version = model.model_version if model.HasField("model_version") else 2**63 - 1
         return cls(model.producer_name, model.graph.name, model.domain, model.doc_string, model.graph.doc_string,
-                   model.model_version, {p.key: p.value for p in model.metadata_props})
+                   version, {p.key: p.value for p in model.metadata_props})
 
 
 class InferenceSessionMembers:

@@ -331,11 +331,18 @@ def data_path(t: onnx.TensorProto, folder: str) -> str:
     raise OffloadError(f"initializer {t.name!r} lives in {location!r}, not the optimized data file")
 
 
-def keep_in_model(model: onnx.ModelProto, folder: str, shareable) -> list[str]:
-    """Moves the data of initializers whose element type ORT cannot take zero-copy
-    (`shareable(np.dtype)` is false: float8, int4, ...) from the data file into the model,
-    so that ORT owns them like any small constant; returns their names."""
-    kept = []
+# Integer initializers under this size stay in the model whatever min_weight_bytes says:
+# they may be shape, axes or pads tensors, whose values ORT's shape inference reads
+# when it loads the model (and a CUDA kernel reads on the host).
+HOST_READ_BYTES = 4096
+
+
+def keep_in_model(model: onnx.ModelProto, folder: str, shareable) -> tuple[list[str], list[str]]:
+    """Moves from the data file into the model the data of the initializers whose element
+    type ORT cannot take zero-copy (`shareable(np.dtype)` is false: float8, int4, ...),
+    so that ORT owns them like any small constant, and of the small integer ones (see
+    HOST_READ_BYTES). Returns the names of each kind."""
+    odd, small = [], []
     for t in model.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
@@ -344,10 +351,12 @@ def keep_in_model(model: onnx.ModelProto, folder: str, shareable) -> list[str]:
         except (KeyError, TypeError):
             dtype = None
         if dtype is None or not shareable(dtype):
-            kept.append(t)
-    for t in kept:
+            odd.append(t)
+        elif dtype.kind in "iu" and int(_external(t).get("length", HOST_READ_BYTES)) < HOST_READ_BYTES:
+            small.append(t)
+    for t in odd + small:
         _bring_inside(t, folder)
-    return [t.name for t in kept]
+    return [t.name for t in odd], [t.name for t in small]
 
 
 def _bring_inside(t: onnx.TensorProto, folder: str) -> int:
@@ -523,12 +532,16 @@ def point_weights_at_placeholder(model: onnx.ModelProto, weight_names: Sequence[
 
 
 def weights_as_inputs(model: onnx.ModelProto, weights: Sequence[WeightInfo]) -> None:
-    """For the plain baseline: weights become graph inputs, bound per run by address."""
+    """For the plain baseline: weights become graph inputs, bound per run by address (one
+    the model already lists as an input, an overridable initializer, keeps its entry)."""
     names = {w.name for w in weights}
     kept = [t for t in model.graph.initializer if t.name not in names]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
+    listed = {i.name for i in model.graph.input}
     for w in weights:
+        if w.name in listed:
+            continue
         model.graph.input.append(helper.make_tensor_value_info(
             w.name, helper.np_dtype_to_tensor_dtype(w.dtype), list(w.shape)))
 

@@ -32,7 +32,8 @@ import onnxruntime as ort
 from .errors import BudgetExceeded, ModelRunError, OffloadError, StateError, with_ort_type
 from .graph_capture import GraphCaptureDecision
 from .model import save_model
-from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
+from .ortvalues import (FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, shareable,
+                        signature)
 from .residency import Counters
 from .segmenter import Segment
 
@@ -308,7 +309,7 @@ class SegmentRunner:
     @staticmethod
     def _check_outputs(seg: Segment, io, plan: Optional[_Plan], bound_outputs, values) -> None:
         """ORT's outputs into `values`, each checked to be where it was bound."""
-        for name, v in zip(seg.outputs, io.get_outputs()):
+        for name, v in zip(dict.fromkeys(seg.outputs), io.get_outputs()):
             fixed = bound_outputs[name].data_ptr() if name in bound_outputs else None
             if fixed is None and plan is not None and name in plan.buffers:
                 fixed = plan.buffers[name].ptr
@@ -343,7 +344,7 @@ class SegmentRunner:
                 io.bind_ortvalue_input(name, values[name] if name in values else feeds[name])
         if not self._stable:
             self._bind_weights(io, seg)
-        for name in seg.outputs:
+        for name in dict.fromkeys(seg.outputs):  # a graph output may be listed twice; ORT binds it once
             if name in bound_outputs:
                 io.bind_ortvalue_output(name, bound_outputs[name])
             elif plan is not None and name in plan.buffers:
@@ -356,13 +357,19 @@ class SegmentRunner:
         message has lost the status code, where its run() raises the typed error (Fail,
         InvalidArgument, ...). The segment runs once more through run_with_ort_values on
         the same inputs, and what it raises is raised as both (ModelRunError). Only where
-        such a run is the same run: weights in the session (stable addresses), nothing
-        captured; elsewhere ORT's RuntimeError stands."""
-        if type(e) is not RuntimeError or not str(e).startswith("Error in execution: ") or not self._stable \
-                or run.captured:
+        such a run is the same run: nothing captured, and the weights where the failed run
+        read them (in the session, or inputs at their slots' addresses); elsewhere ORT's
+        RuntimeError stands."""
+        if type(e) is not RuntimeError or not str(e).startswith("Error in execution: ") or run.captured:
             return
         inputs = {n: plan.buffers[n].value if plan is not None and n in plan.buffers
                   else values[n] if n in values else feeds[n] for n in run.seg.inputs}
+        if not self._stable:
+            for name in run.seg.weights:
+                slot, info = self.residency.slots[name], self.residency.info[name]
+                if not shareable(info.dtype):
+                    return
+                inputs[name] = ortvalue_at(slot.va, info.shape, info.dtype, self.device.is_cuda, self._device_id)
         try:
             run.session.run_with_ort_values(list(run.seg.outputs), inputs, run_options)
         except Exception as typed:  # noqa: BLE001 - ORT's own types

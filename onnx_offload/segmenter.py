@@ -15,7 +15,7 @@ through device memory and back inside a step, which a captured graph cannot hold
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import onnx
 from onnx import helper
@@ -89,12 +89,30 @@ def segment_weights(model: onnx.ModelProto, group: Sequence[int], is_weight: Cal
     return [n for n in read if is_weight(n)]
 
 
+def _symbolic(model: onnx.ModelProto) -> Optional[onnx.ModelProto]:
+    """ORT's symbolic shape inference as SymbolicShapeInference.infer_shapes runs it, but
+    None where that would save a debug copy of the model into the working folder and
+    raise (some shapes left unknown), or decline (opset below 7)."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_opset
+    opset = get_opset(model)
+    if not opset or opset < 7:
+        return None
+    infer = SymbolicShapeInference(2**31 - 1, True, True, 0)  # int_max, auto_merge, guess_output_rank, verbose
+    infer._preprocess(model)
+    complete = False
+    while infer.run_:
+        complete = infer._infer_impl()
+    infer._update_output_from_vi()
+    return infer.out_mp_ if complete else None
+
+
 def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model with value_info filled: ORT's symbolic shape inference, which knows its
     contrib ops (GroupQueryAttention, MatMulNBits, MatMulInteger16, ...), else ONNX's."""
     try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-        return SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
+        inferred = _symbolic(model)
+        if inferred is not None:
+            return inferred
     except Exception:  # noqa: BLE001 - it gives up on some graphs: ONNX's inference then
         pass
     try:
@@ -169,6 +187,33 @@ def _value_info(name: str, types: Dict[str, onnx.TypeProto], shaped: bool) -> on
     return helper.make_tensor_value_info(name, t.tensor_type.elem_type, shape)
 
 
+def _bindable(t: onnx.TypeProto) -> bool:
+    """Whether a value of type `t` can live in a fixed buffer: a tensor of numbers."""
+    return t.HasField("tensor_type") and t.tensor_type.elem_type not in (onnx.TensorProto.STRING,
+                                                                         onnx.TensorProto.UNDEFINED)
+
+
+def check_bindable(model: onnx.ModelProto, groups: List[List[int]], consumers: Dict[str, set],
+                   types: Dict[str, onnx.TypeProto], where: str, instead: str) -> None:
+    """UnsupportedModel unless every value that enters the segments (`groups` of the
+    model's nodes; `consumers`: the groups that read each value), passes between them or
+    leaves them is a tensor of numbers: such values are bound through IOBinding and
+    kept in fixed buffers, which hold no sequence, map, optional or string."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    graph_outputs = {o.name for o in graph.output}
+    for vi in graph.input:
+        if vi.name not in initializers and not _bindable(vi.type):
+            raise UnsupportedModel(f"the input {vi.name!r} ({onnx_type_string(vi.type)}) would enter a segment of "
+                                   f"{where}, and only tensors of numbers can: {instead}")
+    for gi, group in enumerate(groups):
+        for o in (o for i in group for o in graph.node[i].output if o):
+            t = types.get(o)
+            if t is not None and not _bindable(t) and (o in graph_outputs or any(c > gi for c in consumers.get(o, ()))):
+                raise UnsupportedModel(f"the value {o!r} ({onnx_type_string(t)}) would cross from one segment of the "
+                                       f"model to the next or leave {where}, and only tensors of numbers can: {instead}")
+
+
 def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[str], bool]) -> List[Segment]:
     """Builds one model per group. `model` holds weights as declarations only."""
     graph = model.graph
@@ -205,22 +250,8 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
     fed = {vi.name for vi in graph.input}
     segments = []
     if len(groups) > 1:
-        # Values pass into segments, between them and out of the last as OrtValues,
-        # which ORT's Python API makes and reads only as tensors.
-        for vi in graph.input:
-            if vi.name not in initializers and not vi.type.HasField("tensor_type"):
-                raise UnsupportedModel(
-                    f"the input {vi.name!r} ({onnx_type_string(vi.type)}) would enter a segment of a split model, and "
-                    f"only tensors can: run it unsplit (a weights budget that holds every weight, or offload=False)")
-        for gi, group in enumerate(groups):
-            for o in (o for i in group for o in graph.node[i].output if o):
-                t = types.get(o)
-                if t is not None and not t.HasField("tensor_type") and (
-                        o in graph_outputs or any(c > gi for c in consumers.get(o, ()))):
-                    raise UnsupportedModel(
-                        f"the value {o!r} ({onnx_type_string(t)}) would cross from one segment of the model to the next "
-                        f"or leave a split model, and only tensors can: run it unsplit (a weights budget that "
-                        f"holds every weight, or offload=False)")
+        check_bindable(model, groups, consumers, types, "a split model", "run it unsplit (a weights budget that "
+                                                                          "holds every weight, or offload=False)")
     for gi, (group, member) in enumerate(zip(groups, members)):
         nodes = [graph.node[i] for i in member]
         read = list(dict.fromkeys(n for node in nodes for n in node_inputs(node)))

@@ -56,7 +56,7 @@ from .ortvalues import InvalidArgument, IOInfo, as_arrays, check_feeds, shareabl
 from .progress import LoadProgress
 from .residency import Counters, ResidencyManager, segment_costs
 from .runner import SegmentRunner
-from .segmenter import Segment, plan_segments, segment_weights, split
+from .segmenter import Segment, check_bindable, plan_segments, segment_weights, split, value_types
 from .slots import slot_kind
 from .streaming import StreamEngine, StreamingUnavailable, choose_engine, plan_stream
 from .stats import OffloadStats, fmt_bytes
@@ -251,7 +251,7 @@ class OffloadSession(InferenceSessionMembers):
         if self._user_options is not None and self._user_options.optimized_model_filepath:
             write_optimized(opt_path, self._user_options.optimized_model_filepath)
         model = onnx.load(opt_path, load_external_data=False)
-        inside = keep_in_model(model, opt_dir, shareable)
+        inside, _ = keep_in_model(model, opt_dir, shareable)
         if inside:
             self._notes.append(f"{len(inside)} initializers of types ORT cannot take in place (such as "
                                f"{inside[0]!r}) stay inside the model: ORT owns their memory")
@@ -375,6 +375,10 @@ class OffloadSession(InferenceSessionMembers):
         _, model, groups_by_target, names, _, _, outputs, _, _ = self._segments_from
         if plan.streaming:
             return split(model, groups_by_target[plan.segment_target], names.__contains__)
+        if not self._stable:  # the weights are inputs, so every value goes through IOBinding
+            check_bindable(model, [list(range(len(model.graph.node)))], {}, value_types(model),
+                           "the model, whose weights are bound as inputs without stable addresses (vmm=False)",
+                           "use vmm=True, or offload=False")
         return [Segment(0, list(range(len(model.graph.node))), [w.name for w in self._weights],
                         [v.name for v in self._graph_inputs if v.name not in names], outputs, model)]
 

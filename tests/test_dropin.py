@@ -511,3 +511,14 @@ def test_a_split_binding_checks_names_as_ort_does():
         s.run_with_iobinding(io)
         np.testing.assert_allclose(io.copy_outputs_to_cpu()[0], plain.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
     assert s.stats().ledger.committed == 0
+
+
+@pytest.mark.parametrize("version", [None, 0, 7])
+def test_model_metadata_version_as_ort_reads_it(version):
+    m = mlp_stack(layers=2, hidden=64, batch=2)
+    m.ClearField("model_version")
+    if version is not None:
+        m.model_version = version
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).get_modelmeta()
+    with OffloadSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) as s:
+        assert s.get_modelmeta().version == ref.version

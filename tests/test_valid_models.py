@@ -205,3 +205,142 @@ def test_a_sequence_input_to_a_split_model_is_refused_with_the_reason():
     with pytest.raises(UnsupportedModel, match="input 's' .seq.tensor.float... would enter"):
         OffloadSession(m.SerializeToString(), providers=["CPUExecutionProvider"], offload=True, vmm=True,
                        host_granularity=64 << 10, weight_bytes=256 * 256 * 4)
+
+
+def _two_matmuls(outputs, inputs=(), initializer_inputs=()):
+    """x @ w1 -> h, h @ w2 -> y, with graph outputs `outputs` (names, repeats allowed),
+    extra graph inputs `inputs` (value infos) and initializers also listed as inputs."""
+    ws = [weight("w1", (256, 256), 1), weight("w2", (256, 256), 2)]
+    listed = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [256, 256]) for n in initializer_inputs]
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("MatMul", ["h", "w2"], ["y"])],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 256])] + listed + list(inputs),
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs], ws)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _plain(model, feeds):
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    return ort.InferenceSession(model.SerializeToString(), so, providers=CPU).run(None, feeds)
+
+
+# Weights bound as inputs (vmm=False), one segment; a split session (vmm=True, half the weights).
+LAYOUTS = [dict(vmm=False), dict(vmm=True, weight_bytes=256 * 256 * 4)]
+
+
+@pytest.mark.parametrize("kw", LAYOUTS)
+def test_an_output_listed_twice_then_another_is_returned_as_ort_returns_it(kw):
+    m = _two_matmuls(["h", "h", "y"])
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    want = _plain(m, {"x": x})
+    with OffloadSession(m.SerializeToString(), providers=CPU, offload=True, host_granularity=64 << 10, **kw) as s:
+        for _ in range(2):
+            got = s.run(None, {"x": x})
+            assert len(got) == 3
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+        final = s.close()
+    assert final.committed == 0
+
+
+@pytest.mark.parametrize("kw", LAYOUTS)
+def test_an_initializer_listed_as_an_input_runs_and_refuses_an_override(kw):
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+    m = _two_matmuls(["y"], initializer_inputs=["w2"])
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    want = _plain(m, {"x": x})
+    with OffloadSession(m.SerializeToString(), providers=CPU, offload=True, host_granularity=64 << 10, **kw) as s:
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], want[0])
+        with pytest.raises(InvalidArgument, match="'w2' is an initializer the model lets callers override"):
+            s.run(None, {"x": x, "w2": np.zeros((256, 256), np.float32)})
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], want[0])
+        final = s.close()
+    assert final.committed == 0
+
+
+def test_values_iobinding_cannot_hold_are_refused_when_the_session_is_made():
+    from onnx_offload.errors import UnsupportedModel
+    optional = helper.make_value_info("o", helper.make_optional_type_proto(
+        helper.make_tensor_type_proto(TensorProto.FLOAT, [256])))
+    m = _two_matmuls(["y"], inputs=[optional])
+    m.graph.node.append(helper.make_node("OptionalHasElement", ["o"], ["has"]))
+    m.graph.output.append(helper.make_tensor_value_info("has", TensorProto.BOOL, []))
+    m.opset_import[0].version = 18
+    with pytest.raises(UnsupportedModel, match="'o' .optional.tensor.float... would enter.*vmm=False"):
+        OffloadSession(m.SerializeToString(), providers=CPU, offload=True, vmm=False)
+    # A string output: refused split and with the weights as inputs, run unsplit otherwise.
+    vocab = numpy_helper.from_array(np.array(["a", "b", "c"], dtype=object), "vocab")
+    m = _two_matmuls(["y"])
+    m.graph.initializer.append(vocab)
+    m.graph.input.append(helper.make_tensor_value_info("i", TensorProto.INT64, [2]))
+    m.graph.node.append(helper.make_node("Gather", ["vocab", "i"], ["word"]))
+    m.graph.output.append(helper.make_tensor_value_info("word", TensorProto.STRING, [2]))
+    for kw in LAYOUTS:
+        with pytest.raises(UnsupportedModel, match="'word' .tensor.string.. would cross"):
+            OffloadSession(m.SerializeToString(), providers=CPU, offload=True, host_granularity=64 << 10, **kw)
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    with OffloadSession(m.SerializeToString(), providers=CPU, offload=True, vmm=True) as s:
+        got = s.run(None, {"x": x, "i": np.array([2, 0])})
+        assert list(got[1]) == ["c", "a"]
+
+
+def _cnn():
+    """Convolutions over symbolic sizes, on which ORT's symbolic shape inference gives up."""
+    rng = np.random.default_rng(0)
+    C = 32
+
+    def w(name, shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.05).astype(np.float32), name)
+
+    nodes, inits, h = [], [], "x"
+    for i in range(3):
+        p = f"c{i}_"
+        inits += [w(p + "w", (C, C if i else 3, 3, 3)), w(p + "b", (C,)), w(p + "g", (C,)), w(p + "beta", (C,)),
+                  w(p + "m", (C,)), numpy_helper.from_array((rng.random(C) + 0.5).astype(np.float32), p + "v")]
+        nodes += [helper.make_node("Conv", [h, p + "w", p + "b"], [p + "o"], pads=[1, 1, 1, 1]),
+                  helper.make_node("BatchNormalization", [p + "o", p + "g", p + "beta", p + "m", p + "v"], [p + "bn"]),
+                  helper.make_node("Relu", [p + "bn"], [p + "r"])]
+        h = p + "r"
+    inits += [w("dw", (C, 16, 2, 2)), w("gw", (C, 1, 3, 3)), w("fc", (16, 10))]
+    nodes += [helper.make_node("Conv", [h, "gw"], ["dwc"], group=C, pads=[1, 1, 1, 1]),
+              helper.make_node("ConvTranspose", ["dwc", "dw"], ["up"], strides=[2, 2]),
+              helper.make_node("GlobalAveragePool", ["up"], ["gap"]), helper.make_node("Flatten", ["gap"], ["f"]),
+              helper.make_node("MatMul", ["f", "fc"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_splitting_writes_nothing_in_the_working_folder(tmp_path, monkeypatch):
+    m = _cnn()
+    x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    want = _plain(m, {"x": x})
+    monkeypatch.chdir(tmp_path)
+    with OffloadSession(m.SerializeToString(), providers=CPU, offload=True, vmm=True, weight_bytes="64KiB",
+                        host_granularity=64 << 10, cache_dir="off") as s:
+        assert len(s.segments) > 1
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], want[0], rtol=1e-5, atol=1e-6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_shape_tensors_stay_in_the_model_whatever_the_smallest_weight(offload):
+    m = _two_matmuls(["r"])
+    m.graph.initializer.append(numpy_helper.from_array(np.array([-1, 16, 16], np.int64), "shape"))
+    m.graph.node.append(helper.make_node("Reshape", ["y", "shape"], ["r"]))
+    x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
+    want = _plain(m, {"x": x})
+    kw = dict(offload=True, weight_bytes=256 * 256 * 4, host_granularity=64 << 10) if offload else dict(offload=False)
+    with OffloadSession(m.SerializeToString(), providers=CPU, min_weight_bytes=0, cache_dir="off", **kw) as s:
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], want[0])
+
+
+def test_a_failure_inside_the_model_has_ort_s_type_with_the_weights_as_inputs():
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+    m = _two_matmuls(["r"], inputs=[helper.make_tensor_value_info("shape", TensorProto.INT64, [2])])
+    m.graph.node.append(helper.make_node("Reshape", ["y", "shape"], ["r"]))
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    with OffloadSession(m.SerializeToString(), providers=CPU, offload=True, vmm=False) as s:
+        with pytest.raises(Fail):
+            s.run(None, {"x": x, "shape": np.array([3, 256])})
+        assert s.run(None, {"x": x, "shape": np.array([2, 512])})[0].shape == (2, 512)
