@@ -57,6 +57,7 @@ class DecoderSpec:
     mask_dtype: np.dtype = np.dtype(np.int64)  # as the model declares them
     pos_dtype: np.dtype = np.dtype(np.int64)
     vocab: Optional[int] = None  # the logits' last dimension, when the graph gives it
+    sliding_window: Optional[int] = None  # of the attention, as config.json beside the model gives it
 
 
 def read_genai_config(model_dir: Optional[str]) -> dict:
@@ -87,6 +88,29 @@ def read_genai_config(model_dir: Optional[str]) -> dict:
         return out
     except (OSError, ValueError, AttributeError) as e:  # json.JSONDecodeError is a ValueError
         raise UnsupportedModel(f"{path} cannot be used: {e}") from None
+
+
+def read_sliding_window(model_dir: Optional[str]) -> Optional[int]:
+    """The sliding window of attention that config.json beside the model (as transformers
+    saves it: Mistral, Phi-3, Gemma 2 and 3, Qwen2 with use_sliding_window, ...) gives,
+    or None. Such a model places the window by the past's length, so a padded past would
+    move it. A config.json that is not a model's is no window."""
+    path = os.path.join(model_dir, "config.json") if model_dir else None
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    # A multimodal model keeps its decoder's settings in text_config.
+    for part in [cfg] + [v for k, v in cfg.items() if k.endswith("_config") and isinstance(v, dict)]:
+        w = part.get("sliding_window")
+        if isinstance(w, int) and not isinstance(w, bool) and w > 0 and part.get("use_sliding_window") is not False:
+            return w
+    return None
 
 
 def _dim(info: IOInfo, axis: int, fallback, what: str) -> int:
@@ -154,10 +178,15 @@ def decoder_spec(inputs: Sequence[IOInfo], outputs: Sequence[IOInfo], op_types, 
                                f"only, [batch, vocab]; this model's have rank {len(logits.shape)}")
     bounds = [n for n in (cfg.get("max_length"), rotary_rows) if n]
     vocab = logits.shape[-1] if logits.shape else None
-    layout = "gqa" if "GroupQueryAttention" in op_types else "standard" if "position_ids" in ins else "exact"
+    # The standard layout pads the past to a bucket, which needs the positions from
+    # position_ids and a mask that places nothing by the past's length: else the past
+    # goes in at its exact length.
+    window = read_sliding_window(model_dir) if "GroupQueryAttention" not in op_types else None
+    layout = "gqa" if "GroupQueryAttention" in op_types else \
+        "standard" if "position_ids" in ins and window is None else "exact"
     return DecoderSpec(layout, max(layers) + 1, kv_heads, head_size, past0.dtype, logits.dtype, "position_ids" in ins,
                        min(bounds) if bounds else None, cfg.get("eos", ()), dtypes["input_ids"], dtypes["attention_mask"],
-                       dtypes["position_ids"], vocab if isinstance(vocab, int) and vocab > 0 else None)
+                       dtypes["position_ids"], vocab if isinstance(vocab, int) and vocab > 0 else None, window)
 
 
 def rotary_rows(model) -> Optional[int]:

@@ -627,6 +627,11 @@ class OffloadSession(InferenceSessionMembers):
             self._decoder_spec = decoder_spec([i for i in self._graph_inputs if i.name in fed],
                                               self._graph_outputs, self._op_types, self._model_dir,
                                               self._rotary_rows)
+            window = self._decoder_spec.sliding_window
+            why = (f"generate(): config.json gives this model a sliding window of {window} positions, which it places "
+                   f"by the past's length: its past is fed at its exact length, and its decode steps run uncaptured")
+            if window and self._decoder_spec.layout == "exact" and why not in self._notes:
+                self._notes.append(why)
             return True
         except UnsupportedModel as e:
             self._decoder_spec = e

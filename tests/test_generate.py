@@ -912,3 +912,26 @@ def test_a_larger_budget_generates_where_a_smaller_one_does(layout):
                 except BudgetExceeded:
                     outcomes.append(False)
     assert outcomes == sorted(outcomes) and outcomes[-1], outcomes
+
+
+def test_a_sliding_window_from_config_json_generates_as_a_plain_ort_loop(tmp_path):
+    """A Mistral-style window placed by the past's length: a past padded to a bucket would
+    move it (the tokens differ from the 2nd on here), so config.json's window makes the
+    past go in at its exact length."""
+    import json
+    model = decoder_lm("standard", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=97,
+                       max_length=128, sliding_window=4)
+    path = save_decoder(model, str(tmp_path / "m"))
+    with open(tmp_path / "m" / "config.json", "w") as f:
+        json.dump({"model_type": "mistral", "sliding_window": 4, "use_sliding_window": True}, f)
+    ids = np.random.default_rng(5).integers(0, 97, (2, 9))
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    for kw in (dict(), dict(offload=True, weight_bytes=weight_bytes(model) // 3, host_granularity=64 << 10)):
+        with OffloadSession(path, providers=CPU, **kw) as s:
+            assert s.decoder_spec.layout == "exact" and s.decoder_spec.sliding_window == 4
+            assert any("sliding window of 4" in n for n in s.stats().notes)
+            np.testing.assert_array_equal(s.generate(ids, 20), reference_greedy(model, ids, 20))
+            np.testing.assert_array_equal(s.generate(ids, 20, attention_mask=mask),
+                                          reference_greedy(model, ids, 20, attention_mask=mask))
+            assert s.close().committed == 0

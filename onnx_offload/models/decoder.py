@@ -124,11 +124,12 @@ def _gqa_graph(g, layers, heads, kv_heads, eps):
     g("MatMul", [h, "lm_head"], ["logits"])
 
 
-def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids=True):
+def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids=True, sliding_window=None):
     """What torch.onnx exports for a Llama: RMSNorm and softmax computed in float32 (as the
     HF code upcasts them), the rest in the model dtype. Without `position_ids`, the
     rotary rows are the positions counted from the past's length, as HF's code does when
-    it is given none."""
+    it is given none. With `sliding_window` (as a Mistral's), a query sees only the keys
+    less than that many places before it, counted from the past's length as HF's mask is."""
     hd, low = hidden // heads, np.dtype(dtype) != np.float32
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     for n, v in (("i0", 0), ("i1", 1), ("i2", 2), ("axes_1", [1]), ("axes_2", [2]), ("axes_12", [1, 2]),
@@ -157,7 +158,11 @@ def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids
     seq = g("Gather", [g("Shape", ["input_ids"]), "i1"])
     total = g("Gather", [g("Shape", ["attention_mask"]), "i1"])
     qpos = g("Unsqueeze", [g("Range", [past, g("Add", [past, seq]), "i1"]), "axes_1"])
-    causal = g("LessOrEqual", [g("Range", ["i0", total, "i1"]), qpos])
+    keys = g("Range", ["i0", total, "i1"])
+    causal = g("LessOrEqual", [keys, qpos])
+    if sliding_window:
+        g.const("window", sliding_window)
+        causal = g("And", [causal, g("Greater", [keys, g("Sub", [qpos, "window"])])])
     padding = g("Unsqueeze", [g("Cast", ["attention_mask"], to=TensorProto.BOOL), "axes_12"])
     bias = g("Where", [g("And", [causal, padding]), "bias_open", "bias_masked"])
     if position_ids:
@@ -203,15 +208,16 @@ def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids
 def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                intermediate: int = 128, vocab: int = 97, max_length: int = 128, dtype=np.float32,
                seed: int = 0, eps: float = 1e-5, rope_theta: float = 10000.0,
-               position_ids: bool = True) -> onnx.ModelProto:
+               position_ids: bool = True, sliding_window: Optional[int] = None) -> onnx.ModelProto:
     """A Llama-shaped decoder (RMSNorm, rotary, grouped-query attention, SiLU MLP) with
     random weights, in layout "gqa" (onnxruntime-genai) or "standard" (Optimum/torch.onnx).
     KV cache tensors are [batch, kv_heads, length, hidden // heads]. `position_ids=False`
-    (standard only): no position_ids input; positions count from the past's length."""
+    (standard only): no position_ids input; positions count from the past's length.
+    `sliding_window` (standard only): each query attends to that many keys at most."""
     if layout not in ("gqa", "standard"):
         raise ValueError(f"layout must be 'gqa' or 'standard', not {layout!r}")
-    if not position_ids and layout != "standard":
-        raise ValueError("position_ids=False needs the standard layout")
+    if (not position_ids or sliding_window) and layout != "standard":
+        raise ValueError("position_ids=False and sliding_window need the standard layout")
     if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
         raise ValueError("hidden must split into heads of even size, and heads into kv_heads groups")
     dtype = np.dtype(dtype)
@@ -229,7 +235,7 @@ def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: in
     if layout == "gqa":
         _gqa_graph(g, layers, heads, kv_heads, eps)
     else:
-        _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids)
+        _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids, sliding_window)
 
     i64, kv = TensorProto.INT64, ["batch_size", kv_heads, "past_sequence_length", hd]
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch_size", "sequence_length"]),
