@@ -201,6 +201,7 @@ void bind_slots(py::module_& m) {
       .def_property_readonly("va", &WeightSlot::va)
       .def_property_readonly("length", &WeightSlot::length)
       .def_property_readonly("state", [](WeightSlot& s) { return std::string(slot_state_name(s.state())); })
+      .def_property_readonly("pins", &WeightSlot::pins)
       .def_property_readonly("charged_zone", [](WeightSlot& s) { return std::string(zone_name(s.charged_zone())); })
       .def_property_readonly("ready_event", &WeightSlot::ready_event)
       .def("set_source", [](WeightSlot& s, uint64_t ptr, uint64_t n) { s.set_source(reinterpret_cast<const void*>(ptr), n); },

@@ -25,6 +25,7 @@ class WeightSlot {
   uint64_t va() const { return va_; }
   uint64_t length() const { return length_; }
   SlotState state();
+  int pins() const { return pins_; }  // how many pin() calls no unpin() has answered
   Zone charged_zone() const { return charge_; }
   std::shared_ptr<Event> ready_event() const { return ready_; }
   std::shared_ptr<Arena> arena() const { return arena_; }

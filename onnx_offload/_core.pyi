@@ -382,6 +382,9 @@ class WeightSlot:
     def state(self) -> str:
         """"evicted", "paging_in", "resident" or "pinned"."""
     @property
+    def pins(self) -> int:
+        """How many pin() calls no unpin() has answered."""
+    @property
     def charged_zone(self) -> str: ...
     @property
     def ready_event(self) -> Optional[Event]: ...

@@ -437,10 +437,17 @@ def main(argv=None) -> int:
     try:
         return args.fn(args)
     except (OffloadError, MemoryError, ValueError, TypeError, OSError, ArithmeticError, RuntimeError,
-            ImportError) as e:
-        # OSError: FileNotFoundError, PermissionError, ...; RuntimeError: ORT's own errors.
+            ImportError) + _ort_errors() as e:
+        # OSError: FileNotFoundError, PermissionError, ...; RuntimeError and ORT's own types
+        # (Fail, InvalidArgument, ...: not RuntimeErrors) from ORT.
         print(f"onnx-offload: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+
+
+def _ort_errors() -> tuple:
+    """ORT's own exception types (Fail, InvalidArgument, NoSuchFile, ...)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+    return tuple(t for t in vars(state).values() if isinstance(t, type) and issubclass(t, Exception))
 
 
 if __name__ == "__main__":

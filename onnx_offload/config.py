@@ -49,6 +49,9 @@ LIMIT_FORMS = BYTES_FORMS + ", a fraction of device memory in (0, 1] (0.9), or '
 BOOL_FORMS = "'0' or '1' ('false' or 'true')"
 
 
+MAX_BYTES = 2**63 - 1  # sizes travel as 64-bit integers
+
+
 def parse_bytes(value: Union[str, int], name: str = "value") -> int:
     """Parses ``6GiB``, ``512MiB``, ``6GB`` or ``6000000000`` into bytes."""
     if isinstance(value, bool):
@@ -56,15 +59,19 @@ def parse_bytes(value: Union[str, int], name: str = "value") -> int:
     if isinstance(value, int):
         if value <= 0:
             raise ValueError(f"{name}={value!r} is not valid: expected a positive size, {BYTES_FORMS}")
+        if value > MAX_BYTES:
+            raise ValueError(f"{name}={value!r} is not valid: more than {MAX_BYTES} bytes")
         return value
     m = _SIZE_RE.match(str(value))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
         raise ValueError(f"{name}={value!r} is not valid: expected {BYTES_FORMS}")
-    number = float(m.group(1))
     if unit in ("", "b") and "." in m.group(1):
         raise ValueError(f"{name}={value!r} is not valid: a plain byte count must be an integer; expected {BYTES_FORMS}")
-    n = int(number * _UNITS[unit])
+    number = float(m.group(1)) * _UNITS[unit]
+    if not number <= MAX_BYTES:  # inf included
+        raise ValueError(f"{name}={value!r} is not valid: more than {MAX_BYTES} bytes")
+    n = int(number)
     if n <= 0:
         raise ValueError(f"{name}={value!r} is not valid: expected a positive size, {BYTES_FORMS}")
     return n
@@ -249,7 +256,7 @@ class OffloadConfig:
                 continue
             if isinstance(v, str):
                 setattr(self, field, parse_bytes(v, field))
-            elif not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            elif not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_BYTES:
                 raise ValueError(f"{field}={v!r} is not valid: expected a non-negative byte count")
 
     @classmethod

@@ -525,6 +525,8 @@ def check_generate_args(session, input_ids, max_new_tokens, eos_token_id, attent
         if arr.ndim != 1 or (arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer))):
             raise TypeError(f"eos_token_id must be an integer or a sequence of integers, got {eos_token_id!r}")
         eos = tuple(int(e) for e in arr)
+        if any(not -2**63 <= e < 2**63 for e in eos):
+            raise ValueError(f"eos_token_id must be token ids (64-bit integers), got {eos_token_id!r}")
     return ids, new, eos, check_prompt_mask(spec, attention_mask, ids.shape)
 
 

@@ -156,14 +156,23 @@ class ResidencyManager:
         pinned: List[str] = []
         bypass: List[str] = []
         admitted: List[str] = []
+        # The pin in flight, (name, its slot's pins before): a KeyboardInterrupt raised by a
+        # signal handler can land between pin() and the append that records it.
+        pinning: Optional[Tuple[str, int]] = None
+
+        def pin(n: str) -> None:
+            nonlocal pinning
+            pinning = (n, self.slots[n].pins)
+            self.slots[n].pin()
+            pinned.append(n)
+
         try:
             misses = []
             for n in names:
                 if self.slots[n].state == "evicted":
                     misses.append(n)
                 else:
-                    self.slots[n].pin()
-                    pinned.append(n)
+                    pin(n)
                     self.policy.on_hit(n)
             current = set(names)
             ledger = self.device.ledger
@@ -187,8 +196,7 @@ class ResidencyManager:
             if admitted:
                 ready = self._page_in(admitted, "weights")
                 for n in admitted:
-                    self.slots[n].pin()
-                    pinned.append(n)
+                    pin(n)
                     self.policy.on_admit(n)
             if bypass:
                 need = self._group_cost(bypass)
@@ -197,11 +205,13 @@ class ResidencyManager:
                 # The same copy stream as the admitted page-in: this later event covers both.
                 ready = self._page_in(bypass, "transient")
                 for n in bypass:
-                    self.slots[n].pin()
-                    pinned.append(n)
+                    pin(n)
         except BaseException:
             for n in pinned:
                 self.slots[n].unpin()
+            # A segment names each weight once: one not in `pinned` was not recorded.
+            if pinning is not None and pinning[0] not in pinned and self.slots[pinning[0]].pins > pinning[1]:
+                self.slots[pinning[0]].unpin()
             streamed = [n for n in bypass if self.slots[n].state != "evicted"]
             if streamed:
                 self._evict(streamed)

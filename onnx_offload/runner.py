@@ -144,6 +144,8 @@ class SegmentRunner:
     @property
     def single(self) -> ort.InferenceSession:
         """The one ORT session of a model that runs unsplit."""
+        if not self.runs:  # closed, as another thread may find it while the session closes
+            raise StateError("the session is closed")
         return self.runs[0].session
 
     @property

@@ -92,6 +92,7 @@ class OffloadSession(InferenceSessionMembers):
                  provider_options=None, *, config: Optional[OffloadConfig] = None, progress=None,
                  record_timeline: bool = False, **config_kwargs):
         self._closed = True
+        self._closing = False
         # A keyword InferenceSession takes: ORT optimizers the caller turns off.
         self._disabled_optimizers = sorted(config_kwargs.pop("disabled_optimizers", None) or ())
         if config is not None and config_kwargs:
@@ -537,11 +538,14 @@ class OffloadSession(InferenceSessionMembers):
         return self._with_fallback(lambda: self._runner.run_bound(feeds, outputs, fixed=fixed, key=key))
 
     # ------------------------------------------------------------------ running
-    def _check_open(self):
+    def _check_process(self):
         if self._pid != os.getpid():
             raise StateError(f"this session was created in process {self._pid}; a forked child cannot use its "
                              f"device streams or memory: create a new OffloadSession in the child")
-        if self._closed:
+
+    def _check_open(self):
+        self._check_process()
+        if self._closed or self._closing:
             raise StateError("the session is closed")
 
     @contextlib.contextmanager
@@ -715,6 +719,9 @@ class OffloadSession(InferenceSessionMembers):
         return self._residency
 
     def stats(self) -> OffloadStats:
+        # A forked child may not even read the counters: a lock of the arena's may have been
+        # held by another of the parent's threads at the fork, and is held for good here.
+        self._check_process()
         dev, res, runner = self._device, self._residency, self._runner
         ledger = self._final_ledger if self._closed else dev.ledger.snapshot()
         return OffloadStats(
@@ -741,6 +748,7 @@ class OffloadSession(InferenceSessionMembers):
             return self._final_ledger
         with self._lock, deferred_interrupts():
             if not self._closed:
+                self._closing = True  # members that take no lock answer StateError from here
                 self._teardown()
                 self._closed = True
         return self._final_ledger

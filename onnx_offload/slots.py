@@ -35,6 +35,11 @@ class PlainSlot:
             raise ValueError(f"source of {self.key!r} has {nbytes} bytes, the slot {self.length}")
         self._source = ptr
 
+    @property
+    def pins(self) -> int:
+        """How many pin() calls no unpin() has answered."""
+        return self._pins
+
     def pin(self) -> None:
         if self.state == "evicted":
             raise _state_error(self, "be pinned")

@@ -45,7 +45,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ._core import DEFAULT_ALIGNMENT as ALIGNMENT, round_up  # ALIGNMENT: of each resident slot's start
-from .errors import OffloadError
+from .errors import OffloadError, StateError
 from .graph_capture import GraphCaptureDecision
 from .model import WeightInfo, save_model
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
@@ -746,6 +746,8 @@ class StreamEngine:
 
     @property
     def single(self) -> ort.InferenceSession:
+        if self.session is None:  # closed, as another thread may find it while the session closes
+            raise StateError("the session is closed")
         return self.session
 
     @property

@@ -85,3 +85,13 @@ def test_cache_with_the_cache_off_says_so(capsys, monkeypatch):
     monkeypatch.setenv("ONNX_OFFLOAD_CACHE_DIR", "off")
     rc, out = run(["cache", "clear"], capsys)
     assert rc == 0 and "the cache is off" in out.out, out
+
+
+def test_an_ort_error_on_the_feeds_is_one_line_and_exit_2(model_path, capsys, tmp_path):
+    """ORT's own error types (InvalidArgument, Fail, ...) are no RuntimeErrors."""
+    import numpy as np
+    feeds = str(tmp_path / "feeds.npz")
+    np.savez(feeds, x=np.zeros((4, 1000), np.float32))  # the model takes [4, 1024]
+    rc, out = run(["run", model_path[0], "--vram-limit", "256MiB", "--inputs", feeds], capsys)
+    assert rc == 2 and "Traceback" not in out.err, out.err
+    assert out.err.startswith("onnx-offload: ") and len(out.err.strip().splitlines()) == 1, out.err

@@ -206,3 +206,20 @@ def test_loading_errors_are_of_the_types_ort_raises(cls, tmp_path):
     with pytest.raises(expected) as e:
         cls(bad, providers=["CPUExecutionProvider"])
     assert cls is ort.InferenceSession or isinstance(e.value, CorruptModel)
+
+
+@pytest.mark.parametrize("kw", [dict(vram_limit="9" * 400), dict(weight_bytes="9" * 400), dict(kv_bytes="9" * 400),
+                                dict(weight_bytes=2**70), dict(kv_bytes=2**70), dict(host_granularity=2**70),
+                                dict(zone_va_bytes=2**70), dict(vram_limit="1e309GiB")])
+def test_sizes_past_64_bits_are_a_value_error(kw):
+    with pytest.raises(ValueError, match="is not valid"):
+        OffloadConfig(**kw)
+
+
+def test_an_eos_past_64_bits_is_refused_at_the_call():
+    from onnx_offload.models.decoder import decoder_lm
+    with OffloadSession(decoder_lm("gqa", max_length=64).SerializeToString(), providers=["CPUExecutionProvider"],
+                        vram_limit="64MiB", host_granularity=4096) as s:
+        with pytest.raises(ValueError, match="eos_token_id"):
+            s.generate_iter(np.arange(4)[None], 3, eos_token_id=2**63)
+        assert s.generate(np.arange(4)[None], 3, eos_token_id=[5, 2**63 - 1]).shape == (1, 7)

@@ -509,6 +509,40 @@ def test_an_interrupt_right_after_a_page_in_leaves_nothing_pinned(monkeypatch):
     assert s.stats().ledger.committed == 0
 
 
+@pytest.mark.parametrize("nth", [1, 2, 3, 5, 8, 13])
+def test_an_interrupt_right_after_a_weight_is_pinned_leaves_it_unpinned(nth):
+    """A signal's handler runs as soon as a call into the core returns, so its
+    KeyboardInterrupt can land between a weight's pin() and the code that records it:
+    the weight must not stay pinned (it could never be evicted, and its transient bytes
+    would stay charged)."""
+    import sys
+    from onnx_offload import residency
+    model = model_of("gqa")
+    ids = prompt(2)
+    want = reference_greedy(model, ids, 8)
+    with session(model, offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3) as s:
+        seen = []
+
+        def hook(frame, event, arg):
+            if event == "c_return" and getattr(arg, "__name__", "") == "pin" \
+                    and frame.f_code.co_filename == residency.__file__:
+                seen.append(1)
+                if len(seen) == nth:
+                    raise KeyboardInterrupt
+        sys.setprofile(hook)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                s.generate(ids, 8)
+        finally:
+            sys.setprofile(None)
+        assert len(seen) >= nth
+        assert [n for n, slot in s.residency.slots.items() if slot.state == "pinned"] == []
+        assert s.device.ledger.snapshot().zones["transient"].committed.current == 0
+        np.testing.assert_array_equal(s.generate(ids, 8), want)
+        final = s.close()
+    assert final.committed == 0 and s.stats().arena.refcount_underflows == 0
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_generation_longer_than_the_model_is_refused_before_it_runs(layout, tmp_path):
     model = model_of(layout)

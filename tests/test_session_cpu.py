@@ -187,3 +187,31 @@ def test_stats_after_close_still_name_the_segments(mlp, x):
     assert before > 1
     s.close()
     assert s.stats().segments == before and s.stats().ledger.committed == 0
+
+
+def test_members_called_while_another_thread_closes_answer_or_say_closed():
+    import threading
+    from onnx_offload.models.decoder import decoder_lm
+    model = decoder_lm("gqa", max_length=64).SerializeToString()
+    for _ in range(5):
+        s = OffloadSession(model, providers=["CPUExecutionProvider"], vram_limit="64MiB", host_granularity=4096)
+        stop, errors, answers = threading.Event(), [], [0]
+
+        def poll():
+            while not stop.is_set():
+                for fn in (s.get_inputs, s.get_outputs, s.get_providers, s.get_provider_options, s.get_modelmeta):
+                    try:
+                        fn()
+                        answers[0] += 1
+                    except StateError:
+                        pass
+                    except Exception as e:  # noqa: BLE001 - what the test is about
+                        errors.append(e)
+        t = threading.Thread(target=poll)
+        t.start()
+        while answers[0] == 0:
+            pass
+        s.close()
+        stop.set()
+        t.join()
+        assert errors == [], errors[:3]
