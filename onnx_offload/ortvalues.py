@@ -220,6 +220,14 @@ def check_feeds(required: Sequence[str], inputs: Sequence[IOInfo], known_outputs
     an unknown or missing name, a wrong element type, rank or fixed dimension."""
     by_name = {i.name: i for i in inputs}
     check_required(required, feeds)  # ORT's Python layer checks this first
+    if isinstance(output_names, (str, bytes)):
+        raise TypeError(f"run(): incompatible function arguments: output_names must be a sequence of names, not "
+                        f"{type(output_names).__name__} {output_names!r}")
+    for name, value in feeds.items():  # what ORT's Python layer cannot make a tensor of
+        if isinstance(value, str):
+            raise RuntimeError(f"Input must be a list of dictionaries or a single numpy array for input '{name}'.")
+        if not isinstance(value, (np.ndarray, ort.OrtValue)):
+            raise RuntimeError(f"Unable to handle object of type {type(value)}")
     unknown = [n for n in feeds if n not in by_name]
     if unknown:
         raise InvalidArgument(f"Invalid input name: {unknown[0]} (the model's inputs are {list(by_name)})")

@@ -522,3 +522,25 @@ def test_model_metadata_version_as_ort_reads_it(version):
     ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).get_modelmeta()
     with OffloadSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) as s:
         assert s.get_modelmeta().version == ref.version
+
+
+def test_feeds_ort_cannot_convert_raise_what_ort_raises_on_a_split_session():
+    from onnx_offload.models.decoder import decoder_lm
+    m = decoder_lm("gqa", max_length=64)
+    good = {"input_ids": np.ones((2, 3), np.int64), "attention_mask": np.ones((2, 3), np.int64)}
+    for i in range(2):
+        for kv in ("key", "value"):
+            good[f"past_key_values.{i}.{kv}"] = np.zeros((2, 2, 0, 16), np.float32)
+    plain = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    with OffloadSession(m.SerializeToString(), providers=["CPUExecutionProvider"], offload=True, vmm=True,
+                        weight_bytes=weight_bytes(m) // 3, host_granularity=64 << 10) as s:
+        assert len(s.segments) > 1
+        for outs, feeds in ((None, {**good, "input_ids": np.int64(3)}), (None, {**good, "input_ids": "abc"}),
+                            ("logits", good)):
+            raised = []
+            for sess in (plain, s):
+                with pytest.raises(Exception) as e:
+                    sess.run(outs, feeds)
+                raised.append(e.type)
+            assert raised[1] is raised[0], raised
+        assert s.run(["logits"], good)[0].shape == plain.run(["logits"], good)[0].shape
