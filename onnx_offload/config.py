@@ -14,6 +14,7 @@ Environment variables (the names the ONNX GenAI engine uses):
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import os
 import re
 from typing import Mapping, Optional, Union
@@ -68,10 +69,9 @@ def parse_bytes(value: Union[str, int], name: str = "value") -> int:
         raise ValueError(f"{name}={value!r} is not valid: expected {BYTES_FORMS}")
     if unit in ("", "b") and "." in m.group(1):
         raise ValueError(f"{name}={value!r} is not valid: a plain byte count must be an integer; expected {BYTES_FORMS}")
-    number = float(m.group(1)) * _UNITS[unit]
-    if not number <= MAX_BYTES:  # inf included
+    n = int(fractions.Fraction(m.group(1)) * _UNITS[unit])  # exact: no float rounding at 2**63
+    if n > MAX_BYTES:
         raise ValueError(f"{name}={value!r} is not valid: more than {MAX_BYTES} bytes")
-    n = int(number)
     if n <= 0:
         raise ValueError(f"{name}={value!r} is not valid: expected a positive size, {BYTES_FORMS}")
     return n

@@ -57,8 +57,7 @@ class InferenceSessionMembers:
         return list(self._overridable)
 
     def get_provider_options(self) -> dict:
-        self._check_open()
-        return self._runner.single.get_provider_options()
+        return self._live_runner().single.get_provider_options()
 
     def set_providers(self, providers=None, provider_options=None) -> None:
         raise StateError("an OffloadSession's providers are fixed when it is made: its weights, budget, streams and "
@@ -121,8 +120,10 @@ class InferenceSessionMembers:
     # segment sessions, questions are answered by the first (they share providers and
     # options) and settings go to each.
     def _sessions(self) -> list:
-        self._check_open()
-        return [run.session for run in self._runner.runs]
+        runs = self._live_runner().runs
+        if not runs:  # closed by another thread since the check
+            raise StateError("the session is closed")
+        return [run.session for run in runs]
 
     def get_input_memory_infos(self):
         return self._runner_single("get_input_memory_infos", "the caller's inputs feed the first segment only")
@@ -168,9 +169,8 @@ class InferenceSessionMembers:
         """The one ORT session that runs the whole model as given (no segments, graphs of
         the package's own, or weights as inputs in between), for members that pass
         straight through; else an error saying why not."""
-        self._check_open()
-        runner = self._runner
-        if not self._runner.plain:
+        runner = self._live_runner()
+        if not runner.plain:
             raise StateError(f"{member} needs the model to run as one plain ORT session, and this session runs "
                              f"{len(runner.runs)} segment(s) with weights paged in between: {why}")
         if member.startswith("get_"):

@@ -103,13 +103,26 @@ def read_sliding_window(model_dir: Optional[str]) -> Optional[int]:
             cfg = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(cfg, dict):
-        return None
-    # A multimodal model keeps its decoder's settings in text_config.
-    for part in [cfg] + [v for k, v in cfg.items() if k.endswith("_config") and isinstance(v, dict)]:
-        w = part.get("sliding_window")
-        if isinstance(w, int) and not isinstance(w, bool) and w > 0 and part.get("use_sliding_window") is not False:
+    return _window_of(cfg, depth=3) if isinstance(cfg, dict) else None
+
+
+def _window_of(cfg: dict, depth: int) -> Optional[int]:
+    """The window of `cfg` or of the configs nested in it (a multimodal model keeps its
+    decoder's in text_config, or deeper: thinker_config.text_config)."""
+    def count(v):
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    longest = count(cfg.get("max_position_embeddings"))
+    local = "local" in str(cfg.get("attention_layers", "")) + str(cfg.get("attention_types", ""))  # GPT-Neo
+    for w in (count(cfg.get("sliding_window")) if cfg.get("use_sliding_window") is not False else None,
+              count(cfg.get("attention_chunk_size")),  # Llama 4's chunked attention, placed the same way
+              count(cfg.get("window_size")) if local else None):
+        if w is not None and (longest is None or w < longest):  # a window as long as the model is none
             return w
+    if depth > 1:
+        for k, v in cfg.items():
+            if k.endswith("_config") and isinstance(v, dict) and (w := _window_of(v, depth - 1)) is not None:
+                return w
     return None
 
 

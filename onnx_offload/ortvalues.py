@@ -195,13 +195,14 @@ def detached(device, value: ort.OrtValue, device_id: int) -> ort.OrtValue:
 
 
 def as_arrays(inputs: Sequence[IOInfo], feeds) -> dict:
-    """Feeds with Python lists and scalars made arrays of their input's element type, as
-    ORT converts them; arrays and OrtValues as they are."""
+    """Feeds given as Python lists made arrays of their input's element type, as ORT
+    converts them (it takes no tuple or scalar: check_feeds raises what it raises);
+    everything else as it is."""
     by_name = {i.name: i for i in inputs}
     out = {}
     for name, value in feeds.items():
         info = by_name.get(name)
-        if isinstance(value, (list, tuple, int, float, bool)) and info is not None and info.dtype is not None:
+        if isinstance(value, list) and info is not None and info.dtype is not None:
             value = np.asarray(value, dtype=info.dtype)
         out[name] = value
     return out
@@ -224,7 +225,7 @@ def check_feeds(required: Sequence[str], inputs: Sequence[IOInfo], known_outputs
         raise TypeError(f"run(): incompatible function arguments: output_names must be a sequence of names, not "
                         f"{type(output_names).__name__} {output_names!r}")
     for name, value in feeds.items():  # what ORT's Python layer cannot make a tensor of
-        if isinstance(value, str):
+        if isinstance(value, (str, tuple)):
             raise RuntimeError(f"Input must be a list of dictionaries or a single numpy array for input '{name}'.")
         if not isinstance(value, (np.ndarray, ort.OrtValue)):
             raise RuntimeError(f"Unable to handle object of type {type(value)}")

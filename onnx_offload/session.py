@@ -661,20 +661,31 @@ class OffloadSession(InferenceSessionMembers):
 
     # ------------------------------------------------------------------ introspection
     def get_inputs(self):
-        self._check_open()
+        runner = self._live_runner()
         # As ORT lists them: the inputs a caller feeds, never the weights (which a session
         # without stable addresses receives as inputs of its own).
         fed = set(self._feed_inputs)
-        listed = self._graph_inputs if self._runner.streaming else self._runner.single.get_inputs()
+        listed = self._graph_inputs if runner.streaming else runner.single.get_inputs()
         return [i for i in listed if i.name in fed]
 
     def get_outputs(self):
-        self._check_open()
-        return self._runner.single.get_outputs() if not self._runner.streaming else list(self._graph_outputs)
+        runner = self._live_runner()
+        return runner.single.get_outputs() if not runner.streaming else list(self._graph_outputs)
 
     def get_providers(self):
+        return self._live_runner().single.get_providers()
+
+    def _live_runner(self):
+        """The runner, for members that take no lock (as ORT's do not): None only while
+        another thread moves the session to another runner (a fallback), which this
+        waits out; once closing, StateError (the runner's `single` raises it too)."""
         self._check_open()
-        return self._runner.single.get_providers()
+        runner = self._runner
+        if runner is None:
+            with self._lock:
+                self._check_open()
+                runner = self._runner
+        return runner
 
     def get_session_options(self):
         """The SessionOptions as the caller gave them (ORT's defaults when none were).

@@ -508,7 +508,7 @@ class StreamEngine:
         io = self.session.io_binding()
         for k, v in feeds.items():
             io.bind_ortvalue_input(k, v)
-        for name in self._graph_outputs:
+        for name in dict.fromkeys(self._graph_outputs):  # an output listed twice is bound once
             if name in outputs:
                 io.bind_ortvalue_output(name, outputs[name])
             else:
@@ -528,7 +528,7 @@ class StreamEngine:
         bound = dict(outputs)
         made: List[str] = []
         try:
-            for name, v in zip(self._graph_outputs, io.get_outputs()):
+            for name, v in zip(dict.fromkeys(self._graph_outputs), io.get_outputs()):
                 if name not in outputs:
                     dtype = numpy_dtype(v.data_type())
                     ptr = dev.scratch.allocate(max(1, nbytes_of(v.shape(), dtype)))

@@ -536,6 +536,7 @@ def test_feeds_ort_cannot_convert_raise_what_ort_raises_on_a_split_session():
                         weight_bytes=weight_bytes(m) // 3, host_granularity=64 << 10) as s:
         assert len(s.segments) > 1
         for outs, feeds in ((None, {**good, "input_ids": np.int64(3)}), (None, {**good, "input_ids": "abc"}),
+                            (None, {**good, "input_ids": 3}), (None, {**good, "input_ids": ((1, 2, 3), (4, 5, 6))}),
                             ("logits", good)):
             raised = []
             for sess in (plain, s):
@@ -543,4 +544,7 @@ def test_feeds_ort_cannot_convert_raise_what_ort_raises_on_a_split_session():
                     sess.run(outs, feeds)
                 raised.append(e.type)
             assert raised[1] is raised[0], raised
+        listed = {**good, "input_ids": [[1, 2, 3], [4, 5, 6]]}  # lists ORT converts
+        np.testing.assert_array_equal(s.run(["logits"], listed)[0], s.run(["logits"], {
+            **good, "input_ids": np.array([[1, 2, 3], [4, 5, 6]])})[0])
         assert s.run(["logits"], good)[0].shape == plain.run(["logits"], good)[0].shape

@@ -210,10 +210,16 @@ def test_loading_errors_are_of_the_types_ort_raises(cls, tmp_path):
 
 @pytest.mark.parametrize("kw", [dict(vram_limit="9" * 400), dict(weight_bytes="9" * 400), dict(kv_bytes="9" * 400),
                                 dict(weight_bytes=2**70), dict(kv_bytes=2**70), dict(host_granularity=2**70),
-                                dict(zone_va_bytes=2**70), dict(vram_limit="1e309GiB")])
+                                dict(zone_va_bytes=2**70), dict(vram_limit="9" * 30 + "GiB"),
+                                dict(weight_bytes=str(2**63))])
 def test_sizes_past_64_bits_are_a_value_error(kw):
-    with pytest.raises(ValueError, match="is not valid"):
+    with pytest.raises(ValueError, match="more than 9223372036854775807 bytes|is not valid"):
         OffloadConfig(**kw)
+
+
+def test_the_largest_64_bit_size_is_a_size():
+    from onnx_offload.config import parse_bytes
+    assert parse_bytes(str(2**63 - 1)) == 2**63 - 1 and parse_bytes("0.5KiB") == 512
 
 
 def test_an_eos_past_64_bits_is_refused_at_the_call():

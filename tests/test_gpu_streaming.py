@@ -132,3 +132,27 @@ def test_each_streamed_weight_has_readers_that_hold_its_address():
                     assert where, (name, r, graph.kernel_name(r))
                     assert all(off % 8 == 0 for _, _, off in where), where
                     assert any(len(b) > 0 for b in graph.param_bytes(r))
+
+
+def test_an_output_listed_twice_is_returned_twice_by_the_engine():
+    """ORT binds a name once: the engine's buffers follow the names it bound."""
+    import onnx
+    import onnxruntime as ort
+    m = onnx.ModelProto()
+    m.CopyFrom(model())
+    m.graph.output.insert(1, m.graph.output[0])  # logits, logits, present.0.key, ...
+    ids = np.random.default_rng(7).integers(0, 8000, (2, 9))
+    feeds = {"input_ids": ids, "attention_mask": np.ones((2, 9), np.int64)}
+    for i in range(4):
+        for kv in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kv}"] = np.zeros((2, 4, 0, 64), np.float16)
+    m.graph.ClearField("value_info")
+    want = ort.InferenceSession(m.SerializeToString(), providers=[CUDA]).run(None, feeds)
+    with OffloadSession(m.SerializeToString(), providers=[CUDA], vram_limit="2GiB", offload=True, vmm=True,
+                        weight_bytes=int(weight_bytes(m) * 0.3)) as s:
+        assert s.engine == "graph", s.graph_capture
+        for _ in range(2):
+            got = s.run(None, feeds)
+            assert len(got) == len(want)
+            np.testing.assert_array_equal(got[0], got[1])
+            np.testing.assert_allclose(got[0].astype(np.float32), want[0].astype(np.float32), rtol=2e-2, atol=2e-2)

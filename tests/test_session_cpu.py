@@ -199,7 +199,8 @@ def test_members_called_while_another_thread_closes_answer_or_say_closed():
 
         def poll():
             while not stop.is_set():
-                for fn in (s.get_inputs, s.get_outputs, s.get_providers, s.get_provider_options, s.get_modelmeta):
+                for fn in (s.get_inputs, s.get_outputs, s.get_providers, s.get_provider_options, s.get_modelmeta,
+                           s.get_profiling_start_time_ns):
                     try:
                         fn()
                         answers[0] += 1
