@@ -337,11 +337,11 @@ def data_path(t: onnx.TensorProto, folder: str) -> str:
 HOST_READ_BYTES = 4096
 
 
-def keep_in_model(model: onnx.ModelProto, folder: str, shareable) -> tuple[list[str], list[str]]:
+def keep_in_model(model: onnx.ModelProto, folder: str, shareable) -> list[str]:
     """Moves from the data file into the model the data of the initializers whose element
     type ORT cannot take zero-copy (`shareable(np.dtype)` is false: float8, int4, ...),
     so that ORT owns them like any small constant, and of the small integer ones (see
-    HOST_READ_BYTES). Returns the names of each kind."""
+    HOST_READ_BYTES). Returns the names of the first kind."""
     odd, small = [], []
     for t in model.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL:
@@ -356,7 +356,7 @@ def keep_in_model(model: onnx.ModelProto, folder: str, shareable) -> tuple[list[
             small.append(t)
     for t in odd + small:
         _bring_inside(t, folder)
-    return [t.name for t in odd], [t.name for t in small]
+    return [t.name for t in odd]
 
 
 def _bring_inside(t: onnx.TensorProto, folder: str) -> int:

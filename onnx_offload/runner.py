@@ -311,7 +311,7 @@ class SegmentRunner:
     @staticmethod
     def _check_outputs(seg: Segment, io, plan: Optional[_Plan], bound_outputs, values) -> None:
         """ORT's outputs into `values`, each checked to be where it was bound."""
-        for name, v in zip(dict.fromkeys(seg.outputs), io.get_outputs()):
+        for name, v in zip(seg.outputs, io.get_outputs()):
             fixed = bound_outputs[name].data_ptr() if name in bound_outputs else None
             if fixed is None and plan is not None and name in plan.buffers:
                 fixed = plan.buffers[name].ptr
@@ -346,7 +346,7 @@ class SegmentRunner:
                 io.bind_ortvalue_input(name, values[name] if name in values else feeds[name])
         if not self._stable:
             self._bind_weights(io, seg)
-        for name in dict.fromkeys(seg.outputs):  # a graph output may be listed twice; ORT binds it once
+        for name in seg.outputs:
             if name in bound_outputs:
                 io.bind_ortvalue_output(name, bound_outputs[name])
             elif plan is not None and name in plan.buffers:

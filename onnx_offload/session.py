@@ -252,7 +252,7 @@ class OffloadSession(InferenceSessionMembers):
         if self._user_options is not None and self._user_options.optimized_model_filepath:
             write_optimized(opt_path, self._user_options.optimized_model_filepath)
         model = onnx.load(opt_path, load_external_data=False)
-        inside, _ = keep_in_model(model, opt_dir, shareable)
+        inside = keep_in_model(model, opt_dir, shareable)
         if inside:
             self._notes.append(f"{len(inside)} initializers of types ORT cannot take in place (such as "
                                f"{inside[0]!r}) stay inside the model: ORT owns their memory")
@@ -376,12 +376,20 @@ class OffloadSession(InferenceSessionMembers):
         _, model, groups_by_target, names, _, _, outputs, _, _ = self._segments_from
         if plan.streaming:
             return split(model, groups_by_target[plan.segment_target], names.__contains__)
+        everything = list(range(len(model.graph.node)))
         if not self._stable:  # the weights are inputs, so every value goes through IOBinding
-            check_bindable(model, [list(range(len(model.graph.node)))], {}, value_types(model),
+            # One segment: only the graph's inputs and outputs are bound, whose types the
+            # graph declares (inferred only where it does not).
+            types = {o.name: o.type for o in model.graph.output}
+            if not all(t.WhichOneof("value") for t in types.values()):
+                types = value_types(model)
+            check_bindable(model, [everything], {}, types,
                            "the model, whose weights are bound as inputs without stable addresses (vmm=False)",
                            "use vmm=True, or offload=False")
-        return [Segment(0, list(range(len(model.graph.node))), [w.name for w in self._weights],
-                        [v.name for v in self._graph_inputs if v.name not in names], outputs, model)]
+        # A graph output listed twice is one output of the segment: ORT binds a name once.
+        return [Segment(0, everything, [w.name for w in self._weights],
+                        [v.name for v in self._graph_inputs if v.name not in names], list(dict.fromkeys(outputs)),
+                        model)]
 
     def _make_segment_runner(self, segments: Optional[List[Segment]] = None) -> None:
         plan, model, groups_by_target, names, stable, capture, outputs, factory, record_timeline = self._segments_from
