@@ -113,10 +113,16 @@ def _element_type(dtype):
     return onnx.helper.np_dtype_to_tensor_dtype(dtype)
 
 
+def native_order(a: np.ndarray) -> np.ndarray:
+    """`a` in the machine's byte order. ORT reads an array's bytes as native, so a
+    big-endian array (``>f4``) would run on garbled values; its values are kept instead."""
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
+
 def as_ortvalue(value) -> ort.OrtValue:
     if isinstance(value, ort.OrtValue):
         return value
-    a = np.asarray(value)
+    a = native_order(np.asarray(value))
     if not a.flags.c_contiguous:  # (np.ascontiguousarray alone would make a 0-d array 1-d)
         a = np.ascontiguousarray(a)
     elem = _element_type(a.dtype)
@@ -196,14 +202,16 @@ def detached(device, value: ort.OrtValue, device_id: int) -> ort.OrtValue:
 
 def as_arrays(inputs: Sequence[IOInfo], feeds) -> dict:
     """Feeds given as Python lists made arrays of their input's element type, as ORT
-    converts them (it takes no tuple or scalar: check_feeds raises what it raises);
-    everything else as it is."""
+    converts them (it takes no tuple or scalar: check_feeds raises what it raises),
+    arrays in the machine's byte order (native_order); everything else as it is."""
     by_name = {i.name: i for i in inputs}
     out = {}
     for name, value in feeds.items():
         info = by_name.get(name)
         if isinstance(value, list) and info is not None and info.dtype is not None:
             value = np.asarray(value, dtype=info.dtype)
+        elif isinstance(value, np.ndarray):
+            value = native_order(value)
         out[name] = value
     return out
 

@@ -62,7 +62,10 @@ def plan_segments(model: onnx.ModelProto, weight_cost: Callable[[Sequence[str]],
     """Groups consecutive nodes so that each group's weights cost at most `target`.
 
     `weight_cost(names)` is the committed cost of a set of weights. A node whose own
-    weights exceed the target gets a segment to itself.
+    weights exceed the target gets a segment to itself. Nodes before the first weight
+    join the first segment that reads one: alone, they could be only cheap values that
+    the next segment computes again (a Cast of an input), leaving a segment with no
+    outputs, which ORT refuses to run.
     """
     groups: List[List[int]] = []
     current: List[int] = []
@@ -71,7 +74,7 @@ def plan_segments(model: onnx.ModelProto, weight_cost: Callable[[Sequence[str]],
     for i, node in enumerate(model.graph.node):
         mine = [n for n in dict.fromkeys(node_inputs(node)) if is_weight(n)]
         new = [n for n in mine if n not in seen]
-        if current and new and weight_cost(current_weights + new) > target:
+        if current_weights and new and weight_cost(current_weights + new) > target:
             groups.append(current)
             current, current_weights, seen = [], [], set()
             new = mine

@@ -344,3 +344,42 @@ def test_a_failure_inside_the_model_has_ort_s_type_with_the_weights_as_inputs():
         with pytest.raises(Fail):
             s.run(None, {"x": x, "shape": np.array([3, 256])})
         assert s.run(None, {"x": x, "shape": np.array([2, 512])})[0].shape == (2, 512)
+
+
+@pytest.mark.parametrize("vmm", [True, False])
+@pytest.mark.parametrize("kw", [dict(segment_bytes=1), dict(min_weight_bytes=256)], ids=["segment_bytes=1",
+                                                                                         "min_weight_bytes=256"])
+def test_a_float16_gemm_chain_split_before_its_first_weight_runs(vmm, kw):
+    # On the CPU, ORT runs an fp16 Gemm in float: the optimized model starts with a Cast
+    # of the input and no weight. Alone in a segment, that Cast is computed again by the
+    # next one (a cheap value of the inputs), and the segment would have no outputs.
+    nodes, inits, prev = [], [], "x"
+    for i in range(3):
+        inits += [weight(f"w{i}", (64, 64), i, np.float16), weight(f"b{i}", (64,), 10 + i, np.float16)]
+        nodes.append(helper.make_node("Gemm", [prev, f"w{i}", f"b{i}"], [f"h{i}"]))
+        prev = f"h{i}"
+    m = build_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [4, 64])],
+                    [helper.make_tensor_value_info(prev, TensorProto.FLOAT16, [4, 64])], inits, "fp16_gemm")
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float16)
+    want = ort.InferenceSession(m.SerializeToString(), providers=CPU).run(None, {"x": x})
+    with OffloadSession(m.SerializeToString(), providers=CPU, offload=True, vmm=vmm, weight_bytes=20000,
+                        vram_limit="64MiB", **kw) as s:
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], want[0])
+
+
+@pytest.mark.parametrize("vmm", [True, False])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+def test_a_big_endian_input_runs_on_its_values(vmm, split):
+    from onnx_offload.models import mlp_stack
+    data = mlp_stack(layers=4, hidden=256, batch=4).SerializeToString()
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    want = ort.InferenceSession(data, providers=CPU).run(None, {"x": x})[0]
+    kw = dict(weight_bytes=300000) if split else {}
+    with OffloadSession(data, providers=CPU, offload=True, vmm=vmm, vram_limit="64MiB", **kw) as s:
+        np.testing.assert_allclose(s.run(None, {"x": x.astype(">f4")})[0], want, rtol=1e-5, atol=1e-5)
+        if split:
+            binding = s.io_binding()
+            binding.bind_cpu_input("x", x.astype(">f4"))
+            binding.bind_output(s.get_outputs()[0].name)
+            s.run_with_iobinding(binding)
+            np.testing.assert_allclose(binding.copy_outputs_to_cpu()[0], want, rtol=1e-5, atol=1e-5)
