@@ -116,6 +116,8 @@ def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
         inferred = _symbolic(model)
         if inferred is not None:
             return inferred
+    except ImportError:  # sympy, which it needs, is a dependency: a missing one is an install error
+        raise
     except Exception:  # noqa: BLE001 - it gives up on some graphs: ONNX's inference then
         pass
     try:
