@@ -12,6 +12,10 @@ uint64_t plain_charge(uint64_t bytes, uint64_t gran) {
   return bytes >= gran ? round_up(bytes, gran) : round_up(bytes, 512);
 }
 
+namespace {
+constexpr uint64_t kMaxReservation = uint64_t(1) << 47;
+}  // namespace
+
 Arena::Arena(std::shared_ptr<PhysicalBackend> backend, std::shared_ptr<BudgetOwner> ledger, ArenaConfig cfg)
     : backend_(std::move(backend)),
       ledger_(std::move(ledger)),
@@ -29,6 +33,11 @@ Arena::Arena(std::shared_ptr<PhysicalBackend> backend, std::shared_ptr<BudgetOwn
     throw std::invalid_argument(concat("the smallest handle class must be the granularity (", gran_, " bytes)"));
   for (uint64_t c : classes_)
     if (c % gran_ != 0) throw std::invalid_argument(concat("handle class ", c, " is not a multiple of the granularity ", gran_));
+  // A 64-bit process has at most 2^47 bytes of user address space: a larger request
+  // (or one whose product with the zone count wraps) can never be reserved.
+  if (zone_va_ == 0 || zone_va_ > kMaxReservation / kZoneCount)
+    throw std::invalid_argument(concat("zone_va_bytes=", cfg.zone_va_bytes, " cannot be reserved: ", kZoneCount,
+                                       " zones of it exceed the ", kMaxReservation, " bytes of a process's address space"));
   for (int z = 0; z < kZoneCount; ++z) regions_.emplace_back(zone_va_);
   base_ = backend_->reserve(zone_va_ * kZoneCount);
   counters_.granularity = gran_;

@@ -142,7 +142,7 @@ bool BudgetOwner::make_room(Zone z, uint64_t bytes) {
   }
   std::sort(order.begin(), order.end(), [](auto& a, auto& b) { return a.first < b.first; });
   for (auto& [prio, victim] : order) {
-    Reclaimer fn;
+    std::shared_ptr<const Reclaimer> fn;
     uint64_t shortfall;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -151,7 +151,7 @@ bool BudgetOwner::make_room(Zone z, uint64_t bytes) {
       shortfall = held + bytes > budget_ ? held + bytes - budget_ : 0;
       fn = reclaimers_[int(victim)];
     }
-    uint64_t freed = fn ? fn(shortfall) : 0;  // no lock held: the callback decommits
+    uint64_t freed = fn ? (*fn)(shortfall) : 0;  // no lock held: the callback decommits
     std::lock_guard<std::mutex> g(mu_);
     if (freed > 0) {
       ++reclaims_;
@@ -162,12 +162,16 @@ bool BudgetOwner::make_room(Zone z, uint64_t bytes) {
 }
 
 void BudgetOwner::set_reclaimer(Zone z, Reclaimer fn) {
-  std::lock_guard<std::mutex> g(mu_);
-  reclaimers_[int(z)] = std::move(fn);
+  auto made = std::make_shared<const Reclaimer>(std::move(fn));
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    reclaimers_[int(z)].swap(made);
+  }
+  // `made` now holds the old one, destroyed here, outside the lock (see reclaimers_).
 }
 
 void BudgetOwner::clear_reclaimer(Zone z) {
-  Reclaimer old;
+  std::shared_ptr<const Reclaimer> old;
   {
     std::lock_guard<std::mutex> g(mu_);
     old.swap(reclaimers_[int(z)]);

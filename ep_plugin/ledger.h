@@ -15,6 +15,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -105,7 +106,9 @@ class BudgetOwner {
   uint64_t refusals_ = 0;
   uint64_t reclaims_ = 0;
   std::array<ZoneSnapshot, kZoneCount> zones_;
-  std::array<Reclaimer, kZoneCount> reclaimers_;
+  // Held through shared pointers: a Reclaimer may wrap a Python callable, whose copy or
+  // destruction takes the GIL, so under mu_ only the pointers are copied or swapped.
+  std::array<std::shared_ptr<const Reclaimer>, kZoneCount> reclaimers_;
 };
 
 std::string describe(const LedgerSnapshot& s);

@@ -6,11 +6,12 @@ the whole stack.
 """
 from __future__ import annotations
 
+import resource
 from typing import Dict
 
 from . import _core
-from .budget import BudgetPlan, ZonePlan, base_zones, device_budget
-from .config import GiB, OffloadConfig
+from .budget import ZONES, BudgetPlan, ZonePlan, base_zones, device_budget
+from .config import GiB, MiB, OffloadConfig
 from .errors import CudaUnavailable
 
 
@@ -31,6 +32,31 @@ def make_backend(kind: str, config: OffloadConfig):
     raise ValueError(f"unknown device kind {kind!r}: expected 'cuda' or 'host'")
 
 
+def default_zone_va(kind: str, total: int) -> int:
+    """Address space per zone: twice the device's memory, at least 64 GiB. A host backend's
+    reservation counts against the process's address-space limit (``ulimit -v``, which
+    containers and batch schedulers set), so there the zones together take at most a
+    quarter of what the limit leaves."""
+    va = max(64 * GiB, 2 * total)
+    if kind == "host":
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            va = min(va, max(64 * MiB, (soft - _mapped_bytes()) // (4 * len(ZONES))))
+    return va
+
+
+def _mapped_bytes() -> int:
+    """The address space this process maps now (VmSize), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 class Device:
     """Owns the ledger and the arena of one device, and the streams that feed it."""
 
@@ -43,7 +69,7 @@ class Device:
         self.budget, self.budget_note = device_budget(config, free, total)
         self.ledger = _core.BudgetOwner(self.budget)
         self._set_zones(base_zones(config, self.budget, self.backend.granularity))
-        zone_va = config.zone_va_bytes or max(64 * GiB, 2 * total)
+        zone_va = config.zone_va_bytes or default_zone_va(kind, total)
         self.arena = _core.Arena(self.backend, self.ledger, zone_va_bytes=zone_va,
                                  handle_classes=list(config.handle_classes))
         self.copy_stream = self.backend.create_stream()

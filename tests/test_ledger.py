@@ -92,3 +92,60 @@ def test_unknown_zone_is_a_value_error():
     b = BudgetOwner(MiB)
     with pytest.raises(ValueError, match="unknown zone"):
         b.charge("activations", 1)
+
+
+# A thread reads the ledger in a loop while make_room calls Python reclaimers. Each round
+# first holds the GIL in C past the switch interval (sum over a range), then enters
+# make_room with no bytecode between: the reader has asked for the GIL by then, so it is
+# running when make_room lets the GIL go, and holds it whenever the core wants it back.
+READ_WHILE_MAKING_ROOM = r"""
+import faulthandler, functools, json, operator, threading
+faulthandler.dump_traceback_later(30, exit=True)
+from onnx_offload import BudgetOwner
+b = BudgetOwner(1 << 20)
+b.charge("weights", 1 << 20)
+calls = {"weights": 0, "scratch": 0}
+def reclaimer(zone):
+    def reclaim(n):
+        calls[zone] += 1
+        return 0
+    return reclaim
+b.set_reclaimer("weights", reclaimer("weights"))
+b.set_reclaimer("scratch", reclaimer("scratch"))
+stop, started, reads = threading.Event(), threading.Event(), [0]
+def read():
+    started.set()
+    while not stop.is_set():
+        b.snapshot(), b.committed, b.pooled, b.budget, b.headroom("kv"), b.can_charge("kv", 1)
+        reads[0] += 1
+reader = threading.Thread(target=read)
+reader.start()
+started.wait()
+hold = functools.partial(sum, range(3_000_000))
+room = functools.partial(b.make_room, "kv", 4096)
+made = [list(map(operator.call, [hold, room]))[1] for _ in range(20)]
+b.set_reclaimer("weights", reclaimer("weights"))  # replaced while the reader runs
+stop.set()
+reader.join()
+print(json.dumps(dict(made=made, calls=calls, reads=reads[0], committed=b.committed)))
+"""
+
+
+def test_make_room_calls_python_reclaimers_while_another_thread_reads_the_ledger():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import onnx_offload
+    root = os.path.dirname(os.path.dirname(os.path.abspath(onnx_offload.__file__)))
+    try:
+        proc = subprocess.run([sys.executable, "-c", READ_WHILE_MAKING_ROOM], capture_output=True, text=True,
+                              timeout=60, env=dict(os.environ, PYTHONPATH=root))
+    except subprocess.TimeoutExpired:
+        pytest.fail("make_room and a reader of the ledger hung")
+    assert proc.returncode == 0, f"exit {proc.returncode} (a deadlock dumps the stacks):\n{proc.stderr[-3000:]}"
+    res = json.loads(proc.stdout.splitlines()[-1])
+    assert res["made"] == [False] * 20  # nothing could lend: the weights reclaimer frees nothing
+    assert res["calls"] == {"weights": 20, "scratch": 20}
+    assert res["reads"] > 0 and res["committed"] == 1 << 20

@@ -216,3 +216,29 @@ def test_members_called_while_another_thread_closes_answer_or_say_closed():
         stop.set()
         t.join()
         assert errors == [], errors[:3]
+
+
+@pytest.mark.parametrize("gib", [3, 8, 32])
+def test_a_session_runs_under_an_address_space_limit(gib):
+    # ulimit -v, as containers and batch schedulers set it: the host backend's reservation
+    # counts against it.
+    import subprocess
+    import sys
+    code = f"""
+import resource
+resource.setrlimit(resource.RLIMIT_AS, ({gib} << 30, {gib} << 30))
+import numpy as np, onnxruntime as ort
+from onnx_offload import OffloadSession
+from onnx_offload.models import mlp_stack
+m = mlp_stack(layers=3, hidden=256, batch=4).SerializeToString()
+x = np.ones((4, 256), np.float32)
+with OffloadSession(m, providers=["CPUExecutionProvider"], offload=True, vmm=True, weight_bytes=300000) as s:
+    want = ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, {{"x": x}})[0]
+    assert np.allclose(s.run(None, {{"x": x}})[0], want, atol=1e-5)
+print("ran")
+"""
+    import onnx_offload
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(onnx_offload.__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert proc.returncode == 0 and "ran" in proc.stdout, proc.stderr[-2000:]

@@ -1,4 +1,6 @@
 """Eight threads share one session: every output is right, and close() leaves nothing.
+A thread that reads stats() while generate() makes room in the budget neither blocks nor
+is blocked.
 
 Runs in a child process: a race may crash or deadlock it."""
 import os
@@ -53,6 +55,79 @@ def test_eight_threads_on_one_session(child, split, policy):
     assert not res["workdir_left"], "close() left the session's folder"
 
 
+def child_stats_while_generating(h) -> dict:
+    """generate() under budget pressure while another thread polls stats(). Each batch size
+    wants a KV cache of its own size, which the ledger takes from the weights through
+    their reclaimer; ORT runs on this thread alone and does not spin, so the poller is
+    the thread that holds the GIL while the core makes room."""
+    import faulthandler
+    import threading
+    import time
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from onnx_offload import OffloadSession
+    from onnx_offload.models import weight_bytes
+    from onnx_offload.models.decoder import decoder_lm
+    faulthandler.dump_traceback_later(POLL_TIMEOUT - 15, exit=True)  # a hang shows every thread's stack
+    model = decoder_lm("gqa", max_length=256)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    s = OffloadSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"], offload=True,
+                       vmm=True, vram_limit=int(weight_bytes(model) * 0.9), scratch_bytes=64 << 10,
+                       host_granularity=4096)
+    done = threading.Event()
+    polls, errors = [0], []
+
+    def poll():
+        while not done.is_set():
+            try:
+                s.stats()
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                errors.append(f"stats: {type(e).__name__}: {e}")
+                return
+            polls[0] += 1
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    tokens, differ, rounds = {}, [], 0
+    try:
+        end = time.monotonic() + 20
+        while time.monotonic() < end and s.device.ledger.snapshot().reclaims < RECLAIMS:
+            batch = 1 + rounds % 3
+            got = s.generate(np.random.default_rng(batch).integers(0, 97, (batch, 6)), 2).tolist()
+            if tokens.setdefault(batch, got) != got:
+                differ.append(f"round {rounds} (batch {batch})")
+            rounds += 1
+    finally:
+        done.set()
+        poller.join()
+    reclaims = s.stats().ledger.reclaims
+    final = s.close()
+    return dict(errors=errors, polls=polls[0], rounds=rounds, differ=differ, reclaims=reclaims,
+                committed=final.committed)
+
+
+POLL_TIMEOUT = 60
+RECLAIMS = 200  # times the KV cache takes room from the weights, each a chance to deadlock
+
+
+def test_stats_from_another_thread_while_generate_makes_room(child):
+    res = child(__file__, "stats-while-generating", timeout=POLL_TIMEOUT).data
+    assert res["errors"] == []
+    assert res["reclaims"] >= 10, f"the KV cache borrowed from the weights only {res['reclaims']} times"
+    assert res["polls"] > 0
+    assert res["differ"] == [], "greedy generation gave other tokens while stats() was read"
+    assert res["committed"] == 0
+
+
 if __name__ == "__main__":
     import conftest as h  # this folder's: the script's folder leads sys.path
-    h.emit(child_threads(h, sys.argv[1] == "split", sys.argv[2]))
+    if sys.argv[1] == "members-while-the-runner-switches":
+        h.emit(child_members_while_the_runner_switches())
+    elif sys.argv[1] == "stats-while-generating":
+        h.emit(child_stats_while_generating(h))
+    else:
+        h.emit(child_threads(h, sys.argv[1] == "split", sys.argv[2]))
