@@ -353,9 +353,12 @@ def cmd_cache(args) -> int:
         print(f"the cache is off ({ENV_CACHE_DIR} or --cache-dir): there is nothing to show or clear")
         return 0
     if args.action == "clear":
-        n, freed, busy = clear_cache(cache)
-        kept = f"; kept {busy} that sessions are reading now" if busy else ""
-        print(f"removed {n} optimized models ({fmt_bytes(freed)}) from {cache}{kept}")
+        cleared = clear_cache(cache)
+        kept = f"; kept {cleared.busy} that sessions are reading now" if cleared.busy else ""
+        also = "".join(f", {n} {what}" for n, what in ((cleared.links, "symbolic links"),
+                                                        (cleared.partials, "partial folders of passes that are over"))
+                       if n)
+        print(f"removed {cleared.removed} optimized models ({fmt_bytes(cleared.freed)}){also} from {cache}{kept}")
         return 0
     entries = cache_entries(cache)
     print(f"{cache}: {len(entries)} optimized models, {fmt_bytes(sum(e.nbytes for e in entries))} "

@@ -1,16 +1,18 @@
 """The host store: every weight in one page-locked buffer, registered once.
 
-It is filled straight from the optimized model's data file with ``readinto``, so the
+It is filled straight from the optimized model's data file with ``preadv``, so the
 weights are never held twice in RAM. Page-ins copy from here.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
 from typing import Callable, Dict, Iterable, Optional
 
 import numpy as np
 
-from .model import WeightInfo
+from .model import Files, WeightInfo, opened
 
 ALIGN = 256
 
@@ -36,33 +38,30 @@ class HostStore:
             self._registered = True
 
     def fill_from_file(self, path: str, weights: Iterable[WeightInfo],
-                       progress: Optional[Callable[[int, int], None]] = None) -> None:
-        """Reads each weight from its own data file (`w.path`), else from `path`."""
+                       progress: Optional[Callable[[int, int], None]] = None, files: Optional[Files] = None) -> None:
+        """Reads each weight from its own data file (`w.path`), else from `path`: through
+        the descriptor `files` holds for it (the one its fingerprint was checked through,
+        see model_cache.HeldFiles), else from the file opened here, a regular file only."""
         weights = list(weights)
         if not weights:
             return  # no initializer reached the threshold: ORT wrote no data file
         done = 0
-        files: Dict[str, object] = {}
-        try:
+        with contextlib.ExitStack() as stack:
+            fds: Dict[str, int] = {}
             for w in sorted(weights, key=lambda w: (w.path or path, w.offset)):
                 where = w.path or path
-                if where not in files:
-                    files[where] = open(where, "rb", buffering=0)
-                f = files[where]
-                f.seek(w.offset)
+                if where not in fds:
+                    fds[where] = stack.enter_context(opened(where, files))
                 view = memoryview(self._array)[self._offsets[w.name]:self._offsets[w.name] + w.nbytes]
                 got = 0
                 while got < w.nbytes:
-                    n = f.readinto(view[got:])
+                    n = os.preadv(fds[where], [view[got:]], w.offset + got)
                     if not n:
                         raise OSError(f"{where}: weight {w.name!r} is truncated ({got} of {w.nbytes} bytes)")
                     got += n
                 done += w.nbytes
                 if progress:
                     progress(done, self.nbytes)
-        finally:
-            for f in files.values():
-                f.close()
 
     def ptr(self, name: str) -> int:
         return self.base + self._offsets[name]

@@ -16,10 +16,13 @@ the CPU, and the session says so in its notes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import errno
 import os
-import shutil
-from typing import Dict, Optional, Sequence
+import resource
+import stat
+from typing import Dict, Optional, Protocol, Sequence
 
 import numpy as np
 import onnx
@@ -34,6 +37,19 @@ from .ort_sessions import EXTERNAL_FOLDER_KEY, config_entry, copy_options, set_c
 OPTIMIZED = "optimized.onnx"
 OPTIMIZED_DATA = "optimized.onnx.data"
 PLACEHOLDER = "offload.placeholder"
+
+
+class SaveFailed(OSError, OffloadError):
+    """A file the session writes (the optimized model, its weights, the model given as
+    bytes) could not be written: a full disk (errno ENOSPC) or a file size limit (EFBIG).
+    The message names the folder."""
+
+
+class Files(Protocol):
+    """Descriptors of files already open and checked, by path (model_cache.HeldFiles): the
+    weights are read through them, so a file renamed over meanwhile is never mixed in."""
+
+    def get(self, path: str) -> Optional[int]: ...
 
 _LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -73,40 +89,25 @@ def external_data_folder(sess_options: Optional[ort.SessionOptions]) -> str:
 
 def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = None) -> tuple:
     """(a path to the model on disk, the model as parsed, without its external data). A
-    model given as bytes finds its
-    external data where ORT would (`external_folder`, see external_data_folder): its
-    files are hard-linked (copied across filesystems) beside the copy written to
-    `workdir`."""
+    model given as bytes finds its external data where ORT would (`external_folder`, see
+    external_data_folder): its files are hard-linked (copied across filesystems) beside
+    the copy written to `workdir`. External data is checked by ORT's rules first (see
+    check_external_data), so that nothing outside the model's folder is ever read."""
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         path = os.path.join(workdir, "input.onnx")
-        with open(path, "wb") as f:
+        with saving(workdir, "the model given as bytes"), open(path, "wb") as f:
             f.write(path_or_bytes)
         try:
             model = onnx.load(path, load_external_data=False)
         except Exception as e:  # protobuf raises its own DecodeError types
             raise invalid_protobuf(f"the model bytes are not a valid ONNX model: {e}") from e
         folder = external_folder or os.getcwd()
-        for t in all_tensors(model.graph):
-            if t.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            location = _external(t).get("location", "")
-            if not _inside(location):
-                raise CorruptModel(f"initializer {t.name!r} of the model bytes names external data {location!r} "
-                                   f"outside the folder they are read from ({folder})")
-            target, link = os.path.join(folder, location), os.path.join(workdir, location)
-            if not os.path.exists(target):
-                raise FileNotFoundError(f"initializer {t.name!r} of the model bytes has its data in {location!r}, "
-                                        f"which is not in {folder} (a model given as bytes reads its external data "
-                                        f"from the working directory, or from {EXTERNAL_FOLDER_KEY} in the "
-                                        f"SessionOptions, as ORT does)")
+        for location in check_external_data(model, folder, "the model bytes", as_bytes=True):
+            link = os.path.join(workdir, location)
             if not os.path.lexists(link):
-                # ORT refuses data that resolves outside the model's folder, so a symbolic
-                # link will not do: a hard link (no copy), else a copy across filesystems.
                 os.makedirs(os.path.dirname(link), exist_ok=True)
-                try:
-                    os.link(target, link)
-                except OSError:
-                    shutil.copyfile(target, link)
+                with saving(workdir, "the external data of the model given as bytes"):
+                    _link_or_copy(os.path.realpath(os.path.join(folder, location)), link)
         return path, model
     path = os.fspath(path_or_bytes)
     if not os.path.exists(path):
@@ -115,7 +116,131 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
         model = onnx.load(path, load_external_data=False)
     except Exception as e:  # protobuf raises its own DecodeError types
         raise invalid_protobuf(f"{path!r} is not a valid ONNX model: {e}") from e
+    check_external_data(model, os.path.dirname(os.path.abspath(path)), repr(path))
     return path, model
+
+
+def _link_or_copy(target: str, link: str) -> None:
+    """A hard link to the regular file `target` (no copy), else a copy of it across file
+    systems. `target` is a real path (no symbolic link in it), checked by
+    check_external_data; the copy is read from a descriptor checked again."""
+    try:
+        os.link(target, link, follow_symlinks=False)
+        return
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
+    fd = open_regular(target, follow=False)
+    with os.fdopen(fd, "rb") as src, open(link, "wb") as dst:
+        while chunk := src.read(64 << 20):
+            dst.write(chunk)
+
+
+def open_regular(path: str, *, dir_fd: Optional[int] = None, follow: bool = True) -> int:
+    """A read-only descriptor of the regular file `path` (relative to `dir_fd` if given).
+    It is opened non-blocking, so that a FIFO cannot hold the open, and checked through
+    fstat: a FIFO, a device (/dev/zero) or a folder raises OSError (EINVAL), as does a
+    symbolic link when `follow` is false (ELOOP)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags, dir_fd=dir_fd)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, f"not a regular file but {_kind(mode)}", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def check_external_data(model: onnx.ModelProto, folder: str, what: str, as_bytes: bool = False) -> list:
+    """Refuses, as ORT 1.31 does (its Fail), external data at an absolute location, at one
+    that resolves (symbolic links followed) outside `folder`, the model's folder (for a
+    model given as bytes, the one its data is read from), or in a file that is missing or
+    is not a regular file (a FIFO, /dev/zero): with os.stat, before anything opens it.
+    Returns the locations, each once."""
+    real = os.path.realpath(folder)
+    locations = []
+    for t in all_tensors(model.graph):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = _external(t).get("location", "")
+        if location in locations:
+            continue
+        where = f"initializer {t.name!r} of {what} names external data {location!r}"
+        if not location or "\0" in location or os.path.isabs(location):
+            raise _fail(CorruptModel, f"{where}: not a location relative to its folder, and so outside the folder "
+                                      f"it is read from ({folder})")
+        target = os.path.realpath(os.path.join(real, location))
+        if os.path.commonpath([real, target]) != real:
+            raise _fail(CorruptModel, f"{where}, outside the folder it is read from ({folder}) once links are "
+                                      f"resolved ({target})")
+        try:
+            mode = os.stat(target).st_mode
+        except FileNotFoundError:
+            if as_bytes:
+                raise _fail(FileNotFoundError, f"{where}, which is not in {folder} (a model given as bytes reads its "
+                                               f"external data from the working directory, or from "
+                                               f"{EXTERNAL_FOLDER_KEY} in the SessionOptions, as ORT does)") from None
+            raise _fail(CorruptModel, f"{what} keeps tensor data in {target!r}, which does not exist") from None
+        if not stat.S_ISREG(mode):
+            raise _fail(CorruptModel, f"{where}, which is not a regular file but {_kind(mode)}")
+        locations.append(location)
+    return locations
+
+
+def _fail(cls: type, message: str) -> BaseException:
+    """`cls`, also ORT's Fail (what ORT raises for external data it refuses)."""
+    return with_ort_type(cls, _ort_errors.Fail())(message)
+
+
+@contextlib.contextmanager
+def saving(folder: str, what: str):
+    """Turns a full disk or a file size limit met while writing `what` in `folder` into
+    SaveFailed, which says so."""
+    try:
+        yield
+    except SaveFailed:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise SaveFailed(e.errno, f"{what} could not be written in {folder}: {_disk_reason(folder, e.errno)}") from e
+
+
+def _disk_reason(folder: str, code: int) -> str:
+    """What the file system says of a write in `folder` that failed with `code`."""
+    if code == errno.EFBIG:
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        return f"{os.strerror(code)} (a file size limit, ulimit -f, of {soft} bytes)"
+    try:
+        st = os.statvfs(folder)
+        free = f"{st.f_bavail * st.f_frsize} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return f"{os.strerror(code)} ({free})"
+
+
+def _save_error(folder: str, error: Optional[BaseException]) -> SaveFailed:
+    """ORT began to save the optimized model in `folder` and failed: the disk (it says no
+    more than "Failed to write"). EFBIG where a file it left reached the file size limit,
+    else ENOSPC."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    sizes = [os.lstat(p).st_size for p in (os.path.join(folder, f) for f in (OPTIMIZED, OPTIMIZED_DATA))
+             if os.path.lexists(p)]
+    code = errno.EFBIG if soft != resource.RLIM_INFINITY and max(sizes, default=0) >= soft else errno.ENOSPC
+    return SaveFailed(code, f"ONNX Runtime could not save the optimized model in {folder}: "
+                            f"{_disk_reason(folder, code)}; ORT said: {error or 'nothing'}")
 
 
 def all_tensors(graph: onnx.GraphProto):
@@ -164,6 +289,8 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
     try:
         _optimize(src, out, level, min_weight_bytes, providers, disabled_optimizers, user_options)
         return out
+    except SaveFailed:
+        raise  # the disk: another pass would not fit either
     except OffloadError as e:
         if notes is None:
             raise
@@ -179,21 +306,106 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
 
 
 def optimized_exists(out: str) -> bool:
-    """An optimized model, and the data file when it names one: ORT writes none when no
-    initializer reaches the threshold."""
-    if not os.path.exists(out):
-        return False
+    """An optimized model that ORT saved whole: a regular file that parses to a model with
+    a graph, and every data file it names (beside it, or at an absolute path: see
+    share_unchanged) a regular file that holds each tensor's bytes. ORT writes no data
+    file when no initializer reaches the threshold; a save that failed (a full disk, a
+    file size limit) leaves an empty model or a short data file."""
     try:
-        model = onnx.load(out, load_external_data=False)
+        fd = open_regular(out, follow=False)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        data = f.read()
+    try:
+        model = onnx.load_model_from_string(data)
     except Exception:  # noqa: BLE001 - a partial write; protobuf raises its own types
         return False
-    base = os.path.dirname(out)
-    return all(os.path.exists(os.path.join(base, loc)) for loc in _locations(model))
+    if not model.HasField("graph"):
+        return False
+    return _data_in_place(model, os.path.dirname(out))
 
 
-def _locations(model: onnx.ModelProto) -> set:
-    return {{e.key: e.value for e in t.external_data}.get("location", "")
-            for t in all_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL}
+def _data_in_place(model: onnx.ModelProto, base: str) -> bool:
+    sizes: Dict[str, int] = {}
+    for t in all_tensors(model.graph):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = _external(t)
+        path = os.path.join(base, info.get("location", ""))
+        if path not in sizes:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return False
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            sizes[path] = st.st_size
+        length = int(info["length"]) if "length" in info else 0
+        if int(info.get("offset", 0)) + length > sizes[path]:
+            return False
+    return True
+
+
+def external_locations(model: onnx.ModelProto) -> set:
+    """The location of every external tensor of `model`, each once."""
+    return {_external(t).get("location", "") for t in all_tensors(model.graph)
+            if t.data_location == onnx.TensorProto.EXTERNAL}
+
+
+def load_optimized(path: str, files: Optional[Files] = None) -> onnx.ModelProto:
+    """The optimized model at `path`, without its external data: read through the
+    descriptor `files` holds for it (the one its fingerprint was checked through), else
+    from the path. An initializer named twice keeps its first definition only."""
+    fd = files.get(path) if files is not None else None
+    if fd is None:
+        model = onnx.load(path, load_external_data=False)
+    else:
+        model = onnx.load_model_from_string(read_range(fd, 0, os.fstat(fd).st_size, path))
+    drop_repeated_initializers(model.graph)
+    return model
+
+
+def drop_repeated_initializers(graph: onnx.GraphProto) -> int:
+    """Removes the second and later initializers of one name; returns how many. ORT runs
+    such a model (with a warning) on the first one, and its optimized model keeps them
+    all; a slot or a segment takes a name once."""
+    seen, repeated = set(), []
+    for i, t in enumerate(graph.initializer):
+        if t.name in seen:
+            repeated.append(i)
+        seen.add(t.name)
+    for i in reversed(repeated):
+        del graph.initializer[i]
+    return len(repeated)
+
+
+def read_range(fd: int, offset: int, length: int, name: str = "") -> bytes:
+    """`length` bytes at `offset` of the open file `fd` (os.pread, so that readers of one
+    descriptor do not share a position); OSError where the file is shorter."""
+    parts, got = [], 0
+    while got < length:
+        part = os.pread(fd, min(length - got, 1 << 30), offset + got)
+        if not part:
+            raise OSError(errno.EIO, f"cut short: {length} bytes at {offset} wanted, {got} there", name)
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+@contextlib.contextmanager
+def opened(path: str, files: Optional[Files] = None):
+    """A descriptor of `path`: the one `files` holds, or one opened (a regular file only)
+    and closed afterwards."""
+    fd = files.get(path) if files is not None else None
+    if fd is not None:
+        yield fd
+        return
+    fd = open_regular(path)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _optimize(src: str, out: str, level, min_weight_bytes: int, providers, disabled_optimizers=(),
@@ -213,12 +425,16 @@ def _optimize(src: str, out: str, level, min_weight_bytes: int, providers, disab
         del session  # its device memory goes back before the allocator does
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         error = e
+    folder = os.path.dirname(out)
     if optimized_exists(out):
         # A failure after the save (placing initializers) does not matter.
         model = onnx.load(out, load_external_data=False)
         if lift_subgraph_weights(model):
-            onnx.save(model, out)
+            with saving(folder, "the optimized model"):
+                onnx.save(model, out)
         return
+    if any(os.path.lexists(os.path.join(folder, f)) for f in (OPTIMIZED, OPTIMIZED_DATA)):
+        raise _save_error(folder, error) from error  # ORT began to save, and could not finish
     msg = str(error) if error else "ORT wrote no optimized model"
     if any(t in msg for t in ("INVALID_GRAPH", "INVALID_PROTOBUF", "ValidateGraph", "Protobuf parsing failed",
                               "Load model", "NOT_IMPLEMENTED")):
@@ -337,11 +553,12 @@ def data_path(t: onnx.TensorProto, folder: str) -> str:
 HOST_READ_BYTES = 4096
 
 
-def keep_in_model(model: onnx.ModelProto, folder: str, shareable) -> list[str]:
+def keep_in_model(model: onnx.ModelProto, folder: str, shareable, files: Optional[Files] = None) -> list[str]:
     """Moves from the data file into the model the data of the initializers whose element
     type ORT cannot take zero-copy (`shareable(np.dtype)` is false: float8, int4, ...),
     so that ORT owns them like any small constant, and of the small integer ones (see
-    HOST_READ_BYTES). Returns the names of the first kind."""
+    HOST_READ_BYTES). Returns the names of the first kind. The data is read through the
+    descriptors `files` holds, where it holds one."""
     odd, small = [], []
     for t in model.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL:
@@ -355,16 +572,16 @@ def keep_in_model(model: onnx.ModelProto, folder: str, shareable) -> list[str]:
         elif dtype.kind in "iu" and int(_external(t).get("length", HOST_READ_BYTES)) < HOST_READ_BYTES:
             small.append(t)
     for t in odd + small:
-        _bring_inside(t, folder)
+        _bring_inside(t, folder, files)
     return [t.name for t in odd]
 
 
-def _bring_inside(t: onnx.TensorProto, folder: str) -> int:
+def _bring_inside(t: onnx.TensorProto, folder: str, files: Optional[Files] = None) -> int:
     """Reads an external tensor's data into the tensor itself; returns its bytes."""
     info = _external(t)
-    with open(data_path(t, folder), "rb") as f:
-        f.seek(int(info.get("offset", 0)))
-        t.raw_data = f.read(int(info["length"]))
+    path = data_path(t, folder)
+    with opened(path, files) as fd:
+        t.raw_data = read_range(fd, int(info.get("offset", 0)), int(info["length"]), path)
     del t.external_data[:]
     t.data_location = onnx.TensorProto.DEFAULT
     return len(t.raw_data)
@@ -396,28 +613,28 @@ def read_weights(model: onnx.ModelProto, folder: str) -> list[WeightInfo]:
     return weights
 
 
-def write_optimized(opt_path: str, dest: str, chunk: int = 64 << 20) -> None:
+def write_optimized(opt_path: str, dest: str, files: Optional[Files] = None, chunk: int = 64 << 20) -> None:
     """Writes the optimized model as one standalone ONNX model at `dest`, as ORT does for
     SessionOptions.optimized_model_filepath: weights inside it, or, above protobuf's
-    2 GB, in `dest`.data beside it (written afresh, copied in chunks, never all in RAM)."""
-    model = onnx.load(opt_path, load_external_data=False)
+    2 GB, in `dest`.data beside it (written afresh, copied in chunks, never all in RAM).
+    What it reads, it reads through the descriptors `files` holds, where it holds one."""
+    model = load_optimized(opt_path, files)
     folder = os.path.dirname(opt_path)
     external = [t for t in all_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
     try:
         if sum(int(_external(t)["length"]) for t in external) <= (1 << 31) - (64 << 20):
             for t in external:
-                _bring_inside(t, folder)
+                _bring_inside(t, folder, files)
         else:
             data = os.path.basename(dest) + ".data"
             at = 0
             with open(os.path.join(os.path.dirname(os.path.abspath(dest)), data), "wb") as out:
                 for t in external:
                     info = _external(t)
-                    length = int(info["length"])
-                    with open(data_path(t, folder), "rb") as f:
-                        f.seek(int(info.get("offset", 0)))
-                        for _ in range(0, length, chunk):
-                            out.write(f.read(min(chunk, length - (out.tell() - at))))
+                    offset, length, path = int(info.get("offset", 0)), int(info["length"]), data_path(t, folder)
+                    with opened(path, files) as fd:
+                        for i in range(0, length, chunk):
+                            out.write(read_range(fd, offset + i, min(chunk, length - i), path))
                     _set_external(t, data, at, length)
                     at += length
         onnx.save(model, dest)
@@ -425,12 +642,13 @@ def write_optimized(opt_path: str, dest: str, chunk: int = 64 << 20) -> None:
         raise with_ort_type(type(e), _ort_errors.InvalidArgument())(e.errno, e.strerror, dest) from e
 
 
-def share_unchanged(folder: str, src: str, chunk: int = 64 << 20) -> int:
+def share_unchanged(folder: str, src: str, files: Optional[Files] = None, chunk: int = 64 << 20) -> int:
     """Points each weight of the optimized model in `folder` that optimization left
-    byte-for-byte as it was at the caller's own data file (`src`'s external data), and
-    rewrites the optimized data file with only the others. Loads then read those weights
-    from the model's own files, and the cache holds no second copy of them. Returns the
-    bytes no longer copied."""
+    byte-for-byte as it was at the caller's own data file (`src`'s external data, by its
+    real path), and rewrites the optimized data file with only the others. Loads then
+    read those weights from the model's own files, and the cache holds no second copy of
+    them. The model's files are compared through the descriptors `files` holds (those the
+    cache key fingerprinted), where it holds them. Returns the bytes no longer copied."""
     out = os.path.join(folder, OPTIMIZED)
     model = onnx.load(out, load_external_data=False)
     source = onnx.load(src, load_external_data=False)
@@ -441,50 +659,52 @@ def share_unchanged(folder: str, src: str, chunk: int = 64 << 20) -> int:
             info = _external(t)
             location = info.get("location", "")
             if _inside(location):
-                theirs[t.name] = (t.data_type, tuple(t.dims), os.path.join(base, location),
+                theirs[t.name] = (t.data_type, tuple(t.dims), os.path.realpath(os.path.join(base, location)),
                                   int(info.get("offset", 0)), int(info["length"]) if "length" in info else None)
     ours = [t for t in model.graph.initializer
             if t.data_location == onnx.TensorProto.EXTERNAL and _external(t).get("location") == OPTIMIZED_DATA]
     if not ours:
         return 0
     data = os.path.join(folder, OPTIMIZED_DATA)
-    maps: Dict[str, np.ndarray] = {}
+    with contextlib.ExitStack() as stack:
+        fds: Dict[str, int] = {}
 
-    def view(path: str, offset: int, length: int) -> Optional[np.ndarray]:
-        if path not in maps:
-            maps[path] = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.empty(0, np.uint8)
-        m = maps[path]
-        return m[offset:offset + length] if offset + length <= m.size else None
+        def fd_of(path: str) -> int:
+            if path not in fds:
+                fds[path] = stack.enter_context(opened(path, files))
+            return fds[path]
 
-    shared, kept = 0, []
-    try:
+        def same(a: str, a_at: int, b: str, b_at: int, length: int) -> bool:
+            sizes = os.fstat(fd_of(a)).st_size, os.fstat(fd_of(b)).st_size
+            if a_at + length > sizes[0] or b_at + length > sizes[1]:
+                return False
+            return all(read_range(fd_of(a), a_at + i, min(chunk, length - i), a)
+                       == read_range(fd_of(b), b_at + i, min(chunk, length - i), b) for i in range(0, length, chunk))
+
+        shared, kept = 0, []
         for t in ours:
             info = _external(t)
             offset, length = int(info.get("offset", 0)), int(info["length"])
-            mine = view(data, offset, length)
             match = theirs.get(t.name)
-            if match and match[0] == t.data_type and match[1] == tuple(t.dims) and match[4] in (None, length):
-                other = view(match[2], match[3], length)
-                if mine is not None and other is not None and all(
-                        np.array_equal(mine[i:i + chunk], other[i:i + chunk]) for i in range(0, length, chunk)):
-                    _set_external(t, os.path.realpath(match[2]), match[3], length)
-                    shared += length
-                    continue
+            if match and match[0] == t.data_type and match[1] == tuple(t.dims) and match[4] in (None, length) \
+                    and same(data, offset, match[2], match[3], length):
+                _set_external(t, match[2], match[3], length)
+                shared += length
+                continue
             kept.append((t, offset, length))
         if not shared:
             return 0
         tmp = data + ".partial"
-        with open(data, "rb") as f, open(tmp, "wb") as g:
+        with saving(folder, "the optimized weights"), open(tmp, "wb") as g:
             at = 0
             for t, offset, length in kept:
-                f.seek(offset)
-                g.write(f.read(length))
+                for i in range(0, length, chunk):
+                    g.write(read_range(fd_of(data), offset + i, min(chunk, length - i), data))
                 _set_external(t, OPTIMIZED_DATA, at, length)
                 at += length
-    finally:
-        maps.clear()
     os.replace(tmp, data)
-    onnx.save(model, out)
+    with saving(folder, "the optimized model"):
+        onnx.save(model, out)
     return shared
 
 

@@ -1,11 +1,21 @@
-"""The key of an optimized model in the cache: the content of every file it reads.
+"""The key of an optimized model in the cache: the content of every file it reads; and
+what the cache trusts.
 
 A cache entry is valid for one model as its files are now (the .onnx and every external
 data file any tensor names, subgraphs included), one execution provider, one
 optimization level, one weight threshold and one ORT version.
+
+The key can be computed by anyone with the same model, so an entry is used only if this
+user wrote it, as ssh trusts ~/.ssh (see cache_folder and open_entry): the cache folder
+and every entry are this user's and writable by nobody else, no symbolic link inside the
+cache is followed, every file read is a regular file, and an entry's optimized model reads
+external data only from its own data file or from the model's own files that its manifest
+lists. The files a session reads are opened once (HeldFiles): each is fingerprinted and
+read through the same descriptor, so a file renamed over meanwhile is never mixed in.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import hashlib
@@ -13,15 +23,17 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 import onnx
 import onnxruntime as ort
 
+from . import workdir
 from .errors import CorruptModel
-from .model import all_tensors
+from .model import OPTIMIZED, OPTIMIZED_DATA, all_tensors, external_locations, load_optimized, open_regular, read_range
 
 # Files up to this size are hashed in full (sha256 runs at 1.5-2 GB/s, so at most about
 # 0.5 s each). Larger ones, the weight files whose full hash would add seconds to every
@@ -29,30 +41,107 @@ from .model import all_tensors
 FULL_HASH_BYTES = 1 << 30
 _SAMPLE_BYTES = 1 << 20
 _SAMPLES = 64
-# Bumped when the layout of the optimized model changes, so older cache entries are not reused.
-_CACHE_FORMAT = 2
+# Bumped when the layout of the optimized model or of the manifest changes, so older cache
+# entries are not reused.
+_CACHE_FORMAT = 3
+
+
+class HeldFiles:
+    """The files a session reads, each opened once (a regular file, never waiting on a FIFO,
+    see model.open_regular) and kept open until the session has read its weights: each is
+    fingerprinted and read through the same descriptor. By the path the weights name them
+    by: a model's file by its real path, an entry's by its path in the cache.
+
+    `get` gives the descriptor of a path (model.Files), `changed` the model's files that
+    are no longer what was opened (renamed over, or written)."""
+
+    def __init__(self):
+        self._fds: Dict[str, int] = {}
+        self._opened: Dict[str, os.stat_result] = {}
+        self.sources: Set[str] = set()  # the model's own files, by real path
+
+    def source(self, path: str) -> int:
+        """The model's file `path`, opened by its real path."""
+        real = os.path.realpath(path)
+        if real not in self._fds:
+            self._hold(real, open_regular(real))
+            self.sources.add(real)
+        return self._fds[real]
+
+    def entry_file(self, path: str, name: str, dir_fd: int) -> int:
+        """The file `name` of the entry folder open as `dir_fd`, held as `path`; a symbolic
+        link is refused (ELOOP)."""
+        if path not in self._fds:
+            self._hold(path, open_regular(name, dir_fd=dir_fd, follow=False))
+        return self._fds[path]
+
+    def _hold(self, key: str, fd: int) -> None:
+        self._fds[key] = fd
+        self._opened[key] = os.fstat(fd)
+
+    def get(self, path: str) -> Optional[int]:
+        if path in self._fds:
+            return self._fds[path]
+        return self._fds.get(os.path.realpath(path)) if os.path.isabs(path) else None
+
+    def adopt(self, other: "HeldFiles") -> None:
+        """Takes over the files `other` holds (in place of any held under the same path)."""
+        for key in other._fds.keys() & self._fds.keys():
+            os.close(self._fds[key])
+        self._fds.update(other._fds)
+        self._opened.update(other._opened)
+        self.sources |= other.sources
+        other._fds, other._opened, other.sources = {}, {}, set()
+
+    def changed(self) -> List[str]:
+        """The model's files whose path now names another file (a rename over it), or whose
+        held file was written since it was opened (size, mtime, ctime)."""
+        moved = []
+        for path in sorted(self.sources):
+            then, fd = self._opened[path], self._fds[path]
+            try:
+                now, there = os.fstat(fd), os.stat(path)
+            except OSError:
+                moved.append(path)
+                continue
+            if not os.path.samestat(then, there) or (now.st_size, now.st_mtime_ns, now.st_ctime_ns) != (
+                    then.st_size, then.st_mtime_ns, then.st_ctime_ns):
+                moved.append(path)
+        return moved
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds, self._opened, self.sources = {}, {}, set()
 
 
 def cache_key(src: str, on_cuda: bool, level, min_weight_bytes: int, disabled_optimizers=(), options: str = "",
-              shares_files: bool = False) -> str:
+              shares_files: bool = False, files: Optional[HeldFiles] = None) -> str:
     """Identifies an optimized model: the content of every file the model reads (the
     .onnx and each external data file, main graph and subgraphs), the provider, the
     level, the threshold, the optimizers turned off, the caller's session options that
     can change the graph (`options`, from ort_sessions.options_key) and the ORT version.
     An entry that reads weights from the model's own files (`shares_files`, see
     model.share_unchanged) is also keyed by where those files really are: a copy of the
-    model elsewhere, or a link that now points at another version, is another entry."""
+    model elsewhere, or a link that now points at another version, is another entry.
+    The files are opened into `files` (and stay open there for the weights to be read
+    from), else opened and closed here."""
     h = hashlib.sha256()
     for v in (_CACHE_FORMAT, on_cuda, int(level), min_weight_bytes, ort.__version__, sorted(disabled_optimizers),
               options, shares_files):
         h.update(f"{v}|".encode())
-    for path in model_files(src):  # the .onnx names the others, so their names are covered
-        try:
-            h.update(_fingerprint(path))
-        except FileNotFoundError:
-            raise CorruptModel(f"{src!r} keeps tensor data in {path!r}, which does not exist") from None
-        if shares_files:
-            h.update(f"{os.path.realpath(path)}|".encode())
+    held = files if files is not None else HeldFiles()
+    try:
+        for path in model_files(src):  # the .onnx names the others, so their names are covered
+            try:
+                h.update(_fingerprint_fd(held.source(path)))
+            except FileNotFoundError:
+                raise CorruptModel(f"{src!r} keeps tensor data in {path!r}, which does not exist") from None
+            if shares_files:
+                h.update(f"{os.path.realpath(path)}|".encode())
+    finally:
+        if files is None:
+            held.close()
     return h.hexdigest()[:24]
 
 
@@ -71,7 +160,16 @@ def model_files(src: str) -> list[str]:
 
 
 def _fingerprint(path: str) -> bytes:
-    """What identifies a file's content.
+    """The fingerprint (see _fingerprint_fd) of the regular file `path`."""
+    fd = open_regular(path)
+    try:
+        return _fingerprint_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def _fingerprint_fd(fd: int) -> bytes:
+    """What identifies the content of the open file `fd`.
 
     Up to FULL_HASH_BYTES: a sha256 of all of it, exact whatever happened to the file.
     Above: size, mtime_ns, ctime_ns, inode and device, and a sha256 of 64 evenly spaced
@@ -81,44 +179,54 @@ def _fingerprint(path: str) -> bytes:
     those. A full hash there would cost about 0.6 s per GB on every load, on top of the
     read that fills the host store.
     """
-    st = os.stat(path)
+    st = os.fstat(fd)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        if st.st_size <= FULL_HASH_BYTES:
-            h.update(b"full|")
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-            return h.digest()
-        h.update("|".join(str(v) for v in ("sampled", st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
-                                            st.st_dev)).encode())
-        step = (st.st_size - _SAMPLE_BYTES) // _SAMPLES
-        for offset in [i * step for i in range(_SAMPLES)] + [st.st_size - _SAMPLE_BYTES]:
-            f.seek(offset)
-            h.update(f.read(_SAMPLE_BYTES))
+    if st.st_size <= FULL_HASH_BYTES:
+        h.update(b"full|")
+        for offset in range(0, st.st_size, 1 << 20):
+            h.update(os.pread(fd, 1 << 20, offset))
+        return h.digest()
+    h.update("|".join(str(v) for v in ("sampled", st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                                        st.st_dev)).encode())
+    step = (st.st_size - _SAMPLE_BYTES) // _SAMPLES
+    for offset in [i * step for i in range(_SAMPLES)] + [st.st_size - _SAMPLE_BYTES]:
+        h.update(os.pread(fd, _SAMPLE_BYTES, offset))
     return h.digest()
 
 
 MANIFEST = "manifest.json"  # the fingerprints of an entry's files, written before it is published
+PARTIAL = ".partial-"  # an entry being made, by the process its name names (see workdir.make_owned_dir)
 
 
-def write_manifest(folder: str) -> None:
-    """Fingerprints every file of an entry about to be published (see _fingerprint)."""
+def write_manifest(folder: str, key: str) -> None:
+    """Makes every file of an entry about to be published private (0600: the entry's folder
+    is 0700 already) and writes its manifest: the key it is for, the fingerprint of each
+    file (see _fingerprint), and the model files its optimized model reads weights from
+    (by real path, see model.share_unchanged)."""
+    for rel in _entry_files(folder):
+        os.chmod(os.path.join(folder, rel), 0o600)
     prints = {rel: _fingerprint(os.path.join(folder, rel)).hex() for rel in _entry_files(folder)}
-    with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump(prints, f)
+    model = onnx.load(os.path.join(folder, OPTIMIZED), load_external_data=False)
+    sources = sorted(loc for loc in external_locations(model) if os.path.isabs(loc))
+    fd = os.open(os.path.join(folder, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(fd, "w") as f:
+        json.dump({"key": key, "files": prints, "sources": sources}, f)
 
 
-def entry_intact(folder: str) -> bool:
-    """Whether a published entry's files are the ones its manifest fingerprinted: a file
-    truncated, rewritten or added since, or no manifest, and the entry is not used."""
+def hold_made(folder: str, published: str) -> HeldFiles:
+    """The files of the entry just made in `folder`, held by the names they will have once
+    `folder` is published as `published`: the session reads what it made, unchecked."""
+    held = HeldFiles()
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        with open(os.path.join(folder, MANIFEST)) as f:
-            prints = json.load(f)
-        if not isinstance(prints, dict) or set(prints) != set(_entry_files(folder)):
-            return False
-        return all(_fingerprint(os.path.join(folder, rel)).hex() == fp for rel, fp in prints.items())
-    except (OSError, ValueError):
-        return False
+        for name in _entry_files(folder):
+            held.entry_file(os.path.join(published, name), name, fd)
+    except BaseException:
+        held.close()
+        raise
+    finally:
+        os.close(fd)
+    return held
 
 
 def _entry_files(folder: str) -> List[str]:
@@ -126,9 +234,139 @@ def _entry_files(folder: str) -> List[str]:
                   for f in files if not (root == folder and f == MANIFEST))
 
 
+def cache_folder(cache: str) -> Tuple[Optional[str], str]:
+    """The cache folder to use for `cache`: (its real path, '') after creating it (0700, as
+    every folder it creates above it), or (None, why) when it cannot be used or is not to
+    be trusted (`why` continues "the cache folder ...").
+
+    The rule, as ssh's for ~/.ssh: the cache folder must be this user's and writable by
+    nobody else. Each folder above it (links resolved) must be this user's or root's, and
+    writable by nobody else unless it is sticky, as /tmp is: there nobody can rename or
+    remove what is not theirs, so nobody can put another folder in the cache's place. The
+    real path is what the session uses from then on: a link to the cache switched later
+    changes nothing."""
+    try:
+        _make_private_folders(cache)
+        real = os.path.realpath(cache)
+        why = _not_private(os.stat(real))
+        why = f"{real} {why}" if why else ""
+        parent = real
+        while not why and parent != os.path.dirname(parent):
+            parent = os.path.dirname(parent)
+            why = _not_safe_above(os.stat(parent), parent)
+    except OSError as e:
+        return None, f"cannot be used ({e})"
+    return (None, f"is not used: {why}") if why else (real, "")
+
+
+def _make_private_folders(path: str) -> None:
+    """Creates `path` and the folders above it that are missing, each 0700 (os.makedirs
+    gives its mode to the last one only)."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass  # made meanwhile by another process
+
+
+def _not_private(st: os.stat_result) -> str:
+    """Why the file or folder lstat-ed as `st` is not this user's alone (a link, another
+    user's, writable by others), as a phrase; '' when it is."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
+
+
+def _not_safe_above(st: os.stat_result, what: str) -> str:
+    if st.st_uid not in (0, os.geteuid()):
+        return f"{what}, a folder above it, is owned by uid {st.st_uid}"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return f"{what}, a folder above it, is writable by others and not sticky (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
+
+
+def open_entry(path: str, key: str, files: HeldFiles) -> Tuple[Optional[int], str]:
+    """Looks up the published entry `path` of `key`, the model's files held in `files`.
+
+    (a shared lock on it, '') when it can be used: its files are then held in `files`.
+    (None, why) when it must not be: it is not this user's alone (a link, another user's,
+    writable by others, a file in it that is), not as it was made, another key's, or its
+    optimized model reads a file that is neither its own data file nor one of the model's
+    files its manifest lists. (None, '') when there is none, or it lacks a file (removed
+    by hand): it is made again without a word."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None, ""
+    why = _not_private(st) or ("" if stat.S_ISDIR(st.st_mode) else "is not a folder")
+    if why:
+        return None, why
+    lock = hold_entry(path)
+    if lock is None:
+        return None, ""  # set aside meanwhile
+    held = HeldFiles()
+    try:
+        why = _entry_problem(path, lock, key, files.sources, held)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        why = f"cannot be read ({e})"
+    if why is None:
+        files.adopt(held)
+        return lock, ""
+    held.close()
+    os.close(lock)
+    return None, why
+
+
+def _entry_problem(path: str, dir_fd: int, key: str, sources: Set[str], held: HeldFiles) -> Optional[str]:
+    """Why the entry open as `dir_fd` is not to be used ('' for a missing file), or None."""
+    names = sorted(os.listdir(dir_fd))
+    for name in names:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            return f"holds a symbolic link, {name!r}"
+        if not stat.S_ISREG(st.st_mode):
+            return f"holds {name!r}, which is not a regular file"
+        why = _not_private(st)
+        if why:
+            return f"holds {name!r}, which {why}"
+    if OPTIMIZED not in names or MANIFEST not in names:
+        return "" if MANIFEST in names else "is not as it was made (it has no manifest)"
+    fd = held.entry_file(os.path.join(path, MANIFEST), MANIFEST, dir_fd)
+    manifest = json.loads(read_range(fd, 0, os.fstat(fd).st_size, MANIFEST))
+    if not isinstance(manifest, dict):
+        return "is not as it was made (its manifest is of another layout)"
+    prints, listed = manifest.get("files"), manifest.get("sources")
+    if not isinstance(prints, dict) or not isinstance(listed, list):
+        return "is not as it was made (its manifest is of another layout)"
+    if manifest.get("key") != key:
+        return f"was made for another model (its manifest names the key {manifest.get('key')!r})"
+    if set(prints) - set(names):
+        return ""
+    if set(prints) != set(names) - {MANIFEST}:
+        return "is not as it was made (a file changed, was cut short or added since)"
+    for name, fp in prints.items():
+        if _fingerprint_fd(held.entry_file(os.path.join(path, name), name, dir_fd)).hex() != fp:
+            return "is not as it was made (a file changed, was cut short or added since)"
+    model = load_optimized(os.path.join(path, OPTIMIZED), held)
+    for location in sorted(external_locations(model)):
+        if location == OPTIMIZED_DATA and location in prints:
+            continue
+        if not (os.path.isabs(location) and location in listed and os.path.realpath(location) in sources):
+            return (f"names external data {location!r}, neither its own data file nor one of the model's files "
+                    f"that its manifest lists")
+    return None
 _ENTRY = re.compile(r"[0-9a-f]{24}$")  # a published entry is named by its key
-# A folder still being written by an optimization pass (``.partial-``) is left alone
-# unless it is this old: a pass that old was killed before it could clean up.
+# A partial folder named without its owner (by an older version) is left alone unless it
+# is this old: a pass that old was killed before it could clean up.
 ABANDONED_S = 3600
 
 
@@ -156,18 +394,23 @@ def cache_entries(cache: str) -> List[CacheEntry]:
 
 
 def hold_entry(path: str) -> Optional[int]:
-    """A shared lock on the published entry `path`, held (an open descriptor) while a
-    session reads it; None when the entry was set aside meanwhile."""
+    """A shared lock on the published entry `path`, held (an open descriptor of the folder,
+    never through a symbolic link) while a session reads it; None when the entry was set
+    aside meanwhile (or is no folder)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
     except OSError:
         pass  # a file system without flock: the entry is read unlocked
     try:
-        if os.path.samestat(os.fstat(fd), os.stat(path)):  # still the entry at that name
+        if os.path.samestat(os.fstat(fd), os.lstat(path)):  # still the entry at that name
             return fd
     except OSError:
         pass
@@ -192,19 +435,29 @@ def remove_set_aside(cache: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def clear_cache(cache: str) -> Tuple[int, int, int]:
+class Cleared(NamedTuple):
+    removed: int  # entries
+    freed: int  # their bytes
+    busy: int  # entries kept because a session is reading them
+    links: int  # symbolic links (never what they point at)
+    partials: int  # partial folders of passes that are over
+
+
+def clear_cache(cache: str) -> Cleared:
     """Removes every published entry under `cache` that no session is reading, the ones
-    set aside, and partial ones abandoned by a killed pass. Returns (entries removed,
-    bytes freed, entries kept because a session is reading them).
+    set aside, every symbolic link (none is ever the session's), and the partial folders
+    of passes whose process is gone (or, named without their owner, older than
+    ABANDONED_S).
 
     Each entry is renamed aside under an exclusive lock, so a session that looks it up
     sees it whole or not at all, and one that is reading it (holding the shared lock of
     ``hold_entry``) keeps it."""
     removed = freed = busy = 0
+    links = _remove_links(cache)
     for entry in cache_entries(cache):
         try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
             continue  # set aside by another process first
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -220,14 +473,49 @@ def clear_cache(cache: str) -> Tuple[int, int, int]:
             removed += 1
             freed += entry.nbytes
     remove_set_aside(cache)
-    now = time.time()
-    for partial in glob.glob(os.path.join(cache, ".partial-*")):
+    return Cleared(removed, freed, busy, links, len(sweep_partials(cache, ABANDONED_S)))
+
+
+def _remove_links(cache: str) -> int:
+    removed = 0
+    try:
+        names = os.listdir(cache)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        path = os.path.join(cache, name)
         try:
-            if now - os.lstat(partial).st_mtime > ABANDONED_S:
-                shutil.rmtree(partial, ignore_errors=True)
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                os.unlink(path)
+                removed += 1
         except FileNotFoundError:
             continue
-    return removed, freed, busy
+    return removed
+
+
+def make_partial(cache: str) -> str:
+    """A new partial folder (0700) for an entry being made, named after this process and
+    removed when it exits or gets SIGTERM (see workdir.make_owned_dir)."""
+    return workdir.make_owned_dir(cache, PARTIAL)
+
+
+def sweep_partials(cache: str, unnamed_after: Optional[float] = None) -> List[str]:
+    """Removes the partial folders of passes whose process is gone, and (`unnamed_after`
+    seconds old) those named without their owner, by older versions; returns them."""
+    swept = workdir.sweep_stale(cache, PARTIAL)
+    if unnamed_after is None:
+        return swept
+    now = time.time()
+    for partial in glob.glob(os.path.join(glob.escape(cache), PARTIAL + "*")):
+        try:
+            st = os.lstat(partial)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and not workdir.owned_name(os.path.basename(partial), PARTIAL) \
+                and now - st.st_mtime > unnamed_after:
+            shutil.rmtree(partial, ignore_errors=True)
+            swept.append(partial)
+    return swept
 
 
 def _tree_bytes(path: str) -> int:

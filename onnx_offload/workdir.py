@@ -10,6 +10,9 @@ It is removed by ``remove_workdir`` (a session's close), at interpreter exit, an
 SIGTERM. What none of those cover (SIGKILL, a crash, ``os._exit``) the next
 ``make_workdir`` in any process sweeps: it removes the folders whose owner is gone and
 never those of a live process.
+
+The cache's partial folders (an optimization pass writing a new entry) are named and
+removed the same way (``make_owned_dir``, ``sweep_stale`` with their prefix).
 """
 from __future__ import annotations
 
@@ -20,10 +23,10 @@ import shutil
 import signal
 import tempfile
 import threading
+from functools import lru_cache
 from typing import Dict, Optional
 
 PREFIX = "onnx-offload-"
-_NAME = re.compile(re.escape(PREFIX) + r"(\d+)-(\d+)-(\d+)-[^/]+$")
 
 # path -> pid of the process that made it. A forked child inherits this table; the pid
 # keeps it from removing its parent's folders. Read by the signal handler, so no lock:
@@ -40,32 +43,44 @@ def make_workdir() -> str:
     Sweeps the folders that dead processes left behind first."""
     root = tempfile.gettempdir()
     sweep_stale(root)
+    return make_owned_dir(root, PREFIX)
+
+
+def make_owned_dir(root: str, prefix: str) -> str:
+    """A new folder (0700) under `root`, named `prefix` and then this process's pid, start
+    time and pid namespace, removed at exit or SIGTERM at the latest (remove_workdir
+    removes it sooner, ``disown`` keeps it: a folder renamed into place)."""
     pid = os.getpid()
-    path = tempfile.mkdtemp(prefix=f"{PREFIX}{pid}-{_start_time(pid)}-{_pid_namespace()}-", dir=root)
-    _owned[path] = os.getpid()
+    path = tempfile.mkdtemp(prefix=f"{prefix}{pid}-{_start_time(pid)}-{_pid_namespace()}-", dir=root)
+    _owned[path] = pid
     _install_hooks()
     return path
 
 
+def disown(path: str) -> None:
+    """The folder `path` made by make_owned_dir is no longer removed at exit."""
+    _owned.pop(path, None)
+
+
 def remove_workdir(path: str) -> None:
-    """Removes a folder made by make_workdir; a missing one is fine."""
+    """Removes a folder made by make_workdir or make_owned_dir; a missing one is fine."""
     _owned.pop(path, None)
     shutil.rmtree(path, ignore_errors=True)
 
 
-def sweep_stale(root: Optional[str] = None) -> list:
-    """Removes the folders under `root` whose owning process is gone; returns them.
-    Folders without an owner in their name (older versions) are left alone."""
+def sweep_stale(root: Optional[str] = None, prefix: str = PREFIX) -> list:
+    """Removes the folders under `root` that make_owned_dir named with `prefix` and whose
+    owning process is gone; returns them. Folders without an owner in their name (older
+    versions) are left alone."""
     root = root or tempfile.gettempdir()
     removed = []
     try:
         entries = os.listdir(root)
     except OSError:
         return removed
-    uid, namespace = os.getuid(), _pid_namespace()
+    uid = os.getuid()
     for entry in entries:
-        m = _NAME.match(entry)
-        if not m or int(m.group(3)) != namespace:
+        if not owner_gone(entry, prefix):
             continue
         path = os.path.join(root, entry)
         try:
@@ -74,11 +89,29 @@ def sweep_stale(root: Optional[str] = None) -> list:
             continue
         if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
             continue
-        if _owner_alive(int(m.group(1)), int(m.group(2))):
-            continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def owner_gone(name: str, prefix: str) -> bool:
+    """Whether `name` is a folder of make_owned_dir's with `prefix` whose owner has exited.
+    False for a live owner, for a name without an owner, and for an owner in another pid
+    namespace (a folder shared between containers: its pid means nothing here)."""
+    m = _name(prefix).match(name)
+    if not m or int(m.group(3)) != _pid_namespace():
+        return False
+    return not _owner_alive(int(m.group(1)), int(m.group(2)))
+
+
+def owned_name(name: str, prefix: str) -> bool:
+    """Whether `name` is one that make_owned_dir gives with `prefix` (its owner in it)."""
+    return bool(_name(prefix).match(name))
+
+
+@lru_cache(maxsize=None)
+def _name(prefix: str) -> "re.Pattern":
+    return re.compile(re.escape(prefix) + r"(\d+)-(\d+)-(\d+)-[^/]+$")
 
 
 def _start_time(pid: int) -> int:

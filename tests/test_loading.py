@@ -632,3 +632,107 @@ def test_cache_given_as_none_is_off_and_an_unusable_one_is_skipped_with_a_warnin
         with pytest.raises(CorruptModel):
             OffloadSession(str(bad), cache_dir=str(cache))
     assert cache.is_dir() and not list(cache.iterdir())
+
+
+# ---------------------------------------------------------------- 5. nothing the session did not write is trusted
+def test_a_save_that_failed_is_not_an_optimized_model(tmp_path):
+    """A full disk or a file size limit leaves an empty optimized.onnx, or a data file
+    shorter than its tensors: neither is an optimized model to run."""
+    import shutil
+    from onnx_offload.model import OPTIMIZED, OPTIMIZED_DATA, optimized_exists
+    model, feeds = tiny_mlp()
+    path = str(tmp_path / "m.onnx")
+    onnx.save(model, path)
+    cache = str(tmp_path / "cache")
+    assert_same(path, feeds, cache_dir=cache, min_weight_bytes=64)
+    (entry,) = os.listdir(cache)
+    honest = tmp_path / "honest"
+    shutil.copytree(os.path.join(cache, entry), honest)
+    assert optimized_exists(str(honest / OPTIMIZED))
+    for damage in ("empty model", "short data"):
+        bad = tmp_path / damage.replace(" ", "-")
+        shutil.copytree(honest, bad)
+        if damage == "empty model":
+            open(bad / OPTIMIZED, "wb").close()
+        else:
+            os.truncate(bad / OPTIMIZED_DATA, os.path.getsize(bad / OPTIMIZED_DATA) - 4)
+        assert not optimized_exists(str(bad / OPTIMIZED)), damage
+
+
+@pytest.mark.parametrize("case", ["absolute", "../outside.data", "link to another file system"])
+def test_external_data_outside_the_models_folder_is_refused_as_ort_refuses_it(case):
+    """ORT refuses an absolute location and one that leaves the model's folder (for bytes,
+    the working folder) once links are resolved, with its Fail: so does the session, by
+    path and as bytes, the cache off and on, and it never reads the file."""
+    import shutil
+    from onnx_offload import reliability_trust as trust
+    base = trust.world()
+    home = base
+    try:
+        locations, home = trust.hostile_folder(base)
+        for how in ("path", "bytes"):
+            for cache in (None, os.path.join(base, "cache")):
+                outcome, detail = trust.external_attempt(os.path.join(home, "m"), locations[case], how, cache)
+                assert outcome == "same", f"{how}, cache {'on' if cache else 'off'}: {outcome} {detail}"
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _versions_run(path, cache, feeds):
+    with OffloadSession(path, providers=CPU, offload=True, vmm=True, vram_limit=256 * MiB, host_granularity=64 << 10,
+                        cache_dir=cache) as s:
+        return s.run(None, feeds)[0]
+
+
+def test_weights_are_read_from_the_files_the_cache_key_fingerprinted(tmp_path, monkeypatch):
+    """The data file replaced by a rename between the cache lookup and the read of the
+    weights: the session runs the version it looked up, whole (the weight optimization
+    folded from its entry, the one it left as it was from the file it fingerprinted)."""
+    from onnx_offload import host_store
+    from onnx_offload.reliability_trust import replace_with_copy, versions
+    path, data, v2, feeds, want = versions(str(tmp_path))
+    cache = str(tmp_path / "cache")
+    np.testing.assert_allclose(_versions_run(path, cache, feeds), want[0], rtol=1e-5, atol=1e-5)
+    fill = host_store.HostStore.fill_from_file
+
+    def rename_then_fill(self, *args, **kw):
+        replace_with_copy(v2, data)
+        return fill(self, *args, **kw)
+
+    monkeypatch.setattr(host_store.HostStore, "fill_from_file", rename_then_fill)
+    np.testing.assert_allclose(_versions_run(path, cache, feeds), want[0], rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    np.testing.assert_allclose(_versions_run(path, cache, feeds), want[1], rtol=1e-5, atol=1e-5)  # the new version
+
+
+def test_no_entry_is_published_from_files_that_changed_during_the_optimization_pass(tmp_path, monkeypatch):
+    """The data file replaced while ORT optimizes the model: what ORT read is not the version
+    the key names, so no entry is published under it (a warning says so) and the session
+    runs one version whole. Put back, the first version runs as it is."""
+    import shutil
+    from onnx_offload import OffloadWarning
+    from onnx_offload import model as model_module
+    from onnx_offload.reliability_trust import replace_with_copy, versions
+    path, data, v2, feeds, want = versions(str(tmp_path))
+    v1 = str(tmp_path / "v1.data")
+    shutil.copyfile(data, v1)
+    cache = str(tmp_path / "cache")
+    optimize, calls = model_module._optimize, []
+
+    def rename_then_optimize(*args, **kw):
+        if not calls:
+            replace_with_copy(v2, data)
+        calls.append(args[0])
+        return optimize(*args, **kw)
+
+    monkeypatch.setattr(model_module, "_optimize", rename_then_optimize)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = _versions_run(path, cache, feeds)
+    monkeypatch.undo()
+    assert any(np.allclose(got, w, rtol=1e-5, atol=1e-5) for w in want), "the session mixed two versions"
+    replace_with_copy(v1, data)
+    np.testing.assert_allclose(_versions_run(path, cache, feeds), want[0], rtol=1e-5, atol=1e-5)
+    assert any(issubclass(w.category, OffloadWarning) and "changed while" in str(w.message) for w in seen), \
+        [str(w.message) for w in seen]
