@@ -235,6 +235,11 @@ class OffloadConfig:
         self.host_granularity = parse_bytes(self.host_granularity, "host_granularity")
         if self.zone_va_bytes is not None:
             self.zone_va_bytes = parse_bytes(self.zone_va_bytes, "zone_va_bytes")
+            # Four zones of it are reserved, in a user address space of 2**47 bytes.
+            if not 0 < self.zone_va_bytes <= (1 << 47) // 4:
+                raise ValueError(f"zone_va_bytes={self.zone_va_bytes} cannot be reserved: it must be between 1 "
+                                 f"and {(1 << 47) // 4} bytes (four zones share a process's 2**47 bytes of address "
+                                 f"space)")
         self.device_id = parse_index(self.device_id, "device_id")
         classes = self.handle_classes
         if not isinstance(classes, (tuple, list)) or not all(
@@ -264,10 +269,14 @@ class OffloadConfig:
         """Reads the ``ONNX_GENAI_*`` variables; keyword arguments win over them."""
         env = os.environ if env is None else env
         values = {}
-
+        # A variable that a keyword overrides is not read: its value, even one that does not
+        # parse, is not the configuration's. (None overrides nothing, except cache_dir=None: off.)
+        given = {k for k, v in overrides.items() if v is not None or k == "cache_dir"}
+        if given & {"cuda_graph", "graph_override"}:
+            given.add("cuda_graph")  # ONNX_GENAI_CUDA_GRAPH's field; the keyword cuda_graph= sets graph_override
         granule = smallest_budget(overrides.get("host_granularity"))
         for var, field, parse in _ENV_FIELDS:
-            if env_is_set(var, env):
+            if field not in given and env_is_set(var, env):
                 values[field] = parse(env[var], var, granule) if parse is parse_vram_limit else parse(env[var], var)
         if "cuda_graph" in overrides:
             values["graph_override"] = parse_flag(overrides.pop("cuda_graph"), "cuda_graph")

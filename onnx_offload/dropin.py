@@ -42,7 +42,7 @@ class ModelMeta:
 
 
 class InferenceSessionMembers:
-    """Mixed into OffloadSession; uses its _step(), _runner, _with_fallback(),
+    """Mixed into OffloadSession; uses its _step(), _runner, _ask_runner(), _with_fallback(),
     _check_call() and the model facts it records at construction
     (_modelmeta, _overridable)."""
 
@@ -57,7 +57,7 @@ class InferenceSessionMembers:
         return list(self._overridable)
 
     def get_provider_options(self) -> dict:
-        return self._live_runner().single.get_provider_options()
+        return self._ask_runner(lambda runner: runner.single.get_provider_options())
 
     def set_providers(self, providers=None, provider_options=None) -> None:
         raise StateError("an OffloadSession's providers are fixed when it is made: its weights, budget, streams and "
@@ -120,10 +120,11 @@ class InferenceSessionMembers:
     # segment sessions, questions are answered by the first (they share providers and
     # options) and settings go to each.
     def _sessions(self) -> list:
-        runs = self._live_runner().runs
-        if not runs:  # closed by another thread since the check
-            raise StateError("the session is closed")
-        return [run.session for run in runs]
+        def sessions(runner):
+            if not runner.runs:  # closed by another thread since the check
+                raise StateError("the session is closed")
+            return [run.session for run in runner.runs]
+        return self._ask_runner(sessions)
 
     def get_input_memory_infos(self):
         return self._runner_single("get_input_memory_infos", "the caller's inputs feed the first segment only")
@@ -169,13 +170,12 @@ class InferenceSessionMembers:
         """The one ORT session that runs the whole model as given (no segments, graphs of
         the package's own, or weights as inputs in between), for members that pass
         straight through; else an error saying why not."""
-        runner = self._live_runner()
-        if not runner.plain:
-            raise StateError(f"{member} needs the model to run as one plain ORT session, and this session runs "
-                             f"{len(runner.runs)} segment(s) with weights paged in between: {why}")
-        if member.startswith("get_"):
-            return getattr(runner.single, member)()
-        return runner.single
+        def single(runner):
+            if not runner.plain:
+                raise StateError(f"{member} needs the model to run as one plain ORT session, and this session runs "
+                                 f"{len(runner.runs)} segment(s) with weights paged in between: {why}")
+            return getattr(runner.single, member)() if member.startswith("get_") else runner.single
+        return self._ask_runner(single)
 
     def run_async(self, output_names, input_feed, callback, user_data, run_options=None) -> None:
         """As InferenceSession.run_async: runs on a thread of its own and calls

@@ -25,6 +25,7 @@ import math
 import operator
 import os
 import re
+import reprlib
 import warnings
 from typing import Dict, Iterator, Optional, Sequence
 
@@ -60,14 +61,32 @@ class DecoderSpec:
     sliding_window: Optional[int] = None  # of the attention, as config.json beside the model gives it
 
 
+def _load_json(path: str):
+    """The JSON value in `path`; ValueError for a file that is no JSON, or one nested too
+    deeply for the parser (which recurses once per level)."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except RecursionError:
+            raise ValueError("it is nested too deeply to read") from None
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 8, 80, 80
+
+
+def _shown(value) -> str:
+    """A config value for an error message: its repr, cut short in depth and length."""
+    return _REPR.repr(value)
+
+
 def read_genai_config(model_dir: Optional[str]) -> dict:
     """The parts of genai_config.json that generate() reads, checked; {} without one."""
     path = os.path.join(model_dir, "genai_config.json") if model_dir else None
     if not path or not os.path.exists(path):
         return {}
     try:
-        with open(path) as f:
-            cfg = json.load(f)
+        cfg = _load_json(path)
         model = cfg.get("model", {})
         decoder = model.get("decoder", {})
         search = cfg.get("search", {})
@@ -78,12 +97,14 @@ def read_genai_config(model_dir: Optional[str]) -> dict:
                            ("max_length", search.get("max_length") or model.get("context_length"))):
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{key} must be a positive integer, got {value!r}")
+                    raise ValueError(f"{key} must be a positive integer, got {_shown(value)}")
                 out[key] = value
         eos = model.get("eos_token_id", [])
         eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
-        if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-            raise ValueError(f"model.eos_token_id must be an integer or a list of integers, got {eos!r}")
+        if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) and -2**63 <= e < 2**63
+                                                for e in eos):
+            raise ValueError(f"model.eos_token_id must be a token id (a 64-bit integer) or a list of them, got "
+                             f"{_shown(eos)}")
         out["eos"] = tuple(eos)
         return out
     except (OSError, ValueError, AttributeError) as e:  # json.JSONDecodeError is a ValueError
@@ -99,11 +120,18 @@ def read_sliding_window(model_dir: Optional[str]) -> Optional[int]:
     if not path or not os.path.exists(path):
         return None
     try:
-        with open(path) as f:
-            cfg = json.load(f)
+        cfg = _load_json(path)
     except (OSError, ValueError):
         return None
     return _window_of(cfg, depth=3) if isinstance(cfg, dict) else None
+
+
+def _mentions(value, word: str, depth: int = 4) -> bool:
+    """Whether a string in `value` (a string, or lists of them down to `depth` levels, as
+    GPT-Neo's attention_types nests them) holds `word`."""
+    if isinstance(value, str):
+        return word in value
+    return depth > 0 and isinstance(value, list) and any(_mentions(v, word, depth - 1) for v in value)
 
 
 def _window_of(cfg: dict, depth: int) -> Optional[int]:
@@ -113,7 +141,7 @@ def _window_of(cfg: dict, depth: int) -> Optional[int]:
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
     longest = count(cfg.get("max_position_embeddings"))
-    local = "local" in str(cfg.get("attention_layers", "")) + str(cfg.get("attention_types", ""))  # GPT-Neo
+    local = _mentions(cfg.get("attention_layers"), "local") or _mentions(cfg.get("attention_types"), "local")  # GPT-Neo
     for w in (count(cfg.get("sliding_window")) if cfg.get("use_sliding_window") is not False else None,
               count(cfg.get("attention_chunk_size")),  # Llama 4's chunked attention, placed the same way
               count(cfg.get("window_size")) if local else None):
@@ -559,6 +587,13 @@ def check_prompt_mask(spec: DecoderSpec, attention_mask, shape) -> Optional[np.n
         raise ValueError("every row of attention_mask needs at least one token (a 1)")
     if mask.all():
         return None
+    # Each new token goes after the prompt's last column: a 0 after a 1 would leave
+    # padding inside a row's sequence, and its positions and cache out of step.
+    falls = (np.diff(mask, axis=1) < 0).any(axis=1)
+    if falls.any():
+        raise ValueError(f"attention_mask row {int(np.flatnonzero(falls)[0])} has a 0 after a 1 (right padding, or a "
+                         f"gap), which generate() does not support: it takes left padding, each row's zeros before "
+                         f"its tokens, as a tokenizer with padding_side='left' gives it")
     if spec.layout == "gqa":
         raise ValueError("padding in attention_mask needs standard attention: GroupQueryAttention's cache "
                          "holds each row's tokens from position 0, so generate rows of different lengths "

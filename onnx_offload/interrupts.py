@@ -9,7 +9,10 @@ is consistent when the caller sees it.
 
 Only the main thread receives ``KeyboardInterrupt`` and only it may set signal
 handlers; elsewhere, and when the program has its own SIGINT handler, the block runs
-as it is.
+as it is. A ``KeyboardInterrupt`` that another signal's handler raises is not held
+back either: what it cuts short is made whole by the code it lands in, or before the
+next step (``ResidencyManager.settle``: pins, streamed pages and the policy's state;
+each generation's allocators give back all they hold).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 from ._core import round_up
 from .model import WeightInfo
@@ -56,6 +56,9 @@ class Counters:
 
     def minus(self, other: "Counters") -> "Counters":
         return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
+
+    def plus(self, **more) -> "Counters":
+        return dataclasses.replace(self, **{k: getattr(self, k) + v for k, v in more.items()})
 
 
 def packs(segments: Sequence[Sequence[str]], first_use: Dict[str, int]) -> List[List[str]]:
@@ -120,7 +123,12 @@ class ResidencyManager:
         self.policy.prepare(PolicyInputs(
             order=tuple(self.order), sizes={n: s.length for n, s in self.slots.items()}, segments=self.segments,
             packs=self.packs, new_cost=self.cost_model, allowance=self.allowance, granularity=self.granularity))
-        self._pending: Dict[int, tuple] = {}
+        # The segments acquired and not yet released: k -> [start event, ready event, bypass names].
+        self._pending: Dict[int, list] = {}
+        # Set while a change of slots and policy is under way, and left set by one that an
+        # exception cut short: settle() then makes the bookkeeping agree with the slots.
+        self._torn = False
+        self._pinned_for_life = False
         self._resident_bytes: Optional[int] = None  # all weights' bytes, counted once
         device.ledger.set_reclaimer("weights", self._reclaim)
 
@@ -142,7 +150,13 @@ class ResidencyManager:
         self.kind.evict([self.slots[n] for n in names])
 
     def _evict_resident(self, name: str) -> None:
-        """Evicts a weight held in the weights zone and tells the policy."""
+        """Evicts a weight held in the weights zone and tells the policy. A name the policy
+        still holds but whose slot is not there (an eviction cut short before the policy
+        heard of it) is only forgotten."""
+        slot = self.slots[name]
+        if slot.state == "evicted" or slot.charged_zone != "weights":
+            self.policy.on_evict(name)
+            return
         self._evict([name])
         self.policy.on_evict(name)
         self.counters.evictions += 1
@@ -150,29 +164,23 @@ class ResidencyManager:
     # ------------------------------------------------------------------ the guarantee
     def acquire(self, k: int):
         """Makes every weight of segment k resident and pinned. Returns the event after
-        which the copies are done (None when everything hit)."""
+        which the copies are done (None when everything hit).
+
+        The segment is pending from the first line: an exception anywhere after it (a
+        KeyboardInterrupt that a signal's handler raises between any two lines, even
+        between a pin() and the line after it) leaves release() or settle() what to undo."""
         names = self.segments[k]
-        c = self.counters
-        pinned: List[str] = []
+        torn, self._torn = self._torn, True
         bypass: List[str] = []
         admitted: List[str] = []
-        # The pin in flight, (name, its slot's pins before): a KeyboardInterrupt raised by a
-        # signal handler can land between pin() and the append that records it.
-        pinning: Optional[Tuple[str, int]] = None
-
-        def pin(n: str) -> None:
-            nonlocal pinning
-            pinning = (n, self.slots[n].pins)
-            self.slots[n].pin()
-            pinned.append(n)
-
+        pending = self._pending[k] = [None, None, bypass]
         try:
             misses = []
             for n in names:
                 if self.slots[n].state == "evicted":
                     misses.append(n)
                 else:
-                    pin(n)
+                    self.slots[n].pin()
                     self.policy.on_hit(n)
             current = set(names)
             ledger = self.device.ledger
@@ -190,51 +198,43 @@ class ResidencyManager:
                     admitted.append(n)
                 else:
                     bypass.append(n)
-            start = self.device.backend.create_event()
+            start = pending[0] = self.device.backend.create_event()
             start.record(self.device.copy_stream)
             ready = None
             if admitted:
-                ready = self._page_in(admitted, "weights")
+                ready = pending[1] = self._page_in(admitted, "weights")
                 for n in admitted:
-                    pin(n)
+                    self.slots[n].pin()
                     self.policy.on_admit(n)
             if bypass:
                 need = self._group_cost(bypass)
                 if not ledger.can_charge("transient", need):
                     ledger.make_room("transient", need)
                 # The same copy stream as the admitted page-in: this later event covers both.
-                ready = self._page_in(bypass, "transient")
+                ready = pending[1] = self._page_in(bypass, "transient")
                 for n in bypass:
-                    pin(n)
+                    self.slots[n].pin()
         except BaseException:
-            for n in pinned:
-                self.slots[n].unpin()
-            # A segment names each weight once: one not in `pinned` was not recorded.
-            if pinning is not None and pinning[0] not in pinned and self.slots[pinning[0]].pins > pinning[1]:
-                self.slots[pinning[0]].unpin()
-            streamed = [n for n in bypass if self.slots[n].state != "evicted"]
-            if streamed:
-                self._evict(streamed)
+            self.release(k, None)  # unpins what it pinned, evicts what it streamed
             raise
-        paged = admitted + bypass
-        c.accesses += len(names)
-        c.hits += len(names) - len(paged)
-        c.page_ins += len(paged)
-        c.bypassed += len(bypass)
+        paged = set(admitted + bypass)
         nbytes = {n: self.slots[n].length for n in names}
-        c.access_bytes += sum(nbytes.values())
-        c.hit_bytes += sum(nbytes[n] for n in names if n not in paged)
-        c.bypassed_bytes += sum(nbytes[n] for n in bypass)
-        c.htod_bytes += sum(nbytes[n] for n in paged)
-        self._pending[k] = (start, ready, bypass)
+        # One store: the counters never show half a segment.
+        self.counters = self.counters.plus(
+            accesses=len(names), hits=len(names) - len(paged), page_ins=len(paged), bypassed=len(bypass),
+            access_bytes=sum(nbytes.values()), hit_bytes=sum(nbytes[n] for n in names if n not in paged),
+            bypassed_bytes=sum(nbytes[n] for n in bypass), htod_bytes=sum(nbytes[n] for n in paged))
         if self.timeline is not None:
             self._record()
+        self._torn = torn
         return ready
 
     def release(self, k: int, reader_event=None) -> None:
         """Segment k has been submitted; `reader_event` marks the end of its reads. The
         segment stays pending until the release is whole: one cut short by an exception
-        (an interrupt lands between any two lines) is finished by settle()."""
+        (an interrupt lands between any two lines) is finished by settle(). A segment
+        names each weight once, and no other pins its weights while it is pending, so
+        every pinned weight of it is unpinned once."""
         names = self.segments[k]
         start, ready, bypass = self._pending[k]
         for n in names:
@@ -252,11 +252,39 @@ class ResidencyManager:
             self.counters.htod_ms += ready.elapsed_ms(start)
 
     def settle(self) -> None:
-        """Releases every segment still pending: one acquired by a step that an exception
-        cut short before it could release it (its weights stay pinned, its streamed ones
-        in the transient zone, until this runs)."""
+        """Makes the residency whole between steps: releases every segment still pending
+        (acquired by a step that an exception cut short before it could release it: its
+        weights stay pinned, its streamed ones in the transient zone, until this runs)
+        and, after a change cut short, makes the pins, the transient zone and the policy
+        agree with the slots. The caller holds the session's lock; no step is under way."""
+        if not self._pending and not self._torn:
+            return
+        torn, self._torn = self._torn, True
+        # A step cut short may have left reads and copies queued: nothing is unmapped under them.
+        self.device.compute_stream.synchronize()
+        self.device.copy_stream.synchronize()
         for k in list(self._pending):
             self.release(k, None)
+        if torn:
+            self._reconcile()
+        self._torn = False
+
+    def _reconcile(self) -> None:
+        """Between steps no weight that streams is pinned or in the transient zone, and the
+        policy knows exactly the weights resident in the weights zone (on_admit keeps the
+        place of one it knows; on_evict forgets one it does not know)."""
+        if not self._pinned_for_life:
+            for s in self.slots.values():
+                while s.state == "pinned":
+                    s.unpin()
+            stray = [n for n, s in self.slots.items() if s.state != "evicted" and s.charged_zone == "transient"]
+            if stray:
+                self._evict(stray)
+        for n, s in self.slots.items():
+            if s.state == "evicted" or s.charged_zone != "weights":
+                self.policy.on_evict(n)
+            else:
+                self.policy.on_admit(n)
 
     def end_step(self) -> None:
         self.counters.steps += 1
@@ -280,6 +308,7 @@ class ResidencyManager:
 
     def _reclaim(self, nbytes: int) -> int:
         """Lends weights-zone budget to a higher-priority zone."""
+        torn, self._torn = self._torn, True
         ledger = self.device.ledger
         before = ledger.snapshot().zones["weights"].committed.current
         freed = 0
@@ -290,6 +319,7 @@ class ResidencyManager:
                 break
             self._evict_resident(victim)
             freed = before - ledger.snapshot().zones["weights"].committed.current
+        self._torn = torn
         return freed
 
     def _record(self) -> None:
@@ -305,6 +335,7 @@ class ResidencyManager:
     def make_all_resident(self) -> None:
         """Pages in every weight to the weights zone in one transaction (budget permitting)
         and pins it for the session's life, so captured replays may read any of them."""
+        self._pinned_for_life = True
         names = [n for n in self.order if self.slots[n].state == "evicted"]
         if names:
             self._page_in(names, "weights").synchronize()

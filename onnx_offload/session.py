@@ -22,8 +22,6 @@ import contextlib
 import ctypes
 import dataclasses
 import os
-import shutil
-import tempfile
 import threading
 import warnings
 import weakref
@@ -45,10 +43,11 @@ from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph
 from .host_store import HostStore
 from .interrupts import deferred_interrupts
 from .iobinding import OffloadIOBinding
-from .model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, materialize, optimization_level,
-                    optimize_once, optimized_exists, point_weights_at_placeholder, read_weights, share_unchanged,
+from .model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, load_optimized, materialize,
+                    optimization_level, optimize_once, point_weights_at_placeholder, read_weights, share_unchanged,
                     weights_as_inputs, write_optimized)
-from .model_cache import cache_key, entry_intact, hold_entry, remove_set_aside, set_aside, write_manifest
+from .model_cache import (HeldFiles, cache_folder, cache_key, hold_made, make_partial, open_entry, remove_set_aside,
+                          set_aside, sweep_partials, write_manifest)
 from .ort_memory import OrtMemoryMeter
 from .ort_sessions import (CUDA_EP, SessionFactory, choose_providers, copy_options, normalize_providers, options_key,
                            unseen)
@@ -60,7 +59,7 @@ from .segmenter import Segment, check_bindable, plan_segments, segment_weights, 
 from .slots import slot_kind
 from .streaming import StreamEngine, StreamingUnavailable, choose_engine, plan_stream
 from .stats import OffloadStats, fmt_bytes
-from .workdir import make_workdir, remove_workdir
+from .workdir import disown, make_workdir, remove_workdir
 
 
 def _cuda_status() -> str:
@@ -91,6 +90,14 @@ class OffloadSession(InferenceSessionMembers):
     def __init__(self, path_or_bytes, sess_options: Optional[ort.SessionOptions] = None, providers=None,
                  provider_options=None, *, config: Optional[OffloadConfig] = None, progress=None,
                  record_timeline: bool = False, **config_kwargs):
+        # __init__ run again on a live session replaces it, as InferenceSession.__init__
+        # run again drops the ORT session it had: what the first run made (device memory,
+        # streams, threads, the session's folder) is closed first, or nothing would ever
+        # free it. Calls meanwhile answer StateError; the lock stays the one they wait on.
+        if not getattr(self, "_closed", True):
+            self.close()
+        if getattr(self, "_pid", None) != os.getpid():  # a new object (or a forked child's copy)
+            self._lock = threading.RLock()  # one step at a time: slots, pins and fixed buffers are shared
         self._closed = True
         self._closing = False
         # A keyword InferenceSession takes: ORT optimizers the caller turns off.
@@ -130,7 +137,6 @@ class OffloadSession(InferenceSessionMembers):
         self._pid = os.getpid()
         _LIVE.add(self)
         self._cwd = os.getcwd()  # where ORT writes relative file names (profiles)
-        self._lock = threading.RLock()  # one step at a time: slots, pins and fixed buffers are shared
         self._user_options = sess_options
         if unseen(sess_options):
             warnings.warn("these SessionOptions were made before onnx_offload was imported, so free-dimension "
@@ -149,6 +155,7 @@ class OffloadSession(InferenceSessionMembers):
         self._meter: Optional[OrtMemoryMeter] = None
         self._final_ledger = None
         self._entry_lock: Optional[int] = None  # a shared lock on the cache entry while it is read
+        self._held_files: Optional[HeldFiles] = None  # the files the weights are read from, open until they are
         self._weights = []
         self._required_inputs: List[str] = []
         self._feed_inputs: List[str] = []
@@ -168,73 +175,98 @@ class OffloadSession(InferenceSessionMembers):
     # ------------------------------------------------------------------ construction
     def _optimized_dir(self, src: str, level, own_files: bool) -> str:
         """Where the optimized model lives: a cache entry, published with one rename, or
-        the session's own folder (also when the cache folder cannot be used, with a warning).
-        A cache entry made from the caller's files on disk (`own_files`) reads the weights
-        optimization left unchanged from those files, not from a copy."""
+        the session's own folder (also when the cache folder cannot be used or is not to be
+        trusted, see model_cache.cache_folder, with a warning). A cache entry made from the
+        caller's files on disk (`own_files`) reads the weights optimization left unchanged
+        from those files, not from a copy. The files the key fingerprints and the entry's
+        files are held open (self._held_files): the weights are read through them."""
         cfg = self.config
-        cache = cfg.cache_path
+        self._held_files = HeldFiles()
+        cache, why = cache_folder(cfg.cache_path) if cfg.cache_path else (None, "")
+        if why:
+            why = f"the cache folder {cfg.cache_path!r} {why}; the optimized model stays in the session's folder"
+            warnings.warn(why, OffloadWarning, stacklevel=4)
+            self._notes.append(why)
         if not cache:
             return self._workdir
-        opt_dir = os.path.join(cache, cache_key(src, self._on_cuda, level, cfg.min_weight_bytes,
-                                                self._disabled_optimizers, options_key(self._options), own_files))
+        key = cache_key(src, self._on_cuda, level, cfg.min_weight_bytes, self._disabled_optimizers,
+                        options_key(self._options), own_files, self._held_files)
+        opt_dir = os.path.join(cache, key)
         # The entry is read under a shared lock (released once the weights are read), so
         # that `onnx-offload cache clear` leaves it alone meanwhile. An entry cleared
         # between the lookup and the lock is looked up again, and made again.
         for _ in range(3):
-            if os.path.isdir(opt_dir):
-                if optimized_exists(os.path.join(opt_dir, OPTIMIZED)):
-                    lock = hold_entry(opt_dir)
-                    if lock is None:
-                        continue
-                    if entry_intact(opt_dir):
-                        self._entry_lock = lock
-                        return opt_dir
-                    os.close(lock)
-                    why = (f"the cache entry {opt_dir} is not as it was made (a file changed, was cut short or "
-                           f"added since): it is made again")
-                    warnings.warn(why, OffloadWarning, stacklevel=4)
-                    self._notes.append(why)
-                # An entry missing a file (removed by hand) or changed: set aside, then made
-                # again and published like a new one, never rewritten where others may be
-                # reading it.
+            lock, why = open_entry(opt_dir, key, self._held_files)
+            if lock is not None:
+                self._entry_lock = lock
+                return opt_dir
+            if why:
+                why = f"the cache entry {opt_dir} {why}: it is made again"
+                warnings.warn(why, OffloadWarning, stacklevel=4)
+                self._notes.append(why)
+            if os.path.lexists(opt_dir):
+                # An entry missing a file (removed by hand), changed or not to be trusted:
+                # set aside, then made again and published like a new one, never rewritten
+                # where others may be reading it.
                 set_aside(cache, opt_dir)
                 remove_set_aside(cache)
-            published = self._publish_entry(cache, opt_dir, src, level, own_files)
-            if published != opt_dir:
-                return published
+            published = self._publish_entry(cache, opt_dir, key, src, level, own_files)
+            if published != opt_dir or self._held_files.get(os.path.join(opt_dir, OPTIMIZED)) is not None:
+                return published  # the session's folder, or the entry it made (its files held)
         return self._workdir  # cleared as fast as it was made: the session's own folder
 
-    def _publish_entry(self, cache: str, opt_dir: str, src: str, level, own_files: bool) -> str:
-        """Optimizes into a new folder and publishes it as `opt_dir` with one rename.
-        Returns `opt_dir`, or the session's folder when the cache folder cannot be used."""
+    def _publish_entry(self, cache: str, opt_dir: str, key: str, src: str, level, own_files: bool) -> str:
+        """Optimizes into a new partial folder (named after this process, so that a start
+        killed half-way leaves it behind for no longer than the process: see
+        model_cache.make_partial) and publishes it as `opt_dir` with one rename, its files
+        held open for this session to read. Returns `opt_dir`, or the session's folder when
+        the cache folder cannot take the entry (a full disk, a file size limit) or the
+        model's files changed during the pass (what ORT read is not what the key names)."""
         cfg, dev = self.config, self._device
+        why = tmp = None
+        made = HeldFiles()
         try:
-            os.makedirs(cache, exist_ok=True)
-            tmp = tempfile.mkdtemp(dir=cache, prefix=".partial-")
-        except OSError as e:
-            why = f"the cache folder {cache!r} cannot be used ({e}); the optimized model stays in the session's folder"
-            warnings.warn(why, OffloadWarning, stacklevel=4)
-            self._notes.append(why)
-            return self._workdir
-        try:
+            sweep_partials(cache)
+            tmp = make_partial(cache)
             optimize_once(src, tmp, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
                           self._disabled_optimizers, self._options)
             if own_files:
-                share_unchanged(tmp, src)
-            write_manifest(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted pass leaves nothing behind
-            raise
-        try:
-            os.rename(tmp, opt_dir)
-        except OSError:  # another process published it first
-            shutil.rmtree(tmp, ignore_errors=True)
+                share_unchanged(tmp, src, self._held_files)
+            write_manifest(tmp, key)
+            changed = self._held_files.changed()
+            if not changed:
+                made = hold_made(tmp, opt_dir)
+        except OSError as e:  # a full disk, a file size limit (model.SaveFailed), no permission
+            why = f"the cache folder {cache!r} cannot be used ({e}); the optimized model stays in the session's folder"
+        else:
+            if changed:
+                why = (f"the model's files changed while ORT optimized it ({', '.join(changed)}): no cache entry is "
+                       f"made of what it read; the optimized model stays in the session's folder")
+            else:
+                try:
+                    os.rename(tmp, opt_dir)
+                except OSError:
+                    pass  # another process published it first: it is looked up next
+                else:
+                    disown(tmp)
+                    self._held_files.adopt(made)
+        finally:
+            made.close()
+            if tmp is not None:
+                remove_workdir(tmp)  # a failed or interrupted pass leaves nothing behind
+        if why:
+            warnings.warn(why, OffloadWarning, stacklevel=4)
+            self._notes.append(why)
+            return self._workdir
         return opt_dir
 
     def _release_entry(self) -> None:
         if self._entry_lock is not None:
             os.close(self._entry_lock)
             self._entry_lock = None
+        if self._held_files is not None:
+            self._held_files.close()
+            self._held_files = None
 
     def _build(self, path_or_bytes, progress, record_timeline):
         cfg, dev = self.config, self._device
@@ -249,10 +281,11 @@ class OffloadSession(InferenceSessionMembers):
             opt_dir = self._optimized_dir(src, level, from_file)
             opt_path = optimize_once(src, opt_dir, self._on_cuda, level, cfg.min_weight_bytes, dev, self._notes,
                                      self._disabled_optimizers, self._options)
+        held = self._held_files  # what the weights are read through: the files that were fingerprinted
         if self._user_options is not None and self._user_options.optimized_model_filepath:
-            write_optimized(opt_path, self._user_options.optimized_model_filepath)
-        model = onnx.load(opt_path, load_external_data=False)
-        inside = keep_in_model(model, opt_dir, shareable)
+            write_optimized(opt_path, self._user_options.optimized_model_filepath, held)
+        model = load_optimized(opt_path, held)
+        inside = keep_in_model(model, opt_dir, shareable, held)
         if inside:
             self._notes.append(f"{len(inside)} initializers of types ORT cannot take in place (such as "
                                f"{inside[0]!r}) stay inside the model: ORT owns their memory")
@@ -302,8 +335,7 @@ class OffloadSession(InferenceSessionMembers):
             least = smallest_budget(cfg, **inputs)
             why = str(e).rstrip(".") + "."
             if not least:
-                limit = (f" The weights zone's allowance (weight_bytes={cfg.weight_bytes}) is what limits: raise it"
-                         f"{'' if cfg.offload else ' or turn offload on'}." if cfg.weight_bytes else "")
+                limit = self._what_limits(inputs)
                 raise BudgetExceeded(f"{why} Not even the device's {fmt_bytes(dev.device_total)} would run this "
                                      f"model with this configuration.{limit}") from None
             raise BudgetExceeded(f"{why} The smallest budget that runs it with this configuration is "
@@ -346,7 +378,7 @@ class OffloadSession(InferenceSessionMembers):
 
         self._store = HostStore(dev.backend, weights)
         with self._progress.phase("reading weights", sum(w.nbytes for w in weights), "B") as update:
-            self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, update)
+            self._store.fill_from_file(os.path.join(opt_dir, OPTIMIZED_DATA), weights, update, self._held_files)
         self._release_entry()  # everything the session reads from the cache entry is read
         self._meter = OrtMemoryMeter(dev)
         factory = SessionFactory(dev, self._options, self._cuda_options, cfg.device_id, plan.ort_memory_cap)
@@ -370,6 +402,21 @@ class OffloadSession(InferenceSessionMembers):
                 self._make_segment_runner()
         self._notes.extend(self._runner.notes)
         self._residency.reset_counters()  # count runs, not the page-ins of construction
+
+    def _what_limits(self, inputs) -> str:
+        """For a configuration that no budget of this device runs: the keyword to change."""
+        cfg, total = self.config, self._device.device_total
+        largest = max(inputs["weight_costs"].values(), default=0)
+        reserves = {k: getattr(cfg, k) for k in ("kv_bytes", "scratch_bytes") if getattr(cfg, k)}
+        if reserves and sum(reserves.values()) + largest > total:
+            given = " and ".join(f"{k}={v}" for k, v in reserves.items())
+            return (f" The reserves ({given}) leave no room for the largest weight ({largest} committed bytes) on "
+                    f"the device's {total} bytes: lower {' or '.join(reserves)} below {max(0, total - largest)} "
+                    f"in all.")
+        if cfg.weight_bytes:
+            return (f" The weights zone's allowance (weight_bytes={cfg.weight_bytes}) is what limits: raise it"
+                    f"{'' if cfg.offload else ' or turn offload on'}.")
+        return ""
 
     def _split(self, plan) -> List[Segment]:
         """The segments of `plan`: made before anything changes, since a model may not split."""
@@ -444,9 +491,11 @@ class OffloadSession(InferenceSessionMembers):
                 self._residency.counters = counters
 
     def _drop_runner(self) -> None:
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
+        # The runner is let go before it closes: a member that takes no lock finds None,
+        # and waits for the lock and the runner made under it (_live_runner).
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.close()
         if self._residency is not None:
             self._residency.close()
             self._residency = None
@@ -669,19 +718,19 @@ class OffloadSession(InferenceSessionMembers):
 
     # ------------------------------------------------------------------ introspection
     def get_inputs(self):
-        runner = self._live_runner()
         # As ORT lists them: the inputs a caller feeds, never the weights (which a session
         # without stable addresses receives as inputs of its own).
         fed = set(self._feed_inputs)
-        listed = self._graph_inputs if runner.streaming else runner.single.get_inputs()
-        return [i for i in listed if i.name in fed]
+
+        def listed(runner):
+            return self._graph_inputs if runner.streaming else runner.single.get_inputs()
+        return [i for i in self._ask_runner(listed) if i.name in fed]
 
     def get_outputs(self):
-        runner = self._live_runner()
-        return runner.single.get_outputs() if not runner.streaming else list(self._graph_outputs)
+        return self._ask_runner(lambda r: r.single.get_outputs() if not r.streaming else list(self._graph_outputs))
 
     def get_providers(self):
-        return self._live_runner().single.get_providers()
+        return self._ask_runner(lambda r: r.single.get_providers())
 
     def _live_runner(self):
         """The runner, for members that take no lock (as ORT's do not): None only while
@@ -695,6 +744,19 @@ class OffloadSession(InferenceSessionMembers):
                 runner = self._runner
         return runner
 
+    def _ask_runner(self, question):
+        """question(runner) of the runner in force, for members that take no lock. A
+        runner that another thread closes meanwhile (the session moving to segments) is
+        no answer: the question goes to the runner made in its place. Once the session
+        closes, StateError."""
+        while True:
+            runner = self._live_runner()
+            try:
+                return question(runner)
+            except StateError:
+                if self._runner is runner:  # the runner in force raised it: the answer
+                    raise
+
     def get_session_options(self):
         """The SessionOptions as the caller gave them (ORT's defaults when none were).
         The ORT sessions underneath run the graph optimized once, with optimizations
@@ -704,7 +766,10 @@ class OffloadSession(InferenceSessionMembers):
 
     @property
     def graph_capture(self) -> GraphCaptureDecision:
-        return self._runner.capture
+        runner = self._runner
+        if runner is None and not self._closed:  # another thread moves the session to another runner
+            runner = self._live_runner()
+        return runner.capture
 
     def timeline_png(self, path: str) -> str:
         """Draws the residency timeline (a session made with record_timeline=True) with

@@ -48,6 +48,26 @@ def test_the_commands_own_defaults_apply_without_flag_or_environment(model_path,
     assert "/ planned (vmm)" in out.out, out.out
 
 
+@pytest.mark.parametrize("var,flags", [
+    ("ONNX_GENAI_VRAM_LIMIT", ["--vram-limit", "256MiB"]),
+    ("ONNX_GENAI_WEIGHT_OFFLOAD_POLICY", ["--policy", "mru"]),
+    ("ONNX_GENAI_WEIGHT_OFFLOAD", ["--offload"]),
+    ("ONNX_GENAI_WEIGHT_OFFLOAD_VMM", ["--no-vmm"]),
+    ("ONNX_GENAI_CUDA_GRAPH", ["--no-cuda-graph"]),
+])
+def test_a_flag_wins_over_an_invalid_variable_and_without_it_the_error_names_it(model_path, capsys, monkeypatch,
+                                                                               var, flags):
+    path, weights = model_path
+    monkeypatch.setenv(var, "garbage")
+    argv = ["run", path, "--cpu", "--steps", "1", "--weight-bytes", str(weights // 2)]
+    if var != "ONNX_GENAI_VRAM_LIMIT":
+        argv += ["--vram-limit", "256MiB"]
+    rc, out = run(argv + flags, capsys)
+    assert rc == 0, out.err
+    rc, out = run(argv, capsys)
+    assert rc == 2 and f"{var}='garbage' is not valid" in out.err, out.err
+
+
 def test_help_names_the_variable_each_flag_overrides(capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])

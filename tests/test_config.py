@@ -107,3 +107,58 @@ def test_advanced_keywords_take_sizes_and_digits():
                                             ("none", "off"), ("auto", "auto")])
 def test_cache_dir_switches_are_not_folder_names(value, expected):
     assert OffloadConfig.from_env({"ONNX_OFFLOAD_CACHE_DIR": value}).cache_dir == expected
+
+
+# (variable, a value it refuses, the keyword that overrides it, a value of that keyword, the field and its value)
+OVERRIDDEN = [
+    ("ONNX_GENAI_WEIGHT_OFFLOAD", "garbage", "offload", True, "offload", True),
+    ("ONNX_GENAI_WEIGHT_OFFLOAD_VMM", "garbage", "vmm", "0", "vmm", False),
+    ("ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES", "garbage", "weight_bytes", "1GiB", "weight_bytes", GiB),
+    ("ONNX_GENAI_WEIGHT_OFFLOAD_POLICY", "garbage", "policy", "lru", "policy", "lru"),
+    ("ONNX_GENAI_VRAM_LIMIT", "garbage", "vram_limit", "1GiB", "vram_limit", GiB),
+    ("ONNX_GENAI_VRAM_LIMIT", "1", "vram_limit", 0.5, "vram_limit", 0.5),  # one byte: less than a granule
+    ("ONNX_GENAI_CUDA_GRAPH", "garbage", "cuda_graph", False, "graph_override", False),
+    ("ONNX_GENAI_CUDA_GRAPH", "garbage", "graph_override", True, "graph_override", True),
+    ("ONNX_OFFLOAD_ENGINE", "garbage", "engine", "segments", "engine", "segments"),
+]
+
+
+@pytest.mark.parametrize("var,bad,keyword,value,field,expected", OVERRIDDEN,
+                         ids=[f"{o[0]}={o[1]}-{o[2]}" for o in OVERRIDDEN])
+def test_a_keyword_wins_over_an_invalid_variable_which_is_then_not_read(var, bad, keyword, value, field, expected):
+    env = {var: bad}
+    with pytest.raises(ValueError, match=var):  # not overridden: an error that names the variable
+        OffloadConfig.from_env(env)
+    with pytest.raises(ValueError, match=var):  # a keyword given as None overrides nothing
+        OffloadConfig.from_env(env, **{keyword: None})
+    c = OffloadConfig.from_env(env, **{keyword: value})
+    assert getattr(c, field) == expected
+    other = "policy" if keyword != "policy" else "engine"  # another keyword leaves the variable in force
+    with pytest.raises(ValueError, match=var):
+        OffloadConfig.from_env(env, **{other: OffloadConfig.__dataclass_fields__[other].default})
+
+
+def test_an_explicit_vram_limit_runs_a_session_whatever_the_variable_says(monkeypatch):
+    import numpy as np
+    from onnx_offload import OffloadSession
+    from onnx_offload.models import mlp_stack
+    model = mlp_stack(layers=2, hidden=256, batch=4).SerializeToString()
+    monkeypatch.setenv("ONNX_GENAI_VRAM_LIMIT", "garbage")
+    with pytest.raises(ValueError, match="ONNX_GENAI_VRAM_LIMIT='garbage'"):
+        OffloadSession(model, providers=["CPUExecutionProvider"])
+    with OffloadSession(model, providers=["CPUExecutionProvider"], vram_limit="1GiB") as s:
+        assert s.device.ledger.snapshot().budget == GiB
+        assert s.run(None, {"x": np.ones((4, 256), np.float32)})[0].shape == (4, 256)
+
+
+@pytest.mark.parametrize("n", [2**62, 2**63 - 1, 0])
+def test_a_zone_va_that_cannot_be_reserved_is_a_value_error_naming_it(n):
+    with pytest.raises(ValueError, match="zone_va_bytes"):
+        OffloadConfig(zone_va_bytes=n)
+
+
+def test_the_arena_refuses_a_reservation_past_the_address_space():
+    from onnx_offload import _core
+    backend = _core.make_host_backend(64 << 10)
+    with pytest.raises(ValueError, match="zone_va_bytes"):
+        _core.Arena(backend, _core.BudgetOwner(1 << 20), zone_va_bytes=2**62)

@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from onnx_offload import CorruptModel, OffloadConfig, OffloadSession, cli
+from onnx_offload import BudgetExceeded, CorruptModel, OffloadConfig, OffloadSession, cli
 from onnx_offload.config import parse_vram_limit
 from onnx_offload.models import mlp_stack, save
 
@@ -229,3 +229,16 @@ def test_an_eos_past_64_bits_is_refused_at_the_call():
         with pytest.raises(ValueError, match="eos_token_id"):
             s.generate_iter(np.arange(4)[None], 3, eos_token_id=2**63)
         assert s.generate(np.arange(4)[None], 3, eos_token_id=[5, 2**63 - 1]).shape == (1, 7)
+
+
+@pytest.mark.parametrize("key", ["kv_bytes", "scratch_bytes"])
+def test_a_reserve_larger_than_the_device_is_named_as_what_limits(key):
+    from onnx_offload.models import mlp_stack
+    m = mlp_stack(layers=3, hidden=256, batch=4).SerializeToString()
+    with pytest.raises(BudgetExceeded) as e:
+        OffloadSession(m, providers=["CPUExecutionProvider"], offload=True, vmm=True, vram_limit="64MiB",
+                       **{key: 10**15})
+    assert f"lower {key}" in str(e.value) and "weight_bytes" not in str(e.value)
+    with OffloadSession(m, providers=["CPUExecutionProvider"], offload=True, vmm=True, vram_limit="64MiB",
+                        **{key: "1MiB"}) as s:  # the advice followed, on the same budget
+        s.run(None, {"x": np.ones((4, 256), np.float32)})

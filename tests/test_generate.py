@@ -543,6 +543,70 @@ def test_an_interrupt_right_after_a_weight_is_pinned_leaves_it_unpinned(nth):
     assert final.committed == 0 and s.stats().arena.refcount_underflows == 0
 
 
+def _interrupt_before_line(code, call: int, line: int) -> dict:
+    """A tracer that raises KeyboardInterrupt before the `line`-th line that the `call`-th
+    call of `code` runs (as a signal's handler may, between any two lines); `line` 0
+    raises nowhere and counts the lines that call runs."""
+    state = dict(calls=0, lines=0, fired=False)
+
+    def local(frame, event, arg):
+        if event == "line":
+            state["lines"] += 1
+            if state["lines"] == line and not state["fired"]:
+                state["fired"] = True
+                raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        state["calls"] += 1
+        return local if state["calls"] == call else None
+    state["tracer"] = tracer
+    return state
+
+
+@pytest.mark.parametrize("method", ["acquire", "release"])
+def test_an_interrupt_before_any_line_of_a_segments_acquire_or_release_leaves_the_session_whole(method):
+    """Under lru (misses evict other weights) a KeyboardInterrupt before each line, in
+    turn, of one segment's acquire() or release(): the idle session holds no pin and no
+    transient byte, the policy tracks exactly the weights resident in the weights zone,
+    and the next generation's tokens are right."""
+    import sys
+    from onnx_offload import residency
+    model = model_of("standard")
+    ids = prompt(2)
+    want = reference_greedy(model, ids, 4)
+    code = getattr(residency.ResidencyManager, method).__code__
+    with session(model, offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3, policy="lru") as s:
+        assert len(s.segments) > 6
+        counting = _interrupt_before_line(code, 6, 0)
+        sys.settrace(counting["tracer"])
+        try:
+            s.generate(ids, 4)
+        finally:
+            sys.settrace(None)
+        assert counting["lines"] > 10
+        for line in range(1, counting["lines"] + 1):
+            trace = _interrupt_before_line(code, 6, line)
+            sys.settrace(trace["tracer"])
+            try:
+                s.generate(ids, 4)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+            res = s.residency
+            assert [n for n, slot in res.slots.items() if slot.state == "pinned"] == [], line
+            assert s.device.ledger.snapshot().zones["transient"].committed.current == 0, line
+            held = {n for n, slot in res.slots.items() if slot.state != "evicted" and slot.charged_zone == "weights"}
+            assert set(res.policy._recent) == held, line
+            np.testing.assert_array_equal(s.generate(ids, 4), want)
+            assert trace["fired"], f"the call ran {trace['lines']} lines, not {line}"
+        final = s.close()
+    assert final.committed == 0 and s.stats().arena.refcount_underflows == 0
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_generation_longer_than_the_model_is_refused_before_it_runs(layout, tmp_path):
     model = model_of(layout)
@@ -562,7 +626,8 @@ def test_without_a_config_the_rotary_table_bounds_the_length():
 
 
 @pytest.mark.parametrize("config", ['{"model": {"eos_token_id": null}}', '{"search": {"max_length": "abc"}}',
-                                    '{"model": {"decoder": []}}', "{not json", '{"model": {"eos_token_id": [[2, 3]]}}'])
+                                    '{"model": {"decoder": []}}', "{not json", '{"model": {"eos_token_id": [[2, 3]]}}',
+                                    '{"model": {"eos_token_id": 18446744073709551616}}'])
 def test_a_bad_genai_config_still_runs_and_generate_says_what_is_wrong(config, tmp_path):
     model = model_of("gqa")
     path = save_decoder(model, str(tmp_path / "llm"))
@@ -571,6 +636,29 @@ def test_a_bad_genai_config_still_runs_and_generate_says_what_is_wrong(config, t
     with OffloadSession(path, providers=CPU, vram_limit="64MiB", host_granularity=4096) as s:
         with pytest.raises(UnsupportedModel, match="genai_config.json cannot be used"):
             s.generate(prompt(1), 4)
+
+
+@pytest.mark.parametrize("name", ["genai_config.json", "config.json"])
+def test_a_deeply_nested_config_beside_the_model_leaves_the_session_and_run_working(name, tmp_path):
+    """A config 100,000 levels deep (more than Python's recursion limit): the session is
+    made and run() runs; an unusable genai_config.json makes generate() raise
+    UnsupportedModel, and a config.json that is no model's gives no sliding window."""
+    model = model_of("standard")  # the sliding window is read for standard attention
+    path = save_decoder(model, str(tmp_path / "llm"))
+    with open(tmp_path / "llm" / name, "w") as f:
+        f.write('{"model": ' * 100000 + "1" + "}" * 100000)
+    ids = prompt(1)
+    with OffloadSession(path, providers=CPU, vram_limit="64MiB", host_granularity=4096) as s:
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(6)[None]}
+        for i in s.get_inputs():
+            if i.name.startswith("past_key_values"):
+                feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+        assert s.run(["logits"], feeds)[0].shape[:2] == (1, 6)
+        if name == "genai_config.json":
+            with pytest.raises(UnsupportedModel, match="genai_config.json cannot be used: .*nested"):
+                s.generate(ids, 4)
+        else:
+            np.testing.assert_array_equal(s.generate(ids, 4), reference_greedy(model, ids, 4))
 
 
 def test_a_decoder_whose_logits_are_the_last_position_only_generates_the_same_tokens():
@@ -662,6 +750,8 @@ def test_left_padded_prompts_of_different_lengths_generate_as_a_plain_ort_loop(l
     (np.full((2, 6), 2), ValueError, "0 .padding. and 1"),
     (np.full((2, 6), 0.5), ValueError, "0 .padding. and 1"),
     (np.array([[0] * 6, [1] * 6]), ValueError, "at least one token"),
+    (np.array([[1] * 5 + [0], [1] * 6]), ValueError, "attention_mask .* left padding"),
+    (np.array([[0, 1, 1, 0, 1, 1], [1] * 6]), ValueError, "attention_mask .* left padding"),
 ])
 def test_a_bad_attention_mask_is_refused_at_the_call(mask, error, needle):
     with session(model_of("standard")) as s:

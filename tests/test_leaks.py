@@ -149,3 +149,33 @@ def test_a_forked_child_drops_its_parents_session_and_makes_its_own():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     np.testing.assert_array_equal(s.generate(ids, 4), want)
     assert s.close().committed == 0
+
+
+def memfds() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+def test_init_again_on_a_live_session_closes_what_the_first_made():
+    """As ORT's InferenceSession.__init__ run again drops the session it had: the second
+    __init__ closes what the first made (memory, streams, threads, fds, the session's
+    folder), then builds; what it built runs, and close() gives every byte back."""
+    from onnx_offload.workdir import _owned
+    model = mlp_stack(layers=4, hidden=256, batch=4)
+    data = model.SerializeToString()
+    kw = dict(providers=CPU, offload=True, vmm=True, vram_limit="256MiB", weight_bytes=weight_bytes(model) // 2)
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    want = OffloadSession(data, **kw).run(None, {"x": x})
+    gc.collect()
+    threads0, fds0, memfds0, folders0 = steady_threads(), open_fds(), memfds(), len(_owned)
+    for _ in range(10):
+        s = OffloadSession(data, **kw)
+        first = s._device
+        s.__init__(data, **kw)
+        assert first.closed and s._device is not first
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], want[0], rtol=1e-6)
+        assert s.close().committed == 0
+    assert memfds() - memfds0 <= 0, f"{memfds() - memfds0} memfds outlive the sessions"
+    assert len(_owned) == folders0, f"{len(_owned) - folders0} session folders outlive the sessions"
+    assert threads_settled(threads0) - threads0 <= 0, "threads outlive the sessions"
+    assert open_fds() - fds0 <= 0, f"{open_fds() - fds0} fds outlive the sessions"

@@ -143,10 +143,14 @@ class ChildResult:
 
 def run_child(script: str, *args: str, timeout: float = 60) -> ChildResult:
     """Runs `python script args...`; fails the test on a hang (timeout), a crash (a
-    signal), a non-zero exit or a missing result line."""
+    signal), a non-zero exit or a missing result line. The child imports the package
+    from where this process imported it (the source tree, or an installed copy)."""
+    import onnx_offload
     cmd = [sys.executable, script, *args]
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(onnx_offload.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         pytest.fail(f"{' '.join(args)}: hung (no exit within {timeout} s)\n{err[-3000:]}")
