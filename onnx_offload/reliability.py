@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from . import reliability_hostile, reliability_trust
 from .stats import table
 
 MiB = 1 << 20
@@ -370,7 +371,8 @@ def bad_inputs() -> dict:
 
 
 CHILDREN: Dict[str, Callable[..., dict]] = {f.__name__: f for f in
-                                            (soak_arena, soak_session, faults, threads, interrupts, fork, bad_inputs)}
+                                            (soak_arena, soak_session, faults, threads, interrupts, fork, bad_inputs,
+                                             *reliability_trust.CHILDREN, *reliability_hostile.CHILDREN)}
 
 # (row label, child, its arguments, timeout in seconds)
 SCENARIOS = [
@@ -384,6 +386,8 @@ SCENARIOS = [
       for p in POLICIES for v in ("1", "0")],
     ("fork: child run + close", "fork", (), 60),
     ("bad inputs", "bad_inputs", (), 60),
+    *reliability_trust.SCENARIOS,
+    *reliability_hostile.SCENARIOS,
 ]
 
 
