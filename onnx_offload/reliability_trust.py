@@ -110,6 +110,16 @@ def output(path_or_bytes, cache, **kw) -> np.ndarray:
             s.close()
 
 
+def cached_model(base: str, seed: int) -> Tuple[np.ndarray, str, str, str]:
+    """A model under `base` whose session made its cache entry: (its weight, its path,
+    the cache folder, the entry)."""
+    w = weight(seed)
+    path = add_model(base, w)
+    cache = os.path.join(base, "cache")
+    output(path, cache)
+    return w, path, cache, the_entry(cache)
+
+
 def the_entry(cache: str) -> str:
     """The one published entry in `cache`."""
     (name,) = [n for n in os.listdir(cache) if not n.startswith(".")]
@@ -287,11 +297,7 @@ def trust_links() -> dict:
     base = world()
     attempts = wrong = leaks = 0
     try:
-        w = weight(3)
-        path = add_model(base, w)
-        cache = os.path.join(base, "cache")
-        output(path, cache)
-        entry = the_entry(cache)
+        w, path, cache, entry = cached_model(base, 3)
         elsewhere = os.path.join(base, "elsewhere")
         shutil.copytree(entry, elsewhere)
         with open(os.path.join(elsewhere, OPTIMIZED_DATA), "r+b") as f:
@@ -338,11 +344,7 @@ def trust_special_entry(which: str = "zero") -> dict:
     base = world()
     wrong = leaks = 0
     try:
-        w = weight(4)
-        path = add_model(base, w)
-        cache = os.path.join(base, "cache")
-        output(path, cache)
-        entry = the_entry(cache)
+        w, path, cache, entry = cached_model(base, 4)
         if which == "zero":
             repoint(entry, "/dev/zero")
             refresh_manifest(entry, "/dev/zero")
