@@ -141,7 +141,7 @@ def test_make_room_calls_python_reclaimers_while_another_thread_reads_the_ledger
     root = os.path.dirname(os.path.dirname(os.path.abspath(onnx_offload.__file__)))
     try:
         proc = subprocess.run([sys.executable, "-c", READ_WHILE_MAKING_ROOM], capture_output=True, text=True,
-                              timeout=60, env=dict(os.environ, PYTHONPATH=root))
+                              timeout=60, env=dict(os.environ, PYTHONPATH=root), cwd=os.path.dirname(__file__))
     except subprocess.TimeoutExpired:
         pytest.fail("make_room and a reader of the ledger hung")
     assert proc.returncode == 0, f"exit {proc.returncode} (a deadlock dumps the stacks):\n{proc.stderr[-3000:]}"
