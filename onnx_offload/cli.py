@@ -345,10 +345,15 @@ def cmd_bench(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from .config import OffloadConfig
+    from .config import OffloadConfig, parse_cache_dir
     from .model_cache import cache_entries, clear_cache
     from .stats import fmt_bytes, table
-    cache = OffloadConfig.from_env(**config_kwargs(args)).cache_path
+    # Only the cache's own flag and variable: the others configure sessions, not the cache.
+    folder = args.cache_dir if args.cache_dir is not None else os.environ.get(ENV_CACHE_DIR)
+    cache = OffloadConfig() if folder is None else OffloadConfig(cache_dir=parse_cache_dir(folder, ENV_CACHE_DIR
+                                                                                           if args.cache_dir is None
+                                                                                           else "--cache-dir"))
+    cache = cache.cache_path
     if cache is None:
         print(f"the cache is off ({ENV_CACHE_DIR} or --cache-dir): there is nothing to show or clear")
         return 0

@@ -115,3 +115,10 @@ def test_an_ort_error_on_the_feeds_is_one_line_and_exit_2(model_path, capsys, tm
     rc, out = run(["run", model_path[0], "--vram-limit", "256MiB", "--inputs", feeds], capsys)
     assert rc == 2 and "Traceback" not in out.err, out.err
     assert out.err.startswith("onnx-offload: ") and len(out.err.strip().splitlines()) == 1, out.err
+
+
+def test_the_cache_command_reads_only_the_cache_s_own_variable(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("ONNX_GENAI_VRAM_LIMIT", "garbage")  # configures sessions, not the cache
+    monkeypatch.setenv("ONNX_OFFLOAD_CACHE_DIR", str(tmp_path))
+    assert cli.main(["cache", "info"]) == 0
+    assert str(tmp_path) in capsys.readouterr().out
