@@ -28,10 +28,6 @@ import numpy as np
 CPU = ["CPUExecutionProvider"]
 
 
-def _result(attempts=0, clear_errors=0, wrong_outputs=0, leaks=0, **notes) -> dict:
-    return dict(attempts=attempts, clear_errors=clear_errors, wrong_outputs=wrong_outputs, leaks=leaks, **notes)
-
-
 class _Tally:
     def __init__(self):
         self.attempts = self.clear = self.wrong = self.leaks = 0
@@ -57,6 +53,7 @@ class _Tally:
             self.wrong += 1
 
     def result(self) -> dict:
+        from .reliability import _result
         return _result(self.attempts, self.clear, self.wrong, self.leaks)
 
 
@@ -195,6 +192,7 @@ def hostile_stats(seconds: str = "10") -> dict:
         done.set()
         poller.join()
     final = s.close()
+    from .reliability import _result
     return _result(rounds, 0, differ + len(errors), int(final.committed != 0), polls=polls[0])
 
 
