@@ -13,7 +13,10 @@
 #include <sys/sysinfo.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -228,6 +231,23 @@ class HostGraphImpl : public HostGraph {
   std::vector<Task> tasks_;
 };
 
+// A line of /proc/meminfo in KiB ("MemAvailable:"), 0 when it is absent.
+uint64_t meminfo_kib(const char* key) {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  uint64_t value = 0;
+  const std::size_t n = std::strlen(key);
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::strncmp(line, key, n) == 0) {
+      value = std::strtoull(line + n, nullptr, 10);
+      break;
+    }
+  }
+  std::fclose(f);
+  return value;
+}
+
 class HostBackend : public PhysicalBackend {
  public:
   explicit HostBackend(uint64_t granularity) : gran_(granularity) {
@@ -292,10 +312,16 @@ class HostBackend : public PhysicalBackend {
   }
   void host_register(void*, uint64_t) override {}
   void host_unregister(void*) noexcept override {}
+  // Free memory as the kernel reports it available (MemAvailable: free pages plus the
+  // page cache and slabs it can reclaim), as a GPU's free memory is what an allocation
+  // can still get; "auto" and fractions then mean the same on both.
   std::pair<uint64_t, uint64_t> mem_info() override {
     struct sysinfo si {};
     if (sysinfo(&si) != 0) throw_errno("sysinfo");
-    return {uint64_t(si.freeram + si.bufferram) * si.mem_unit, uint64_t(si.totalram) * si.mem_unit};
+    const uint64_t total = uint64_t(si.totalram) * si.mem_unit;
+    uint64_t avail = meminfo_kib("MemAvailable:") * 1024;
+    if (avail == 0) avail = uint64_t(si.freeram + si.bufferram) * si.mem_unit;  // kernels before 3.14
+    return {std::min(avail, total), total};
   }
 
  protected:

@@ -256,3 +256,16 @@ def test_plain_allocations_free_exactly_what_they_took(rig_factory):
     np.testing.assert_array_equal(rig.read(upper, n), np.full(n, 7, np.uint8))
     rig.arena.plain_free(upper)
     assert rig.ledger.committed == 0 and not rig.invariants()
+
+
+def test_host_backend_free_memory_is_what_the_kernel_reports_available():
+    """vram_limit="auto" and fractions mean on the CPU what they mean on a GPU: free is
+    MemAvailable (the page cache the kernel can reclaim counts), not MemFree + Buffers."""
+    from onnx_offload import _core
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    free, total = _core.make_host_backend(2 * MiB).mem_info()
+    assert total == pytest.approx(info["MemTotal"], rel=0.01)
+    # The two reads are a moment apart: the machine's other processes move the figure a little.
+    assert free == pytest.approx(info["MemAvailable"], abs=256 * MiB)
+    assert free <= total

@@ -396,6 +396,12 @@ def run_child(code: str, tmp_path, wait_for_line: bool = True):
     return child, line
 
 
+# The child waits in short sleeps: a process-directed SIGTERM may be taken by any of its
+# threads that does not block it (ORT's pool, the host backend's stream workers), and then
+# Python runs the handler only when the main thread next runs bytecode, which one long
+# sleep would put off until it ends.
+WAIT = "for _ in range(600): time.sleep(0.1)"
+
 MAKE_AND_WAIT = """
     import sys, time
     from onnx_offload.workdir import make_workdir
@@ -424,7 +430,7 @@ def test_workdir_records_pid_and_is_removed(private_tmp):
 
 
 def test_sigterm_removes_the_workdir(private_tmp):
-    child, path = run_child(MAKE_AND_WAIT.format(then="time.sleep(60)"), private_tmp)
+    child, path = run_child(MAKE_AND_WAIT.format(then=WAIT), private_tmp)
     assert os.path.isdir(path)
     child.send_signal(signal.SIGTERM)
     child.communicate(timeout=30)
@@ -443,7 +449,7 @@ def test_existing_sigterm_handler_is_kept(private_tmp):
     code = MAKE_AND_WAIT.replace("import sys, time", textwrap.dedent("""\
         import signal, sys, time
         signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))""").replace("\n", "\n    "))
-    child, path = run_child(code.format(then="time.sleep(60)"), private_tmp)
+    child, path = run_child(code.format(then=WAIT), private_tmp)
     child.send_signal(signal.SIGTERM)
     child.communicate(timeout=30)
     assert child.returncode == 7  # the application's handler ran; atexit cleaned up
@@ -456,7 +462,7 @@ def test_stale_workdirs_are_swept_and_live_ones_kept(private_tmp):
                                 private_tmp)
     dead.communicate(timeout=30)
     assert os.path.isdir(dead_path)  # os._exit runs no cleanup
-    live, live_path = run_child(MAKE_AND_WAIT.format(then="time.sleep(60)"), private_tmp)
+    live, live_path = run_child(MAKE_AND_WAIT.format(then=WAIT), private_tmp)
     foreign = private_tmp / "onnx-offload-notours"
     foreign.mkdir()
     try:
@@ -498,7 +504,7 @@ def session_workdir_or_skip(path: str) -> str:
 def test_session_folder_does_not_outlive_its_process(how, private_tmp):
     """Needs session.py to create its folder with make_workdir (skips until then)."""
     from onnx_offload.workdir import make_workdir, remove_workdir
-    then = "time.sleep(60)" if how == "sigterm" else "os._exit(0)"
+    then = WAIT if how == "sigterm" else "os._exit(0)"
     child, path = run_child(SESSION_CHILD.format(then=then), private_tmp)
     if how == "sigterm":
         child.send_signal(signal.SIGTERM)
