@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -68,7 +69,22 @@ _CONFIG_FLAGS = (
     ("vmm", "vmm", ENV_VMM, True),
     ("cuda_graph", "cuda_graph", ENV_CUDA_GRAPH, None),
     ("cache_dir", "cache_dir", ENV_CACHE_DIR, None),
+    ("kv_bytes", "kv_bytes", None, None),
+    ("scratch_bytes", "scratch_bytes", None, None),
+    ("prefill_chunk", "prefill_chunk", None, None),
 )
+
+# The configuration's keywords as this command's flags, for the advice an error gives.
+_FLAG_OF = {"vram_limit": "--vram-limit", "weight_bytes": "--weight-bytes", "kv_bytes": "--kv-bytes",
+            "scratch_bytes": "--scratch-bytes", "prefill_chunk": "--prefill-chunk"}
+_KEYWORD = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")=(\w+)")
+
+
+def as_flags(message: str) -> str:
+    """An error's advice in this command's terms: `kv_bytes=N` becomes `--kv-bytes N`,
+    `offload=True` becomes `--offload`."""
+    message = _KEYWORD.sub(lambda m: f"{_FLAG_OF[m.group(1)]} {m.group(2)}", message)
+    return message.replace("offload=True", "--offload")
 
 
 def config_kwargs(args) -> dict:
@@ -91,6 +107,9 @@ def check_config_flags(args) -> None:
         parse_vram_limit(args.vram_limit, "--vram-limit")
     if args.weight_bytes is not None:
         parse_bytes(args.weight_bytes, "--weight-bytes")
+    for flag in ("kv_bytes", "scratch_bytes"):
+        if getattr(args, flag, None) is not None:
+            setattr(args, flag, parse_bytes(getattr(args, flag), "--" + flag.replace("_", "-")))
 
 
 def positive_int(text: str, least: int = 1) -> int:
@@ -293,7 +312,9 @@ def cmd_demo(args) -> int:
         print(f"demo: a 16-layer MLP with {weights / 2**20:.0f} MiB of weights under a {budget / 2**20:.0f} MiB "
               f"budget, on {'the GPU (CUDA VMM)' if kind == 'cuda' else 'the CPU (host backend)'}")
         want = ort.InferenceSession(path, providers=[_provider(kind)]).run(None, {"x": x})[0]
-        with OffloadSession(path, providers=[_provider(kind)], offload=True, vmm=True, vram_limit=budget) as s:
+        # The demo's model is made anew each run: a cache entry of it would never be used.
+        with OffloadSession(path, providers=[_provider(kind)], offload=True, vmm=True, vram_limit=budget,
+                            cache_dir="off") as s:
             for _ in range(3):
                 got = s.run(None, {"x": x})[0]
             st = s.stats()
@@ -331,6 +352,16 @@ def cmd_bench(args) -> int:
         from .bench_compare import bench_compare, print_compare
         res = bench_compare(kind, out)
         text = print_compare(res)
+    elif args.what == "cards":
+        from .bench_cards import BATCHES, PROMPTS, bench_cards, print_cards
+        from .config import parse_bytes
+
+        def listed(text, parse, default):
+            return default if not text else [parse(t.strip()) for t in text.split(",") if t.strip()]
+        res = bench_cards(kind, out, cards=listed(args.cards, lambda t: parse_bytes(t, "--cards"), None),
+                          prompts=listed(args.prompts, positive_int, PROMPTS),
+                          batches=listed(args.batches, positive_int, BATCHES))
+        text = print_cards(res)
     elif args.what == "session":
         res = bench.bench_session(kind, out)
         text = bench.print_session(res)
@@ -388,6 +419,11 @@ def _config_flags(p) -> None:
                    help=f"capture CUDA graphs (overrides {ENV_CUDA_GRAPH}; default: when the graph is safe)")
     p.add_argument("--cache-dir", help=f"where optimized models are kept between runs: a folder, auto (the user "
                                          f"cache directory, the default) or off (overrides {ENV_CACHE_DIR})")
+    p.add_argument("--kv-bytes", help="bytes set aside for the KV cache from the start (default: planned for each "
+                                      "generation)")
+    p.add_argument("--scratch-bytes", help="bytes set aside for a step's memory, ORT's included (default: planned "
+                                           "from the model's widths and the prompt chunk)")
+    p.add_argument("--prefill-chunk", type=positive_int, help="the most prompt tokens one step feeds (default 512)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
 
 
@@ -435,7 +471,10 @@ def main(argv=None) -> int:
                    help=f"the cache folder (overrides {ENV_CACHE_DIR}; default: the user cache directory)")
     c.set_defaults(fn=cmd_cache)
     b = sub.add_parser("bench", help="benchmarks: arena page-in costs, session overhead, offloaded step time")
-    b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "reliability"))
+    b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "cards", "reliability"))
+    b.add_argument("--cards", help="bench cards: card sizes, comma-separated (default 8GiB,12GiB,16GiB,24GiB)")
+    b.add_argument("--prompts", help="bench cards: prompt lengths, comma-separated (default 512,4096)")
+    b.add_argument("--batches", help="bench cards: batch sizes, comma-separated (default 1,4)")
     b.add_argument("--out", default="onnx-offload-bench")
     b.add_argument("--json")
     b.add_argument("--weight-gb", type=positive_float, default=8.0)
@@ -448,7 +487,7 @@ def main(argv=None) -> int:
             ImportError) + _ort_errors() as e:
         # OSError: FileNotFoundError, PermissionError, ...; RuntimeError and ORT's own types
         # (Fail, InvalidArgument, ...: not RuntimeErrors) from ORT.
-        print(f"onnx-offload: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"onnx-offload: {type(e).__name__}: {as_flags(' '.join(str(e).split()))}", file=sys.stderr)
         return 2
 
 

@@ -226,7 +226,9 @@ class OffloadConfig:
     # reads: a folder, "auto" (the user cache directory) or "off".
     cache_dir: Optional[str] = "auto"
     engine: str = "auto"  # one of ENGINES
-
+    # generate() feeds a prompt longer than this in chunks of at most this many tokens, so
+    # the memory a prompt step needs is bounded whatever the prompt's length.
+    prefill_chunk: int = 512
 
     def __post_init__(self):
         # The switches as the environment spells them too ("0" is off, not a true string).
@@ -255,6 +257,9 @@ class OffloadConfig:
             self.weight_bytes = parse_bytes(self.weight_bytes, "weight_bytes")
         if self.segment_bytes is not None:
             self.segment_bytes = parse_bytes(self.segment_bytes, "segment_bytes")
+        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk!r} is not valid: expected a positive number of "
+                             f"tokens")
         for field in ("kv_bytes", "scratch_bytes", "min_weight_bytes"):
             v = getattr(self, field)
             if v is None and field == "scratch_bytes":

@@ -68,7 +68,7 @@ class Device:
         self.device_free, self.device_total = free, total
         self.budget, self.budget_note = device_budget(config, free, total)
         self.ledger = _core.BudgetOwner(self.budget)
-        self._set_zones(base_zones(config, self.budget, self.backend.granularity))
+        self.set_zones(base_zones(config, self.budget, self.backend.granularity))
         zone_va = config.zone_va_bytes or default_zone_va(kind, total)
         self.arena = _core.Arena(self.backend, self.ledger, zone_va_bytes=zone_va,
                                  handle_classes=list(config.handle_classes))
@@ -79,7 +79,7 @@ class Device:
         self.ledger.set_reclaimer("scratch", lambda n: self.scratch.empty_cache())
         self.closed = False
 
-    def _set_zones(self, zones: Dict[str, ZonePlan]) -> None:
+    def set_zones(self, zones: Dict[str, ZonePlan]) -> None:
         # Reserves that shrink first: the ledger holds their sum within the budget at
         # every step, and a plan may move bytes from one reserve to another.
         now = self.ledger.snapshot().zones
@@ -94,7 +94,7 @@ class Device:
         """Sets every zone as the budget plan says."""
         if plan.budget != self.budget:
             raise ValueError(f"a plan for a budget of {plan.budget} bytes applied to a device of {self.budget}")
-        self._set_zones(plan.zones)
+        self.set_zones(plan.zones)
 
     @property
     def granularity(self) -> int:

@@ -39,6 +39,9 @@ from .ortvalues import FixedBuffer, IOInfo
 from .streaming import StreamEngine
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+# The positions the streaming engine plans a decoder's KV cache for at construction; a
+# generation that needs more plans again.
+DEFAULT_CONTEXT = 4096
 _GENERATIONS = itertools.count()  # names each generation's step plans
 MAX_POSITIONS = 2**31 - 1
 
@@ -290,10 +293,13 @@ class Generation:
         self._closed = False
         # What this generation holds at most, for a shortage to plan with: the cache, and
         # the step buffers (ids, positions, mask, logits) in scratch.
+        self.chunk = chunk = session.config.prefill_chunk if prompt > session.config.prefill_chunk else 0
         kv_peak = peak_bytes(spec.layout, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt,
-                             total, dev.granularity)
-        mask_peak = total if spec.layout == "gqa" else bucket_for(total) + 1
+                             total, dev.granularity, chunk=chunk)
+        mask_peak = total if spec.layout == "gqa" else bucket_for(total) + max(1, chunk)
+        rows = chunk_rows(spec, batch, prompt, chunk) if chunk else batch
         io_peak = batch * (2 * 8 + 8 * mask_peak + 4 * (spec.vocab or 0))
+        io_peak += rows * (chunk * (3 * 8 + 4 * (spec.vocab or 0)) + 8 * mask_peak)
         # and, per segment boundary, a mask-sized value (as the mask a split model's
         # layers pass on; the hidden state of one position is smaller), twice: the
         # buffers of each bucket's steps are kept until the generation ends, and the
@@ -312,7 +318,7 @@ class Generation:
             else:
                 form = ExactKV if spec.layout == "exact" else BucketKV
                 self.cache = form(self.kv_bufs, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype,
-                                  prompt)
+                                  prompt, *((max(1, chunk),) if form is BucketKV else ()))
                 mask_len = None
             self.ids = self.io_bufs.new([batch, 1], spec.ids_dtype)
             self.pos = self.io_bufs.new([batch, 1], spec.pos_dtype) if spec.position_ids else None
@@ -322,6 +328,7 @@ class Generation:
             self._tokens = None  # each row's tokens so far (the next one's position)
             self._logits_shape = None  # the prompt's logits' shape: [b, p, vocab], or [b, vocab] of the last
             self._bound = None  # (key, feeds, outputs) of the decode steps
+            self._chunk_bufs = None  # ids, mask, positions and logits of a prompt chunk (GQA)
             # The zero fills are queued on the compute stream; the CPU EP runs on this thread.
             dev.compute_stream.synchronize()
         except BaseException:
@@ -369,6 +376,8 @@ class Generation:
         self.prompt_mask = mask
         # A row's positions count its tokens, not its padding (as HF's generate sets them).
         self._tokens = np.full(b, p, np.int64) if mask is None else mask.sum(axis=1)
+        if self.chunk:
+            return self._prompt_in_chunks(input_ids, mask)
         feeds: Dict[str, ort.OrtValue] = {
             "input_ids": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(input_ids, spec.ids_dtype)),
             "attention_mask": ort.OrtValue.ortvalue_from_numpy(
@@ -389,6 +398,108 @@ class Generation:
             self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers) for kv in ("key", "value")], p)
         logits = np.asarray(values["logits"].numpy())
         self._logits_shape = logits.shape
+        return last_position(logits)
+
+    # ------------------------------------------------------------ the prompt in chunks
+    def _pieces(self, p: int) -> list:
+        """(start, length) of each chunk: the remainder first, then whole chunks, so that
+        every chunk after the first has one shape (one captured graph)."""
+        c = self.chunk
+        first = p - c * ((p - 1) // c)
+        return [(0, first)] + [(start, c) for start in range(first, p, c)]
+
+    def _prompt_in_chunks(self, input_ids: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
+        """The prompt fed `chunk` tokens at a time, each chunk appending to the cache, so a
+        step's memory is bounded by the chunk whatever the prompt's length. Returns the
+        last position's logits [batch, vocab]."""
+        spec = self.spec
+        if spec.layout == "gqa":
+            rows = [self._gqa_row(input_ids[r:r + 1], r) for r in range(self.batch)] if self.batch > 1 else \
+                [self._gqa_row(input_ids, None)]
+            return np.concatenate(rows, axis=0)
+        b, p = input_ids.shape
+        pos = np.tile(np.arange(p), (b, 1)) if mask is None else np.where(mask == 1, np.cumsum(mask, 1) - 1, 1)
+        full = np.ones((b, p), np.int64) if mask is None else mask
+        logits = None
+        for start, n in self._pieces(p):
+            feeds = {"input_ids": _host(input_ids[:, start:start + n], spec.ids_dtype)}
+            if spec.position_ids:
+                feeds["position_ids"] = _host(pos[:, start:start + n], spec.pos_dtype)
+            outputs: Dict[str, ort.OrtValue] = {}
+            if spec.layout == "exact":
+                self.cache.ensure(start + n)
+                feeds["attention_mask"] = _host(full[:, :start + n], spec.mask_dtype)
+                self.cache.bind(feeds, outputs, new=n)
+            elif start == 0:  # as an unchunked prompt: no past
+                feeds["attention_mask"] = _host(full[:, :n], spec.mask_dtype)
+                empty = np.zeros((b, spec.kv_heads, 0, spec.head_size), spec.kv_dtype)
+                for i in range(spec.layers):
+                    for kv in ("key", "value"):
+                        feeds[f"past_key_values.{i}.{kv}"] = ort.OrtValue.ortvalue_from_numpy(empty)
+            else:  # the past padded to its bucket, the padding masked out, as a decode step
+                self.cache.ensure(start + n)
+                m = np.zeros((b, self.cache.bucket + n), np.int64)
+                m[:, :start] = full[:, :start]
+                m[:, self.cache.bucket:] = full[:, start:start + n]
+                feeds["attention_mask"] = _host(m, spec.mask_dtype)
+                self.cache.bind(feeds, outputs, new=n)
+            values = self.session._run_bound(feeds, outputs, fixed=False)[0]
+            if spec.layout == "exact":
+                self.cache.advance(n)
+            elif start == 0:
+                self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers)
+                                      for kv in ("key", "value")], n)
+            else:
+                self.cache.append(start, n)
+            logits = np.asarray(values["logits"].numpy())
+        self._logits_shape = (b,) + logits.shape[1:]
+        return last_position(logits)
+
+    def _gqa_row(self, ids: np.ndarray, row: Optional[int]) -> np.ndarray:
+        """One row's prompt (all rows when `row` is None) in chunks, through views of its
+        rows of the shared cache: ORT's CUDA GroupQueryAttention takes a chunk beside a
+        past for one row at a time. The first chunk runs as an unchunked prompt (the mask
+        as long as it); the others see the cache's whole length, ones up to their end, as
+        a decode step does, and share one shape and one set of buffers (one graph)."""
+        spec, s, dev = self.spec, self.session, self.session.device
+        rows, p = ids.shape
+        length = self.cache.length
+        logits = None
+        for start, n in self._pieces(p):
+            outputs: Dict[str, ort.OrtValue] = {}
+            feeds: Dict[str, ort.OrtValue] = {}
+            self.cache.bind(feeds, outputs, row=row)
+            if start == 0:
+                feeds["input_ids"] = _host(ids[:, :n], spec.ids_dtype)
+                feeds["attention_mask"] = _host(np.ones((rows, n)), spec.mask_dtype)
+                if spec.position_ids:
+                    feeds["position_ids"] = _host(np.tile(np.arange(n), (rows, 1)), spec.pos_dtype)
+                values = s._run_bound(feeds, outputs, fixed=False)[0]
+                logits = np.asarray(values["logits"].numpy())
+                continue
+            if self._chunk_bufs is None or self._chunk_bufs[0].shape[0] != rows:
+                self._chunk_bufs = (self.io_bufs.new([rows, n], spec.ids_dtype),
+                                    self.io_bufs.new([rows, length], spec.mask_dtype),
+                                    self.io_bufs.new([rows, n], spec.pos_dtype) if spec.position_ids else None,
+                                    self.io_bufs.new([rows, n] + list(logits.shape[2:]) if logits.ndim == 3
+                                                     else [rows] + list(logits.shape[1:]), spec.logits_dtype))
+            cids, cmask, cpos, clogits = self._chunk_bufs
+            m = np.zeros((rows, length), np.int64)
+            m[:, :start + n] = 1
+            writes = [(cids, ids[:, start:start + n]), (cmask, m)]
+            if cpos is not None:
+                writes.append((cpos, np.tile(np.arange(start, start + n), (rows, 1))))
+            write(dev, *writes)
+            feeds.update({"input_ids": cids.value, "attention_mask": cmask.value})
+            if cpos is not None:
+                feeds["position_ids"] = cpos.value
+            outputs["logits"] = clogits.value
+            key = ("prefill", self._name, row, n)
+            self._keys.add(key)
+            s._run_bound(feeds, outputs, fixed=True, key=key)
+            logits = np.asarray(clogits.value.numpy())
+        if self._logits_shape is None:
+            self._logits_shape = (self.batch,) + logits.shape[1:]
         return last_position(logits)
 
     def _decode(self, tokens: np.ndarray, length: int) -> tuple:
@@ -524,6 +635,16 @@ class Generation:
         self._tokens = self._tokens + 1
         self.cache.advance()
         return last_position(self.logits.value.numpy()), False
+
+
+def chunk_rows(spec: DecoderSpec, batch: int, prompt: int, chunk: int) -> int:
+    """The rows of one prompt chunk's step: GroupQueryAttention's prompt runs in chunks one
+    row at a time; the standard layouts chunk the whole batch."""
+    return 1 if spec.layout == "gqa" and chunk and prompt > chunk else batch
+
+
+def _host(array: np.ndarray, dtype) -> ort.OrtValue:
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype))
 
 
 def last_position(logits: np.ndarray) -> np.ndarray:

@@ -125,6 +125,7 @@ class SharedKV:
     def __init__(self, bufs: DeviceBuffers, layers: int, batch: int, kv_heads: int, length: int, head_size: int,
                  dtype):
         self.length = length
+        self._device = bufs.device
         shape = [batch, kv_heads, length, head_size]
         self.k = [bufs.new(shape, dtype, zero=True, what=f"the KV cache (layer {i} key)") for i in range(layers)]
         self.v = [bufs.new(shape, dtype, zero=True, what=f"the KV cache (layer {i} value)") for i in range(layers)]
@@ -133,10 +134,15 @@ class SharedKV:
     def nbytes(self) -> int:
         return sum(nbytes_of(b.shape, b.dtype) for b in self.k + self.v)
 
-    def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue]) -> None:
+    def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue],
+             row: Optional[int] = None) -> None:
+        """Every row's buffers, or row `row`'s alone: a [1, heads, length, head_size] view."""
         for i, (k, v) in enumerate(zip(self.k, self.v)):
-            feeds[f"past_key_values.{i}.key"] = outputs[f"present.{i}.key"] = k.value
-            feeds[f"past_key_values.{i}.value"] = outputs[f"present.{i}.value"] = v.value
+            for name, buf in (("key", k), ("value", v)):
+                if row is not None:
+                    shape = [1] + list(buf.shape[1:])
+                    buf = FixedBuffer.on(self._device, buf.ptr + row * nbytes_of(shape, buf.dtype), shape, buf.dtype)
+                feeds[f"past_key_values.{i}.{name}"] = outputs[f"present.{i}.{name}"] = buf.value
 
 
 class _GrowingKV:
@@ -145,8 +151,9 @@ class _GrowingKV:
     grows (the old ones given back once the past is copied over)."""
 
     def __init__(self, bufs: DeviceBuffers, layers: int, batch: int, kv_heads: int, head_size: int, dtype,
-                 length: int):
+                 length: int, extra: int = 1):
         self._bufs = bufs
+        self.extra = extra  # positions the present holds beyond the past's room (a prompt chunk's)
         self.layers, self.batch, self.kv_heads, self.head_size = layers, batch, kv_heads, head_size
         self.dtype = np.dtype(dtype)
         self.room = 0
@@ -203,7 +210,7 @@ class BucketKV(_GrowingKV):
 
     def _shapes(self, room: int):
         b, h, d = self.batch, self.kv_heads, self.head_size
-        return [b, h, room, d], [b, h, room + 1, d], True
+        return [b, h, room, d], [b, h, room + max(1, self.extra), d], True
 
     def fill_from(self, presents: Sequence[ort.OrtValue], length: int) -> None:
         """The prompt's presents ([b, h, length, d] each) into the past."""
@@ -215,13 +222,13 @@ class BucketKV(_GrowingKV):
                                     length * self._row(), rows, dev.compute_stream)
         dev.compute_stream.synchronize()  # the presents are ORT's, freed when the caller drops them
 
-    def append(self, position: int) -> None:
-        """The step's new position (the present's last) into the past at `position`."""
+    def append(self, position: int, new: int = 1) -> None:
+        """The step's `new` positions (the present's last) into the past from `position`."""
         dev, row = self._bufs.device, self._row()
         for past, present in zip(self.past, self.present):
             dev.backend.copy_d2d_2d(past.ptr + position * row, self.bucket * row,
-                                    present.ptr + self.bucket * row, (self.bucket + 1) * row,
-                                    row, self.batch * self.kv_heads, dev.compute_stream)
+                                    present.ptr + self.bucket * row, (self.bucket + new) * row,
+                                    new * row, self.batch * self.kv_heads, dev.compute_stream)
 
     def ensure(self, length: int) -> None:
         """Room for `length` cached positions: a larger bucket, copied on the device."""
@@ -230,12 +237,17 @@ class BucketKV(_GrowingKV):
             buf.ptr, self.bucket * row, prev.ptr, old * row, old * row, self.batch * self.kv_heads,
             dev.compute_stream))
 
-    def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue]) -> None:
+    def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue], new: int = 1) -> None:
+        """The past, and the present of a step of `new` positions at the front of its buffer."""
+        dev = self._bufs.device
+        shape = [self.batch, self.kv_heads, self.bucket + new, self.head_size]
         for i in range(self.layers):
             feeds[f"past_key_values.{i}.key"] = self.past[2 * i].value
             feeds[f"past_key_values.{i}.value"] = self.past[2 * i + 1].value
-            outputs[f"present.{i}.key"] = self.present[2 * i].value
-            outputs[f"present.{i}.value"] = self.present[2 * i + 1].value
+            for j, kv in enumerate(("key", "value")):
+                present = self.present[2 * i + j]
+                outputs[f"present.{i}.{kv}"] = present.value if new == 1 and self.extra <= 1 else \
+                    FixedBuffer.on(dev, present.ptr, shape, self.dtype).value
 
 
 class ExactKV(_GrowingKV):
@@ -291,20 +303,20 @@ class ExactKV(_GrowingKV):
         self._grow(length, lambda buf, prev, old: dev.backend.copy_d2d(buf.ptr, prev.ptr, nbytes,
                                                                        dev.compute_stream))
 
-    def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue]) -> None:
+    def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue], new: int = 1) -> None:
         for i in range(self.layers):
             for j, kv in enumerate(("key", "value")):
                 feeds[f"past_key_values.{i}.{kv}"] = self._view(self.past[2 * i + j], self.length)
-                outputs[f"present.{i}.{kv}"] = self._view(self.present[2 * i + j], self.length + 1)
+                outputs[f"present.{i}.{kv}"] = self._view(self.present[2 * i + j], self.length + new)
 
-    def advance(self) -> None:
-        """After a step: its present is the next step's past."""
+    def advance(self, new: int = 1) -> None:
+        """After a step of `new` positions: its present is the next step's past."""
         self.past, self.present = self.present, self.past
-        self.length += 1
+        self.length += new
 
 
 def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: int, dtype, prompt: int,
-               total: int, granularity: int, alignment: int = 256) -> int:
+               total: int, granularity: int, alignment: int = 256, chunk: int = 1) -> int:
     """The most committed bytes the cache of one generation holds at once: the whole
     length for the shared layout; for buckets, the last growth, when the old bucket and
     the new one are both held (past and present of each; for the exact layout, its two
@@ -319,7 +331,8 @@ def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: i
     if layout == "gqa":
         return group(total)
     last, first = bucket_for(total), bucket_for(prompt)
-    extra = 0 if layout == "exact" else 1  # a bucket's present holds one position more than its past
+    # A bucket's present holds a step's positions more than its past: one, or a prompt chunk's.
+    extra = 0 if layout == "exact" else max(1, chunk)
     if last == first:
         return group(last, last + extra)
     return group(last // 2, last // 2 + extra) + group(last, last + extra)

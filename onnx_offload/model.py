@@ -10,8 +10,10 @@ On CUDA the pass needs the weights on the device once, as ORT places initializer
 before it saves the optimized model. Its device memory comes through the plugin's
 external allocator from a ledger of its own, sized to the memory free on the device,
 and all of it is given back before the session's budget applies. When even that does
-not fit, the pass falls back to ORT's provider-independent (basic) optimizations on
-the CPU, and the session says so in its notes.
+not fit (a card smaller than the model), the model runs as it was exported, its weights
+rewritten into the data file unchanged, and the session says so in its notes. A pass on
+the CPU is no fallback: ORT would save the casts it inserts around the float16 nodes
+its CPU provider lacks, and the CUDA provider would then run those nodes in float32.
 """
 from __future__ import annotations
 
@@ -294,15 +296,25 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
     except OffloadError as e:
         if notes is None:
             raise
-        notes.append(f"the CUDA optimization pass did not fit the free device memory ({e}); "
-                     "used ORT's basic, provider-independent optimizations")
+        notes.append(f"the CUDA optimization pass did not fit the free device memory ({e}); the model runs as it "
+                     f"was exported, without ORT's graph optimizations")
     finally:
         _core.unbind_external_allocator(index)
         allocator.empty_cache()
         arena.close()
-    _optimize(src, out, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, min_weight_bytes, ["CPUExecutionProvider"],
-              disabled_optimizers, user_options)
+    _as_exported(src, out, min_weight_bytes)
     return out
+
+
+def _as_exported(src: str, out: str, min_weight_bytes: int) -> None:
+    """The model unchanged, in the optimized model's files: the initializers of
+    `min_weight_bytes` or more in its data file, the others inside it."""
+    folder = os.path.dirname(out)
+    model = onnx.load(src, load_external_data=True)
+    lift_subgraph_weights(model)
+    with saving(folder, "the model"):
+        onnx.save(model, out, save_as_external_data=True, all_tensors_to_one_file=True, location=OPTIMIZED_DATA,
+                  size_threshold=min_weight_bytes, convert_attribute=False)
 
 
 def optimized_exists(out: str) -> bool:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+from .errors import BudgetExceeded
+from .step_memory import StepMemoryShort
+
 
 class OrtMemoryMeter:
     def __init__(self, device):
@@ -27,7 +30,9 @@ class OrtMemoryMeter:
         return free, snap.committed + snap.pooled
 
     def charge_since(self, mark, creating: bool = False) -> int:
-        """Charges what appeared outside the arena since `mark`; returns the bytes charged."""
+        """Charges what appeared outside the arena since `mark`; returns the bytes charged.
+        StepMemoryShort (a BudgetExceeded) when the scratch zone cannot take them: ORT
+        holds them, and the budget plan must make room or the session must let it go."""
         if mark is None:
             return 0
         free0, ours0 = mark
@@ -38,7 +43,11 @@ class OrtMemoryMeter:
         grown = (grown // g) * g
         if grown <= 0:
             return 0
-        self._device.ledger.charge("scratch", grown, outside=True)
+        try:
+            self._device.ledger.charge("scratch", grown, outside=True)
+        except BudgetExceeded as e:
+            raise StepMemoryShort(f"ORT took {grown} bytes of device memory for its own use (its arena, "
+                                  f"workspaces), which the scratch zone has no room for: {e}", grown) from None
         self.charged += grown
         if creating:
             self.at_creation += grown

@@ -32,17 +32,18 @@ import onnx
 import onnxruntime as ort
 
 from ._core import round_up
-from .budget import base_zones, plan_budget, smallest_budget
+from .budget import ZonePlan, base_zones, plan_budget, smallest_budget
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag, parse_index
 from .device import Device, cuda_available
 from .dropin import InferenceSessionMembers, model_facts
-from .errors import BudgetExceeded, CudaUnavailable, OffloadWarning, StateError
-from .generation import (Generation, Sampling, UnsupportedModel, check_generate_args, decoder_spec,
-                         generate_tokens, rotary_rows)
+from .errors import BudgetExceeded, CudaUnavailable, OffloadError, OffloadWarning, StateError
+from .generation import (DEFAULT_CONTEXT, Generation, Sampling, UnsupportedModel, check_generate_args, chunk_rows,
+                         decoder_spec, generate_tokens, rotary_rows)
 from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
 from .host_store import HostStore
 from .interrupts import deferred_interrupts
 from .iobinding import OffloadIOBinding
+from .kv_cache import bucket_for, describe_zones, peak_bytes
 from .model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, load_optimized, materialize,
                     optimization_level, optimize_once, point_weights_at_placeholder, read_weights, share_unchanged,
                     weights_as_inputs, write_optimized)
@@ -59,6 +60,7 @@ from .segmenter import Segment, check_bindable, plan_segments, segment_weights, 
 from .slots import slot_kind
 from .streaming import StreamEngine, StreamingUnavailable, choose_engine, plan_stream
 from .stats import OffloadStats, fmt_bytes
+from .step_memory import StepMemoryShort, activation_shape, is_out_of_memory, step_scratch
 from .workdir import disown, make_workdir, remove_workdir
 
 
@@ -358,23 +360,22 @@ class OffloadSession(InferenceSessionMembers):
             override_source=source, env_value=cfg.cuda_graph, structurally_safe=safe, safety_reason=why,
             decoder=self._is_decoder() and not self._op_types & CONTROL_FLOW_OPS)
         spec = self._decoder_spec
-        engine = choose_engine(cfg, self._on_cuda, plan.streaming, stable, capture,
-                               growing_steps=not isinstance(spec, Exception) and spec.layout == "exact",
+        growing = not isinstance(spec, Exception) and spec.layout == "exact"
+        engine = choose_engine(cfg, self._on_cuda, plan.streaming, stable, capture, growing_steps=growing,
                                notes=self._notes)
-        layout = None
-        if engine == "graph":
-            # The streaming engine's weights budget holds the resident weights and the ring.
-            usable = plan.budget - plan.zones["scratch"].reserve - plan.zones["kv"].reserve
-            allowance = min(cfg.weight_bytes or plan.budget, usable)
-            readers = collections.Counter(i for node in model.graph.node for i in node.input if i in names)
-            try:
-                layout = plan_stream(weights, allowance, dev.granularity, cost, cfg.policy,
-                                     shared=[n for n, c in readers.items() if c > 1])
-            except StreamingUnavailable as e:
-                if cfg.engine == "graph":
-                    raise
-                self._notes.append(f"the weights run in segments: {e}")
-                engine = "segments"
+        # Whether the weights would run on the streaming engine once they stream: a
+        # generation that finds no room beside resident weights moves there, not to segments.
+        try:
+            self._graph_possible = choose_engine(cfg, self._on_cuda, True, stable, capture, growing) == "graph"
+        except StreamingUnavailable:
+            self._graph_possible = False
+        readers = collections.Counter(i for node in model.graph.node for i in node.input if i in names)
+        self._shared = [n for n, c in readers.items() if c > 1]
+        self._cost = cost
+        self._record_timeline = record_timeline
+        self._model = model
+        self._activations = activation_shape(model, names, None if isinstance(spec, Exception) else spec.vocab,
+                                              None if isinstance(spec, Exception) else spec.logits_dtype)
 
         self._store = HostStore(dev.backend, weights)
         with self._progress.phase("reading weights", sum(w.nbytes for w in weights), "B") as update:
@@ -383,25 +384,183 @@ class OffloadSession(InferenceSessionMembers):
         self._meter = OrtMemoryMeter(dev)
         factory = SessionFactory(dev, self._options, self._cuda_options, cfg.device_id, plan.ort_memory_cap)
         outputs = [o.name for o in self._graph_outputs]
-        if layout is not None:
-            dev.ledger.set_zone("weights", allowance=layout.allowance - layout.ring_bytes, reserve=0)
-            dev.ledger.set_zone("transient", allowance=plan.budget, reserve=layout.ring_bytes)
-            kept = set(layout.resident)
-            self._residency = ResidencyManager(dev, self._store, [w for w in weights if w.name in kept],
-                                               [layout.resident], cfg.policy, vmm=True,
-                                               record_timeline=record_timeline)
-            self._residency.make_all_resident()
-            with self._progress.phase("creating the ORT session"):
-                self._runner = StreamEngine(dev, self._residency, self._store, weights, layout, factory,
-                                            self._meter, model, self._workdir, self._feed_inputs, outputs,
-                                            capture.reason, cfg.device_id)
+        self._outputs = outputs
+        self._capture_reason = capture.reason
         self._segments_from = (plan, model, groups_by_target, names, stable, capture, outputs, factory,
                                record_timeline)
-        if layout is None:
+        self._engine_needs: Optional[tuple] = None
+        if engine == "graph":
+            try:
+                with self._progress.phase("creating the ORT session"):
+                    self._make_engine_with_room(*self._first_needs(plan))
+            except StreamingUnavailable as e:
+                if cfg.engine == "graph":
+                    raise
+                self._notes.append(f"the weights run in segments: {e}")
+                dev.apply(plan)
+                engine = "segments"
+        if engine != "graph":
             with self._progress.phase("creating ORT sessions"):
                 self._make_segment_runner()
         self._notes.extend(self._runner.notes)
         self._residency.reset_counters()  # count runs, not the page-ins of construction
+
+    # ------------------------------------------------------------------ the streaming engine's plan
+    def _first_needs(self, plan) -> tuple:
+        """(KV bytes, scratch bytes) the streaming engine sets aside at construction: what
+        the configuration gives, else, for a decoder, the cache of one sequence of up to
+        DEFAULT_CONTEXT positions and a prompt chunk's step; for other models the plan's
+        scratch reserve. A generation that needs more plans again (_prepare_generation)."""
+        cfg, g = self.config, self._device.granularity
+        spec = self._decoder_spec
+        decoder = not isinstance(spec, Exception)
+        kv = cfg.kv_bytes
+        if not kv and decoder:
+            length = min(spec.max_length or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+            kv = peak_bytes(spec.layout, spec.layers, 1, spec.kv_heads, spec.head_size, spec.kv_dtype,
+                            min(length, cfg.prefill_chunk), length, g)
+        if cfg.scratch_bytes is not None:
+            scratch = cfg.scratch_bytes
+        elif decoder:
+            scratch = self._step_scratch(1, min(cfg.prefill_chunk, DEFAULT_CONTEXT), DEFAULT_CONTEXT)
+        else:
+            scratch = plan.zones["scratch"].reserve
+        return kv, scratch
+
+    def _step_scratch(self, batch: int, prompt: int, total: int) -> int:
+        """The scratch a generation of `batch` rows needs at its largest step: a prompt
+        chunk (one row at a time where the layout chunks row by row) or a decode step."""
+        spec, g = self._decoder_spec, self._device.granularity
+        chunk = min(prompt, self.config.prefill_chunk)
+        rows = chunk_rows(spec, batch, prompt, chunk)
+        vocab = spec.vocab or self._activations.vocab
+        logits = np.dtype(spec.logits_dtype).itemsize * vocab
+        mask = total + 1 if spec.layout == "gqa" else bucket_for(total) + chunk + 1
+        # A chunk's ids, positions and logits (twice: the first chunk's logits are the
+        # engine's own buffer), its mask, and a decode step's buffers.
+        io = rows * chunk * (3 * 8 + 2 * logits) + rows * mask * 8 + batch * (3 * 8 + logits + mask * 8)
+        if spec.layout != "gqa":  # the present of a chunk step holds the past and the chunk
+            row = spec.kv_heads * spec.head_size * np.dtype(spec.kv_dtype).itemsize
+            io += 2 * spec.layers * rows * chunk * row
+        return step_scratch(self._activations, max(rows * chunk, batch), io, g, ort=self._device.is_cuda)
+
+    def _make_engine(self, kv: int, scratch: int) -> None:
+        """The streaming engine, with `kv` bytes set aside for the KV cache and `scratch`
+        for the steps' memory (ORT's and the step's buffers): the transient zone holds its
+        ring, the weights zone the rest of the budget's resident weights. The caller holds
+        the session's lock (or builds the session)."""
+        dev, cfg = self._device, self.config
+        g = dev.granularity
+        kv, scratch = round_up(kv, g), round_up(scratch, g)
+        budget = dev.budget
+        allowance = min(cfg.weight_bytes or budget, budget - kv - scratch)
+        layout = plan_stream(self._weights, max(0, allowance), g, self._cost, cfg.policy, shared=self._shared)
+        dev.set_zones({"weights": ZonePlan(min(budget, layout.allowance - layout.ring_bytes), 0),
+                       "kv": ZonePlan(budget, kv), "scratch": ZonePlan(budget, scratch),
+                       "transient": ZonePlan(budget, layout.ring_bytes)})
+        kept = set(layout.resident)
+        self._residency = ResidencyManager(dev, self._store, [w for w in self._weights if w.name in kept],
+                                           [layout.resident], cfg.policy, vmm=True,
+                                           record_timeline=self._record_timeline)
+        try:
+            self._residency.make_all_resident()
+            # ORT's arena may take what the weights, the ring and the cache leave; what it
+            # takes is charged to scratch, and more than the scratch reserve plans again.
+            cap = max(g, budget - self._cost(layout.resident) - layout.ring_bytes - kv)
+            factory = SessionFactory(dev, self._options, self._cuda_options, cfg.device_id, cap)
+            self._runner = StreamEngine(dev, self._residency, self._store, self._weights, layout, factory,
+                                        self._meter, self._model, self._workdir, self._feed_inputs, self._outputs,
+                                        self._capture_reason, cfg.device_id)
+        except BaseException:
+            self._residency.close()
+            self._residency = None
+            self._meter.refund()
+            raise
+        self._engine_needs = (kv, scratch)
+
+    def _make_engine_with_room(self, kv: int, scratch: int) -> None:
+        """_make_engine, planned again with more scratch while ORT takes more than it set
+        aside when it creates its session."""
+        for attempt in range(3):
+            try:
+                return self._make_engine(kv, scratch)
+            except StepMemoryShort as e:
+                if attempt == 2:
+                    raise
+                scratch += e.needed or scratch
+
+    def _engine_short(self, kv: int, scratch: int, why) -> BudgetExceeded:
+        """The error for a budget too small for the streaming engine with these reserves,
+        with the smallest budget that runs it."""
+        dev, g = self._device, self._device.granularity
+        largest = max((w.nbytes for w in self._weights if w.name not in set(self._shared)), default=0)
+        ring = round_up(largest, g) + 2 * g
+        least = kv + scratch + ring + (self._cost(self._shared) if self._shared else 0)
+        what = (f"the streaming engine needs {fmt_bytes(kv)} for the KV cache, {fmt_bytes(scratch)} for a step's "
+                f"memory (ORT's and the step's buffers) and a ring of about {fmt_bytes(ring)} for the streamed "
+                f"weights, and the budget is {fmt_bytes(dev.budget)} ({why})")
+        if least <= dev.device_total * 0.9 and least > dev.budget:
+            return BudgetExceeded(f"{what}: pass vram_limit={least} (or set {ENV_VRAM_LIMIT}={least}), or lower the "
+                                  f"batch or the length")
+        return BudgetExceeded(f"{what}: lower the batch, the length or prefill_chunk (the prompt's tokens per "
+                              f"step, now {self.config.prefill_chunk})")
+
+    def _replan_engine(self, kv: int, scratch: int, why: str) -> None:
+        """Moves the session onto the streaming engine planned for `kv` and `scratch`
+        bytes (from resident segments, or from an engine planned for less). When it cannot
+        be made, the runner in force comes back and the error is raised; should that fail
+        too, the session closes. The caller holds the session's lock."""
+        before = self._engine_needs
+        counters = self._residency.counters if self._residency is not None else Counters()
+        self._drop_runner()
+        try:
+            self._make_engine_with_room(kv, scratch)
+        except BaseException as error:
+            try:
+                self._drop_runner()
+                if before is not None:
+                    self._make_engine(*before)
+                else:
+                    self._make_segments(self._segments_from[0])
+            except BaseException:
+                self.close()
+            raise error
+        finally:
+            if self._residency is not None:
+                self._residency.counters = counters
+        self._notes.append(f"the streaming engine was planned again for {why}: KV cache {fmt_bytes(kv)}, step "
+                           f"memory {fmt_bytes(scratch)}, {len(self._residency.slots)} weights resident")
+
+    def _prepare_generation(self, spec, batch: int, prompt: int, total: int) -> None:
+        """Before a generation on CUDA: when its KV cache and its largest step do not fit
+        the plan in force, the streaming engine is planned again for them (reserves only
+        grow: a shorter generation later runs in the same plan). Resident weights that
+        leave no room move to the engine. The caller holds the session's lock."""
+        if not self._graph_possible:
+            return
+        g = self._device.granularity
+        chunk = self.config.prefill_chunk if prompt > self.config.prefill_chunk else 0  # as Generation chunks it
+        kv = peak_bytes(spec.layout, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt,
+                        total, g, chunk=chunk)
+        scratch = self._step_scratch(batch, prompt, total)
+        if isinstance(self._runner, StreamEngine):
+            have_kv, have_scratch = self._engine_needs
+            if kv <= have_kv and scratch <= have_scratch:
+                return
+            kv, scratch = max(kv, have_kv), max(scratch, have_scratch)
+            why = f"a generation of {batch} x {total} positions"
+        else:
+            snap = self._device.ledger.snapshot()
+            weights = snap.zones["weights"].committed.current
+            if weights + kv + scratch + snap.zones["scratch"].committed.current <= snap.budget:
+                return  # beside the resident weights
+            why = f"a generation of {batch} x {total} positions, which the resident weights left no room for"
+        try:
+            self._replan_engine(kv, scratch, why)
+        except StreamingUnavailable as e:
+            # The runner in force stays: a buffer short of room asks for a plan again
+            # (_kv_shortage), and the error says what would run.
+            self._notes.append(f"the streaming engine cannot be planned for {why}: {e}")
 
     def _what_limits(self, inputs) -> str:
         """For a configuration that no budget of this device runs: the keyword to change."""
@@ -455,19 +614,48 @@ class OffloadSession(InferenceSessionMembers):
                                      device_id=cfg.device_id, constants=constants)
 
     def _with_fallback(self, call):
-        """`call()`; when the streaming engine cannot build a step's graph (and the engine
-        was not asked for by name), the session moves to segments, says so, and calls
-        again. The caller holds the session's lock."""
-        try:
-            return call()
-        except StreamingUnavailable as e:
-            if self.config.engine == "graph" or not isinstance(self._runner, StreamEngine):
-                raise
-            why = f"the streaming engine cannot run this model, so its weights run in segments: {e}"
-            warnings.warn(why, OffloadWarning, stacklevel=3)
-            self._notes.append(why)
-            self._run_in_segments(self._segments_from[0])
-            return call()
+        """`call()`, and where it fails for want of room or of a graph, the step again:
+        - ORT needed more memory for a step than the plan set aside (measured, or ORT ran
+          out before it could be): on the streaming engine, or resident weights that can
+          move to it, the plan is made again with that room (twice the reserve when it was
+          not measured); elsewhere, or a third time, BudgetExceeded naming the zones;
+        - the streaming engine cannot build a step's graph (and the engine was not asked
+          for by name): the session moves to segments and says so.
+        The caller holds the session's lock."""
+        for attempt in range(3):
+            try:
+                return call()
+            except StreamingUnavailable as e:
+                if self.config.engine == "graph" or not isinstance(self._runner, StreamEngine):
+                    raise
+                why = f"the streaming engine cannot run this model, so its weights run in segments: {e}"
+                warnings.warn(why, OffloadWarning, stacklevel=3)
+                self._notes.append(why)
+                self._run_in_segments(self._segments_from[0])
+                return call()
+            except Exception as e:  # noqa: BLE001 - ORT's own types too: only an out-of-memory is taken here
+                if isinstance(e, StepMemoryShort):
+                    short = (str(e), e.needed)
+                elif isinstance(e, OffloadError) or not is_out_of_memory(e):
+                    raise
+                else:
+                    short = (f"ORT ran out of device memory in a step: {' '.join(str(e).split())[-300:]}", 0)
+            # Past the except clause: the failed step's frames, which hold the ORT session
+            # and so its arena, are let go before the plan is made again.
+            message, needed = short
+            if not self._graph_possible or attempt == 2:
+                raise BudgetExceeded(f"{message} ({describe_zones(self._device.ledger)}). Lower prefill_chunk (the "
+                                     f"prompt's tokens per step, now {self.config.prefill_chunk}) or the batch, or "
+                                     f"raise the budget")
+            zones = self._device.ledger.snapshot().zones
+            kv, scratch = self._engine_needs or (zones["kv"].reserve, zones["scratch"].reserve)
+            kv = max(kv, zones["kv"].committed.current)
+            scratch = max(scratch, zones["scratch"].committed.current)
+            scratch += needed or max(scratch, self._device.granularity)
+            try:
+                self._replan_engine(kv, scratch, "a step that needed more memory than was set aside")
+            except StreamingUnavailable as e:
+                raise self._engine_short(kv, scratch, e) from None
 
     def _run_in_segments(self, plan) -> None:
         """Replaces the runner with segments under `plan`. When they cannot be made (a
@@ -522,6 +710,21 @@ class OffloadSession(InferenceSessionMembers):
         zones = dev.ledger.snapshot().zones
         in_force = self._segments_from[0]
         kv = round_up(kv_peak, g)
+        if self._graph_possible and cfg.offload:
+            # On CUDA the streaming engine takes the weights: planned (again) for this cache
+            # and for the step buffers held and asked for, or the advice of why it cannot be.
+            have = self._engine_needs or (0, 0)
+            need = (max(have[0], kv), max(have[1], round_up(zones["scratch"].committed.current + io_peak, g)))
+            if need == have:
+                return (f"the plan in force already sets aside {fmt_bytes(have[0])} for the KV cache and "
+                        f"{fmt_bytes(have[1])} for the steps")
+            try:
+                self._replan_engine(*need, f"a KV cache of up to {fmt_bytes(kv_peak)}")
+                return None
+            except StreamingUnavailable:
+                pass  # the weights stream in segments instead, below
+            except BudgetExceeded as e:
+                return str(e)
         # Segments pass values between them through scratch, which the resident runner
         # never needed and whose sizes are known only once the segments run: the scratch
         # reserve the configuration gives is doubled, plus `boundary` bytes per segment.
@@ -709,6 +912,7 @@ class OffloadSession(InferenceSessionMembers):
         gen = None
         try:
             with self._step():
+                self._prepare_generation(spec, batch, prompt, total)
                 gen = Generation(self, spec, batch, prompt, total)
         except BaseException:  # a Ctrl-C held back during the allocation arrives here
             if gen is not None:

@@ -18,7 +18,7 @@ A step (``StreamEngine``). For each input-shape signature ORT runs uncaptured on
 package's compute stream, once to learn the outputs' shapes and once with every value
 bound where the graph will find it (it takes its memory and picks its kernels; what
 the streamed addresses hold then does not matter); a third ``run_with_iobinding`` is
-captured into a graph. The captured nodes' parameters are scanned for the units'
+captured into a graph. What ORT took for those runs is charged to the scratch zone. The captured nodes' parameters are scanned for the units'
 addresses, which gives each weight's readers. H2D copy nodes are then added, from the
 pinned host store to the weights' addresses (``plan_copies``): a weight's granules are
 copied in runs by the unit that held their ring granules earlier in the step, with
@@ -51,6 +51,7 @@ from .model import WeightInfo, save_model
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
 from .residency import Counters
 from .segmenter import Segment
+from .step_memory import StepMemoryShort, is_out_of_memory
 
 # The ring's floor, as a share of the weights budget. Decode is bound by the link (on
 # the H200 a 23 MB weight copies in 0.4 ms and its reader takes microseconds), so a
@@ -522,9 +523,11 @@ class StreamEngine:
         stream = dev.compute_stream
         # The warm-up: ORT takes its memory and picks its kernels. The streamed weights'
         # addresses hold whatever the ring last held; the outputs it writes are
-        # overwritten by the graph's own run.
+        # overwritten by the graph's own run. What ORT took for it is charged to the
+        # scratch zone once the graph is made (StepMemoryShort when it has no room).
+        mark = self._meter.mark()
         io = self._bind(feeds, outputs)
-        self.session.run_with_iobinding(io, self._run_options)
+        self._ort_run(io)
         bound = dict(outputs)
         made: List[str] = []
         try:
@@ -536,16 +539,28 @@ class StreamEngine:
                     made.append(name)
                     bound[name] = buffers[name].value
             io = self._bind(feeds, bound)
-            self.session.run_with_iobinding(io, self._run_options)  # at the addresses the capture uses
+            self._ort_run(io)  # at the addresses the capture uses
             stream.synchronize()
             graph = self._capture(io)
             lead = self._add_page_ins(graph)
             graph.instantiate(stream)
+            self._meter.charge_since(mark)
         except BaseException:
             for name in made:
                 dev.scratch.deallocate(buffers.pop(name).ptr)
             raise
         return _Graph(graph, buffers, bound, lead)
+
+    def _ort_run(self, io) -> None:
+        """An uncaptured ORT run; ORT's arena or the device running out of memory is a
+        StepMemoryShort (of unknown size), not ORT's RuntimeError."""
+        try:
+            self.session.run_with_iobinding(io, self._run_options)
+        except RuntimeError as e:
+            if isinstance(e, OffloadError) or not is_out_of_memory(e):
+                raise
+            raise StepMemoryShort(f"ORT ran out of device memory in the step: "
+                                  f"{' '.join(str(e).split())[-300:]}", 0) from None
 
     def _capture(self, io):
         """One ORT run captured into a graph; StreamingUnavailable when it cannot be."""

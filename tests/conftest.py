@@ -1,5 +1,6 @@
 import functools
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -7,8 +8,14 @@ import pytest
 
 # Sessions keep optimized models in the user cache directory by default: the tests (and
 # the processes they start) keep theirs in a folder of their own.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="onnx-offload-tests-cache-")
+_CACHE_HOME = tempfile.mkdtemp(prefix="onnx-offload-tests-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
 os.environ.pop("ONNX_OFFLOAD_CACHE_DIR", None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The tests' cache folder goes with the run (its entries are hundreds of MB)."""
+    shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 from onnx_offload import WeightSlot, _core, cuda_available
 from onnx_offload.host_store import read_bytes
@@ -100,13 +107,17 @@ def rig_factory(request):
         r.arena.close()
 
 
-def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",), attention_mask=None):
+def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",), attention_mask=None, optimized=True):
     """The decode loop a user writes with plain ORT: numpy KV cache, a past that grows
     by one position per step, an attention mask of ones (or the prompt's, then ones),
-    positions counting each row's tokens. Returns [batch, prompt + n]."""
+    positions counting each row's tokens. Returns [batch, prompt + n]. `optimized=False`:
+    ORT runs the graph as given, without its graph optimizations."""
     import onnxruntime as ort
     from onnx_offload.ortvalues import numpy_dtype
-    s = ort.InferenceSession(model.SerializeToString(), providers=list(providers))
+    so = ort.SessionOptions()
+    if not optimized:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    s = ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
     names = {i.name for i in s.get_inputs()}
     outs = [o.name for o in s.get_outputs()]
     b, p = ids.shape

@@ -1,0 +1,264 @@
+"""``onnx-offload bench cards``: the call a user writes, on cards smaller than the model.
+
+The model is onnxruntime-genai's builder layout (GroupQueryAttention, shared past and
+present) at the Llama-3-8B shape (32 layers, hidden 4096, 32 heads, 8 KV heads,
+intermediate 14336, vocabulary 128256, fp16: 16.06 GB of weights), made by the package's
+generator with random weights. Each row runs in a process of its own beside a second
+process that holds all of the device's free memory but the card's, so the session sees
+what a user with that card sees. The session is
+``OffloadSession(path, providers=["CUDAExecutionProvider"], offload=True, vmm=True)``:
+the budget, the reserves and the prompt chunk are left to the package.
+
+Each row generates twice; the second generation is measured (the first captures the
+graphs). Columns: ms/token (the median over the decode steps after the first three) and
+the time to first token; the weights resident; the decode bound,
+``max(resident anchor, streamed bytes per step / H2D)``, and the prefill bound,
+``max(resident prefill, bytes streamed during the prompt / H2D)``, with H2D measured in
+the same run; the device memory the row's process took at its peak against the card;
+the tokens against plain ORT's (the anchor: every weight resident, no second process);
+the engine that ran.
+
+The optimized model is made once, in the anchor's process with the whole device, and
+kept in the bench's cache folder, so every row runs the same optimized graph that plain
+ORT runs (ORT's CUDA optimization pass loads the weights onto the device, which a card
+smaller than the model cannot hold: a session there runs the model as exported).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from .bench import pinned_h2d
+from .bench_decode import WARMUP, anchor, in_process_of_its_own
+from .config import GiB, MiB
+from .stats import fmt_bytes, table
+
+SHAPE_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256, max_length=8192,
+                dtype="float16")
+SHAPE_CPU = dict(layers=4, hidden=256, heads=8, kv_heads=2, intermediate=704, vocab=1000, max_length=8192,
+                 dtype="float32")
+CARDS_GIB = (8, 12, 16, 24)
+PROMPTS = (512, 4096)
+BATCHES = (1, 4)
+NEW = 32
+
+
+def build_model(shape: dict, out_dir: str) -> str:
+    """The builder-layout decoder of `shape`, made once in `out_dir`."""
+    from .models.decoder import decoder_lm, genai_config, save_decoder
+    folder = os.path.join(out_dir, "cards_model")
+    marker = os.path.join(folder, "shape.json")
+    path = os.path.join(folder, "model.onnx")
+    if not (os.path.exists(marker) and json.load(open(marker)) == shape and os.path.exists(path)):
+        model = decoder_lm("gqa", dtype=np.dtype(shape["dtype"]), **{k: v for k, v in shape.items() if k != "dtype"})
+        cfg = genai_config(shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"], shape["vocab"],
+                           shape["max_length"], eos_token_id=-1)  # no EOS: every row decodes all tokens
+        save_decoder(model, folder, config=cfg)
+        del model
+        with open(marker, "w") as f:
+            json.dump(shape, f)
+    return path
+
+
+HOLDER = """
+import sys
+from onnx_offload import _core
+backend = _core.make_cuda_backend(0)
+free, _ = backend.mem_info()
+card = int(sys.argv[1])
+if free > card:
+    backend.plain_alloc(free - card)
+print(backend.mem_info()[0], flush=True)
+sys.stdin.read()  # held until the row's process closes the pipe or ends
+"""
+
+
+class Card:
+    """A second process that holds all of the device's free memory but `card` bytes."""
+
+    def __init__(self, card: int):
+        # From a neutral folder: the source tree's package (without its built core) must
+        # not shadow the installed one.
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(card)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
+        line = self.proc.stdout.readline().strip()
+        if not line:
+            self.close()
+            raise RuntimeError("bench cards: the process holding the device's memory did not start")
+        self.free = int(line)  # what the device has free beside it: the card
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        finally:
+            self.proc.stdout.close()
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class _Peak:
+    """The device's free memory, sampled every millisecond on a thread, against `start`."""
+
+    def __init__(self, start: int):
+        from . import _core
+        self._backend = _core.make_cuda_backend(0)
+        self.start = start
+        self.low = self._backend.mem_info()[0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.sample()
+
+    def sample(self) -> None:
+        self.low = min(self.low, self._backend.mem_info()[0])
+
+    def close(self) -> int:
+        """Stops sampling (idempotent); the most memory taken since the start."""
+        self._stop.set()
+        self._thread.join()
+        return self.start - self.low
+
+
+def _generate(s, ids: np.ndarray, new: int) -> Dict:
+    """One generation: time to first token, the decode steps' times, the bytes streamed
+    during the prompt and per decode step, and the tokens."""
+    before = s.stats().counters.htod_bytes
+    t0 = time.perf_counter()
+    it = s.generate_iter(ids, new)
+    tokens = [next(it)]
+    first = time.perf_counter()
+    prompt_htod = s.stats().counters.htod_bytes - before
+    stamps = [first]
+    for tok in it:
+        stamps.append(time.perf_counter())
+        tokens.append(tok)
+    return dict(ttft_ms=(first - t0) * 1e3, steps=(np.diff(stamps) * 1e3).tolist(), prompt_htod=prompt_htod,
+                tokens=np.stack(tokens, 1))
+
+
+def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) -> Dict:
+    """One card: the user's call beside a process that holds the rest of the device."""
+    from .session import OffloadSession
+    holder = Card(card) if kind == "cuda" else None
+    peak = _Peak(holder.free) if holder is not None else None
+    s = None
+    out: Dict = dict(card=card, batch=int(ids.shape[0]), prompt=int(ids.shape[1]))
+    try:
+        if kind == "cuda":
+            s = OffloadSession(path, providers=["CUDAExecutionProvider"], offload=True, vmm=True, cache_dir=cache)
+        else:  # the host backend: the card is the budget
+            s = OffloadSession(path, providers=["CPUExecutionProvider"], offload=True, vmm=True, cache_dir=cache,
+                               vram_limit=card, host_granularity=64 << 10)
+        _generate(s, ids, new)  # captures the graphs
+        g = _generate(s, ids, new)
+        st = s.stats()
+        streamed = st.last_step.htod_bytes
+        out.update(ms_per_token=float(np.median(g["steps"][WARMUP:])), ttft_ms=g["ttft_ms"],
+                   prompt_htod=g["prompt_htod"], step_htod=streamed, resident=st.last_step.hit_bytes,
+                   weight_bytes=st.weight_bytes, engine=s.engine, budget=st.ledger.budget,
+                   zones={k: [z.allowance, z.reserve] for k, z in st.ledger.zones.items()},
+                   notes=list(st.notes), tokens=g["tokens"])
+    except Exception as e:  # noqa: BLE001 - a row that fails is a row of the table
+        out.update(error=f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
+                   tokens=np.zeros((ids.shape[0], 0), np.int64))
+    finally:
+        if s is not None:
+            s.close()
+        if peak is not None:
+            out["peak"] = peak.close()
+        if holder is not None:
+            out["card_free"] = holder.free
+            holder.close()
+    return out
+
+
+def warm_cache(path: str, kind: str, cache: str, ids=None) -> Dict:
+    """Makes the cache entry with the whole device (see the module's note)."""
+    from .session import OffloadSession
+    provider = "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
+    t = time.perf_counter()
+    with OffloadSession(path, providers=[provider], offload=True, vmm=True, cache_dir=cache,
+                        **({} if kind == "cuda" else dict(host_granularity=64 << 10))):
+        pass
+    return dict(seconds=time.perf_counter() - t, tokens=np.zeros((1, 0), np.int64))
+
+
+def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BATCHES, new: int = NEW) -> Dict:
+    shape = SHAPE_8B if kind == "cuda" else SHAPE_CPU
+    os.makedirs(out_dir, exist_ok=True)
+    t = time.perf_counter()
+    path = build_model(shape, out_dir)
+    print(f"  model ready in {time.perf_counter() - t:.1f} s", flush=True)
+    weights = os.path.getsize(path + ".data")
+    if cards is None:
+        cards = [c * GiB for c in CARDS_GIB] if kind == "cuda" else [int(weights * f) for f in (0.3, 0.6, 1.5)]
+    bw = pinned_h2d(kind, GiB if kind == "cuda" else 128 * MiB)
+    cache = os.path.join(out_dir, "cache")
+    w = in_process_of_its_own("bench_cards", "warm_cache", path=path, kind=kind, cache=cache, ids=[[0]])
+    print(f"  cache entry made in {w['seconds']:.1f} s; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)
+    rows: List[Dict] = []
+    for prompt in prompts:
+        for batch in batches:
+            ids = np.random.default_rng(prompt + batch).integers(0, shape["vocab"], (batch, prompt))
+            a = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new,
+                                      kind=kind, warm_prompt=True)
+            print(f"  anchor {batch} x {prompt}: {a['ms_per_token']:.2f} ms/token, prompt {a['prompt_ms']:.0f} ms",
+                  flush=True)
+            for card in cards:
+                r = in_process_of_its_own("bench_cards", "row", path=path, card=card, ids=ids.tolist(), new=new,
+                                          kind=kind, cache=cache)
+                r["tokens_equal"] = bool(np.array_equal(r.pop("tokens"), a["tokens"]))
+                if "error" not in r:
+                    r["bound_ms"] = max(a["ms_per_token"], r["step_htod"] / bw * 1e3)
+                    r["prefill_bound_ms"] = max(a["prompt_ms"], r["prompt_htod"] / bw * 1e3)
+                r["anchor_ms"], r["anchor_prompt_ms"] = a["ms_per_token"], a["prompt_ms"]
+                rows.append(r)
+                print("  " + _line(r), flush=True)
+    return dict(kind=kind, weights=weights, h2d_gbps=bw / 1e9, new=new, shape=shape, rows=rows)
+
+
+def _line(r: Dict) -> str:
+    head = f"{fmt_bytes(r['card'])} card, {r['batch']} x {r['prompt']}"
+    if "error" in r:
+        return f"{head}: {r['error']}"
+    return (f"{head}: {r['ms_per_token']:.2f} ms/token ({r['ms_per_token'] / r['bound_ms']:.2f}x), first token "
+            f"{r['ttft_ms']:.0f} ms ({r['ttft_ms'] / r['prefill_bound_ms']:.2f}x), {r['engine']}")
+
+
+def print_cards(res: Dict) -> str:
+    rows = []
+    for r in res["rows"]:
+        if "error" in r:
+            rows.append((fmt_bytes(r["card"]), r["prompt"], r["batch"], "FAILED", "-", "-", "-", "-", "-", "-",
+                         fmt_bytes(r["peak"]) if r.get("peak") else "-", "-", r["error"][:80]))
+            continue
+        rows.append((fmt_bytes(r["card"]), r["prompt"], r["batch"], f"{r['ms_per_token']:.2f}",
+                     f"{r['ttft_ms']:.0f}", fmt_bytes(r["resident"]), f"{r['bound_ms']:.2f}",
+                     f"{r['ms_per_token'] / r['bound_ms']:.2f}x", f"{r['prefill_bound_ms']:.0f}",
+                     f"{r['ttft_ms'] / r['prefill_bound_ms']:.2f}x",
+                     f"{fmt_bytes(r['peak'])}" if r.get("peak") is not None else "-",
+                     "yes" if r["tokens_equal"] else "NO", r["engine"]))
+    head = (f"bench cards ({res['kind']}): weights {fmt_bytes(res['weights'])}, pinned H2D {res['h2d_gbps']:.1f} "
+            f"GB/s, {res['new']} new tokens, the second generate() of each session")
+    return head + "\n" + table(rows, ("card", "prompt", "batch", "ms/token", "first token ms", "resident",
+                                      "bound ms", "vs bound", "prefill bound ms", "vs bound", "peak device",
+                                      "tokens = ORT", "engine"))
+
+
+if __name__ == "__main__":
+    from .bench_decode import _main
+    _main(sys.argv[1], sys.argv[2], sys.modules[__name__])

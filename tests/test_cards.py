@@ -1,0 +1,169 @@
+"""A card smaller than the model, on the CPU host backend: a long prompt in chunks with its
+scratch bounded by the chunk, every budget from the smallest the package names up to the
+whole model giving plain ORT's tokens, and every piece of advice the package gives,
+followed, running."""
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from onnx_offload import BudgetExceeded, OffloadSession
+from onnx_offload.models import weight_bytes
+from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
+
+from conftest import reference_greedy
+
+CPU = ["CPUExecutionProvider"]
+G = 4096  # host granule: small, so that budgets of a few hundred KiB are meaningful
+_MODELS = {}
+
+
+def model_of(layout):
+    if layout not in _MODELS:
+        _MODELS[layout] = decoder_lm(layout, hidden=128, intermediate=384, vocab=512, max_length=4096)
+    return _MODELS[layout]
+
+
+def session(model, **kw):
+    kw.setdefault("host_granularity", G)
+    return OffloadSession(model.SerializeToString(), providers=CPU, offload=True, vmm=True, **kw)
+
+
+def prompt(batch, length, seed=0):
+    return np.random.default_rng(seed).integers(0, 512, (batch, length))
+
+
+ADVICE = re.compile(r"pass ((?:\w+=\d+(?:, )?)+)")
+
+
+def advice_of(error: BaseException) -> dict:
+    """The keywords an error tells the caller to pass."""
+    m = ADVICE.search(str(error))
+    assert m, f"no advice in: {error}"
+    return {k: int(v) for k, v in (kv.split("=") for kv in m.group(1).rstrip(", ").split(", "))}
+
+
+@pytest.mark.parametrize("layout", ["gqa", "standard"])
+def test_a_long_prompt_runs_in_chunks_with_its_scratch_bounded_by_the_chunk(layout):
+    model = model_of(layout)
+    peaks = {}
+    for length in (256, 2048):
+        ids = prompt(1, length)
+        want = reference_greedy(model, ids, 6)
+        with session(model, vram_limit="64MiB", weight_bytes=weight_bytes(model) // 2, prefill_chunk=128) as s:
+            steps = []
+            run_bound = s._run_bound
+
+            def counted(feeds, outputs, **kw):
+                steps.append(feeds["input_ids"].shape()[1])
+                return run_bound(feeds, outputs, **kw)
+            s._run_bound = counted
+            np.testing.assert_array_equal(s.generate(ids, 6), want)
+            assert len(s.segments) > 1  # the weights streamed
+            assert max(steps) == 128 and sum(steps) == length + 5  # the prompt in chunks, then 5 decode steps
+            peaks[length] = s.device.ledger.snapshot().zones["scratch"].committed.peak
+            assert s.close().committed == 0
+    if layout == "gqa":
+        # What the steps hold in scratch depends on the chunk, not on the prompt: eight
+        # times the prompt adds only the mask's bytes.
+        assert peaks[2048] <= peaks[256] + (64 << 10), peaks
+    else:
+        # Standard attention's values between segments hold a chunk's scores against the
+        # whole past: chunk x length, linear in the prompt (one step would be quadratic).
+        assert peaks[2048] <= 2048 / 256 * peaks[256], peaks
+
+
+@pytest.mark.parametrize("layout", ["gqa", "standard"])
+def test_each_chunk_layout_gives_the_tokens_of_one_step(layout):
+    """Prompts around the chunk's length, a batch, and (standard) left padding."""
+    model = model_of(layout)
+    for length, batch in ((64, 1), (65, 2), (200, 2)):
+        ids = prompt(batch, length, seed=length)
+        mask = None
+        if layout == "standard" and batch > 1:
+            mask = np.ones((batch, length), np.int64)
+            mask[1, :9] = 0
+        want = reference_greedy(model, ids, 5, attention_mask=mask)
+        with session(model, vram_limit="64MiB", weight_bytes=weight_bytes(model) // 2, prefill_chunk=64) as s:
+            np.testing.assert_array_equal(s.generate(ids, 5, attention_mask=mask), want)
+
+
+def test_every_budget_from_the_smallest_named_up_to_the_whole_model_gives_ort_s_tokens():
+    model = model_of("gqa")
+    ids = prompt(2, 300)
+    want = reference_greedy(model, ids, 6)
+    with pytest.raises(BudgetExceeded) as e:
+        session(model, vram_limit=G, prefill_chunk=64)
+    least = advice_of(e.value)["vram_limit"]
+    whole = weight_bytes(model) + (8 << 20)
+    budgets = [least] + [int(least + (whole - least) * k / 5) // G * G for k in range(1, 6)]
+    for budget in budgets:
+        with session(model, vram_limit=budget, prefill_chunk=64) as s:
+            try:
+                got = s.generate(ids, 6)
+            except BudgetExceeded as short:  # the cache does not fit this budget: the advice runs
+                kw = advice_of(short)
+                with session(model, prefill_chunk=64, **kw) as t:
+                    got = t.generate(ids, 6)
+            np.testing.assert_array_equal(got, want, err_msg=f"budget {budget}")
+            assert s.close().committed == 0
+
+
+def test_the_advice_for_a_cache_that_does_not_fit_runs_when_followed():
+    model = model_of("standard")
+    ids = prompt(4, 600)
+    with session(model, vram_limit=weight_bytes(model) // 3, prefill_chunk=128) as s:
+        with pytest.raises(BudgetExceeded) as e:
+            s.generate(ids, 4)
+        assert s.device.ledger.snapshot().zones["kv"].committed.current == 0  # nothing left behind
+        np.testing.assert_array_equal(s.generate(ids[:1, :8], 4), reference_greedy(model, ids[:1, :8], 4))
+    kw = advice_of(e.value)
+    with session(model, prefill_chunk=128, **kw) as s:
+        np.testing.assert_array_equal(s.generate(ids, 4), reference_greedy(model, ids, 4))
+
+
+def test_the_cli_gives_its_own_flags_as_advice_and_they_run(tmp_path):
+    path = save_decoder(model_of("gqa"), str(tmp_path / "llm"), config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
+    base = [sys.executable, "-m", "onnx_offload", "generate", path, "--cpu", "--prompt-ids",
+            ",".join(str(t) for t in prompt(1, 300)[0]), "--max-new-tokens", "4", "--cache-dir", "off",
+            "--prefill-chunk", "64"]
+    flags = ["--vram-limit", "2MiB"]
+    # The session's advice makes the session run; the generation's, the generation.
+    for _ in range(3):
+        run = subprocess.run(base + flags, capture_output=True, text=True, cwd=str(tmp_path), env=_env())
+        if run.returncode == 0:
+            break
+        assert run.returncode == 2, run.stderr
+        assert "BudgetExceeded" in run.stderr and "vram_limit=" not in run.stderr, run.stderr
+        advice = re.search(r"pass ((?:--[\w-]+ \d+(?:, )?)+)", run.stderr).group(1)
+        flags = [w for kv in advice.rstrip(", ").split(", ") for w in kv.split(" ")]
+    assert run.returncode == 0, run.stderr
+    assert "tokens: " in run.stdout
+
+
+def _env():
+    import os
+    env = dict(os.environ)
+    env.pop("ONNX_GENAI_VRAM_LIMIT", None)
+    return env
+
+
+def test_a_model_that_the_cuda_pass_cannot_hold_runs_as_exported(tmp_path):
+    """The fallback of ORT's CUDA optimization pass on a card smaller than the model: the
+    graph unchanged (no CPU pass, whose inserted float32 casts the CUDA provider would run),
+    the weights in the data file, and ORT's outputs those of the model as given."""
+    import onnxruntime as ort
+    from onnx_offload.model import OPTIMIZED, OPTIMIZED_DATA, _as_exported
+    model = model_of("gqa")
+    src = save_decoder(model, str(tmp_path / "src"))
+    out = str(tmp_path / "opt" / OPTIMIZED)
+    (tmp_path / "opt").mkdir()
+    _as_exported(src, out, 4096)
+    import onnx
+    saved = onnx.load(out, load_external_data=False)
+    assert [n.op_type for n in saved.graph.node] == [n.op_type for n in model.graph.node]
+    assert (tmp_path / "opt" / OPTIMIZED_DATA).stat().st_size > weight_bytes(model) // 2
+    ids = prompt(1, 9)
+    np.testing.assert_array_equal(reference_greedy(onnx.load(out), ids, 4), reference_greedy(model, ids, 4))

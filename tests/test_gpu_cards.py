@@ -1,0 +1,58 @@
+"""On the H200, a card smaller than the model: a second process holds all of the device's
+free memory but the card's, and the session is the call a user writes, its budget left to
+the package. It runs on the streaming engine, a prompt longer than a chunk in chunks, and
+gives plain ORT's tokens within the card."""
+import numpy as np
+import pytest
+
+from onnx_offload import OffloadSession
+from onnx_offload.bench_cards import Card, _Peak
+from onnx_offload.models import weight_bytes
+from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
+
+from conftest import reference_greedy
+
+pytestmark = pytest.mark.gpu
+CUDA = "CUDAExecutionProvider"
+SHAPE = dict(layers=8, hidden=2048, heads=16, kv_heads=4, intermediate=5632, vocab=32000, max_length=2048)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    model = decoder_lm("gqa", dtype=np.float16, **SHAPE)  # 0.98 GB of weights
+    folder = str(tmp_path_factory.mktemp("card") / "llm")
+    cfg = genai_config(SHAPE["layers"], SHAPE["hidden"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["vocab"],
+                       SHAPE["max_length"], eos_token_id=-1)
+    return save_decoder(model, folder, config=cfg), model
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_users_call_on_a_card_smaller_than_the_model(model_path, batch, tmp_path):
+    path, model = model_path
+    ids = np.random.default_rng(batch).integers(0, SHAPE["vocab"], (batch, 700))
+    # Plain ORT with its graph optimizations and without: before the card is held.
+    want = {True: reference_greedy(model, ids, 8, providers=[CUDA]),
+            False: reference_greedy(model, ids, 8, providers=[CUDA], optimized=False)}
+    weights = weight_bytes(model)
+    card = Card(weights * 6 // 10)
+    peak = None
+    try:
+        peak = _Peak(card.free)
+        with OffloadSession(path, providers=[CUDA], offload=True, vmm=True, cache_dir=str(tmp_path / "cache"),
+                            prefill_chunk=256) as s:
+            got = s.generate(ids, 8)
+            st = s.stats()
+            # ORT's CUDA optimization pass needs the weights on the device, which this card
+            # cannot hold: the session runs the model as exported, and so does plain ORT here.
+            exported = any("as it was exported" in n for n in st.notes)
+            np.testing.assert_array_equal(got, want[not exported])
+            assert s.engine == "graph", st.notes
+            assert 0 < st.last_step.htod_bytes < weights  # some weights resident, the others streamed
+            assert st.ledger.budget < card.free
+            final = s.close()
+        assert final.committed == 0
+        assert peak.close() <= card.free
+    finally:
+        if peak is not None:
+            peak.close()
+        card.close()
