@@ -5,6 +5,16 @@ import os as _os
 import warnings as _warnings
 
 try:
+    import onnxruntime as _onnxruntime  # noqa: F401 - every layer above the core runs on it
+except ModuleNotFoundError as _e:
+    if _e.name != "onnxruntime":
+        raise
+    raise ModuleNotFoundError(
+        "onnx_offload needs onnxruntime 1.31 or 1.32, which comes as one of the package's extras: "
+        "pip install 'onnx-offload[gpu]' (onnxruntime-gpu, the CUDA build, which runs on the CPU too) or "
+        "'onnx-offload[cpu]' (the CPU-only onnxruntime)", name="onnxruntime") from None
+
+try:
     from ._core import Arena, BudgetOwner, ScratchAllocator, WeightSlot, Zone
 except ModuleNotFoundError as _e:  # the source tree, whose compiled core is built only on install
     if _e.name != f"{__name__}._core":

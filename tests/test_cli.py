@@ -122,3 +122,23 @@ def test_the_cache_command_reads_only_the_cache_s_own_variable(monkeypatch, tmp_
     monkeypatch.setenv("ONNX_OFFLOAD_CACHE_DIR", str(tmp_path))
     assert cli.main(["cache", "info"]) == 0
     assert str(tmp_path) in capsys.readouterr().out
+
+
+def test_the_demo_leaves_no_cache_entry_behind(tmp_path, capsys, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ONNX_OFFLOAD_CACHE_DIR", str(cache))
+    rc, out = run(["demo", "--cpu"], capsys)
+    assert rc == 0, out.err
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_a_test_run_takes_its_cache_folder_with_it(tmp_path):
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.join(here, "test_config.py"), "-k", "parse_bytes"], cwd=here, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert not list(tmp_path.glob("onnx-offload-tests-cache-*"))

@@ -75,3 +75,22 @@ def test_the_installed_ort_is_found_from_its_own_folder():
     found = installed_versions(onnxruntime.__file__)
     assert found and set(found) <= {"onnxruntime", "onnxruntime-gpu"}
     assert onnxruntime.__version__ in found.values()
+
+
+def test_every_image_the_readme_shows_is_in_the_repository():
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = pathlib.Path(root, "README.md").read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme)
+    assert images
+    for image in images:
+        assert os.path.isfile(os.path.join(root, image)), image
+
+
+def test_without_onnxruntime_the_import_names_the_extras(tmp_path):
+    code = ("import sys\nsys.modules['onnxruntime'] = None  # as where neither distribution is installed\n"
+            "try:\n    import onnx_offload\nexcept ModuleNotFoundError as e:\n    print(e.name, e)\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("onnxruntime ") and "onnx-offload[gpu]" in run.stdout and \
+        "onnx-offload[cpu]" in run.stdout, run.stdout
