@@ -128,6 +128,18 @@ def count(text: str) -> int:
     return positive_int(text, least=0)
 
 
+def temperature(text: str) -> float:
+    """An argparse type: a finite number of at least 0; 0 is greedy decoding, as llama.cpp
+    and Hugging Face users mean it."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0 (0: greedy), got {text!r}")
+    return x
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above 0."""
     try:
@@ -205,6 +217,12 @@ def cmd_run(args) -> int:
     with OffloadSession(args.model, providers=[_provider(kind)], **kw) as s:
         if feeds is not None:
             check_feeds(feeds, s.get_inputs())
+        elif s._decoder_spec is not None and not isinstance(s._decoder_spec, Exception):
+            # Random feeds with every free dimension 1 are no step of a decoder (a past of
+            # one position beside a mask of one): ORT fails in its attention.
+            raise ValueError(f"{args.model} is a decoder with a KV cache: generate tokens with 'onnx-offload "
+                             f"generate {args.model} --prompt-ids 1,2,3', or give the feeds of a step with --inputs "
+                             f"FEEDS.npz")
         else:
             feeds = make_feeds(s.get_inputs())
         times = []
@@ -237,7 +255,8 @@ def parse_prompt_ids(text: str) -> np.ndarray:
 
 def load_tokenizer(model: str):
     """The tokenizer.json beside the model, through the `tokenizers` package."""
-    path = os.path.join(os.path.dirname(os.path.abspath(model)), "tokenizer.json")
+    folder = model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model))
+    path = os.path.join(folder, "tokenizer.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"--prompt needs a tokenizer.json beside the model ({path}); pass --prompt-ids instead")
     try:
@@ -255,9 +274,17 @@ def cmd_generate(args) -> int:
     from .session import OffloadSession
     check_config_flags(args)
     if not os.path.exists(args.model):
-        raise FileNotFoundError(f"{args.model!r}: no such model file")
+        raise FileNotFoundError(f"{args.model!r}: no such model file or folder")
     from .generation import Sampling
+    if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
+        args.do_sample, args.temperature = False, 1.0
     Sampling(args.do_sample, args.temperature, args.top_k, args.top_p)  # checked before any weight loads
+    eos = None
+    if args.eos_token_id is not None:
+        try:
+            eos = [int(t) for t in args.eos_token_id.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--eos-token-id {args.eos_token_id!r}: expected integers separated by commas") from None
     tok = None
     if args.prompt is not None:
         tok = load_tokenizer(args.model)
@@ -273,21 +300,38 @@ def cmd_generate(args) -> int:
         t0 = time.perf_counter()
         new, first = [], None
         shown = ""
-        for step in s.generate_iter(ids, args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed):
-            if first is None:
-                first = time.perf_counter() - t0
-            new.append(step)
-            if tok is not None:
-                text = tok.decode([int(t[0]) for t in new])
-                print(text[len(shown):], end="", flush=True)
-                shown = text
+        # One row's tokens print as they come (the text, with --prompt; else the ids);
+        # a batch's rows print at the end. Ctrl-C keeps what came.
+        stream = tok is None and len(ids) == 1
+        if stream:
+            print("tokens: ", end="", flush=True)
+        try:
+            for step in s.generate_iter(ids, args.max_new_tokens, do_sample=args.do_sample,
+                                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                        seed=args.seed, eos_token_id=eos):
+                if first is None:
+                    first = time.perf_counter() - t0
+                new.append(step)
+                if tok is not None:
+                    text = tok.decode([int(t[0]) for t in new])
+                    print(text[len(shown):], end="", flush=True)
+                    shown = text
+                elif stream:
+                    print(("," if len(new) > 1 else "") + str(int(step[0])), end="", flush=True)
+        except KeyboardInterrupt:
+            print()
+            if not stream:
+                for row in (np.stack(new, axis=1) if new else np.zeros((len(ids), 0), np.int64)):
+                    print("tokens: " + ",".join(str(int(t)) for t in row))
+            print(f"onnx-offload: interrupted after {len(new)} new tokens", file=sys.stderr)
+            return 130
         elapsed = time.perf_counter() - t0
-        if tok is not None:
+        if tok is not None or stream:
             print()
         tokens = np.stack(new, axis=1) if new else np.zeros((len(ids), 0), np.int64)
-        for row in tokens:
-            print("tokens: " + ",".join(str(int(t)) for t in row))
+        if not stream:
+            for row in tokens:
+                print("tokens: " + ",".join(str(int(t)) for t in row))
         decode = elapsed - (first or 0)
         n = tokens.shape[1]
         rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
@@ -295,6 +339,16 @@ def cmd_generate(args) -> int:
               f"{rate:.1f} tokens/s after it ({spec.layout} layout, {len(s.segments)} segment(s), "
               f"graphs {'on' if s.graph_capture.enabled else 'off'})")
     return 0
+
+
+def _median_ms(fn, runs: int = 5) -> float:
+    fn()  # the first run of a session sets it up
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def cmd_demo(args) -> int:
@@ -306,25 +360,39 @@ def cmd_demo(args) -> int:
     model = mlp_stack(layers=16, hidden=1024, batch=4)
     weights = weight_bytes(model)
     budget = weights // 4
+    where = "the GPU (CUDA VMM)" if kind == "cuda" else "the CPU (the host backend plays the GPU)"
     with tempfile.TemporaryDirectory() as tmp:
         path = save(model, os.path.join(tmp, "demo.onnx"))
         x = np.random.default_rng(0).standard_normal((4, 1024)).astype(np.float32)
-        print(f"demo: a 16-layer MLP with {weights / 2**20:.0f} MiB of weights under a {budget / 2**20:.0f} MiB "
-              f"budget, on {'the GPU (CUDA VMM)' if kind == 'cuda' else 'the CPU (host backend)'}")
-        want = ort.InferenceSession(path, providers=[_provider(kind)]).run(None, {"x": x})[0]
+        print(f"demo: a 16-layer MLP with {weights / 2**20:.0f} MiB of weights, run within a {budget / 2**20:.0f} "
+              f"MiB budget on {where}")
+        plain = ort.InferenceSession(path, providers=[_provider(kind)])
+        want = plain.run(None, {"x": x})[0]
+        plain_ms = _median_ms(lambda: plain.run(None, {"x": x}))
+        del plain
         # The demo's model is made anew each run: a cache entry of it would never be used.
         with OffloadSession(path, providers=[_provider(kind)], offload=True, vmm=True, vram_limit=budget,
                             cache_dir="off") as s:
-            for _ in range(3):
-                got = s.run(None, {"x": x})[0]
+            got = s.run(None, {"x": x})[0]
+            ms = _median_ms(lambda: s.run(None, {"x": x}))
             st = s.stats()
-            print(st)
-        err = float(np.max(np.abs(got - want)))
-        print(f"\nmax |offloaded - plain ORT| = {err:.3g}; peak committed {st.peak_committed / 2**20:.2f} MiB "
-              f"of a {budget / 2**20:.2f} MiB budget")
-        if err > 1e-3 or st.peak_committed > budget:
-            print("demo FAILED", file=sys.stderr)
-            return 1
+            streamed = st.last_step.htod_bytes
+            if args.stats:
+                print(st)
+    err = float(np.max(np.abs(got - want)))
+    ok = err <= 1e-3 and st.peak_committed <= budget
+    print(f"  plain ORT, every weight in memory: {plain_ms:8.2f} ms per step")
+    print(f"  onnx-offload, weights streamed:    {ms:8.2f} ms per step ({st.segments} segments; "
+          f"{streamed / 2**20:.0f} MiB of weights copied in per step)")
+    print(f"  memory committed at its peak:      {st.peak_committed / 2**20:8.2f} MiB of the "
+          f"{budget / 2**20:.0f} MiB budget")
+    print(f"  outputs against plain ORT:           max difference {err:.3g}")
+    if not ok:
+        print("demo FAILED: " + ("the outputs differ from plain ORT's" if err > 1e-3 else "the budget was exceeded"),
+              file=sys.stderr)
+        return 1
+    print("demo passed: the model ran within a quarter of its weights' memory and gave plain ORT's outputs"
+          + ("" if args.stats else " (--stats prints the session's counters)"))
     return 0
 
 
@@ -339,7 +407,7 @@ def cmd_bench(args) -> int:
         return 0
     from . import bench
     kind = _kind(args)
-    out = args.out
+    out = os.path.abspath(args.out)  # the benchmarks' child processes start in another folder
     os.makedirs(out, exist_ok=True)
     if args.what == "arena":
         res = bench.bench_arena(kind)
@@ -400,9 +468,10 @@ def cmd_cache(args) -> int:
     print(f"{cache}: {len(entries)} optimized models, {fmt_bytes(sum(e.nbytes for e in entries))} "
           f"(weights that optimization left unchanged are read from the models' own files, not kept here)")
     if entries:
-        rows = [(os.path.basename(e.path), fmt_bytes(e.nbytes), time.strftime("%Y-%m-%d %H:%M", time.localtime(e.made)))
+        rows = [(e.model or "(not recorded)", fmt_bytes(e.nbytes),
+                 time.strftime("%Y-%m-%d %H:%M", time.localtime(e.made)), os.path.basename(e.path)[:12])
                 for e in entries]
-        print(table(rows, ("entry", "size", "made")))
+        print(table(rows, ("made from", "size", "made", "entry")))
     return 0
 
 
@@ -442,7 +511,7 @@ def main(argv=None) -> int:
                    version=f"onnx-offload {__version__} (onnxruntime {onnxruntime.__version__})")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a model under a VRAM budget and print the offload counters")
-    r.add_argument("model")
+    r.add_argument("model", help="an ONNX model file, or a folder holding one")
     _config_flags(r)
     r.add_argument("--steps", type=positive_int, default=3, help="steps to run, at least 1 (default 3)")
     r.add_argument("--inputs", help=".npz file of feeds; default: random feeds from the input shapes")
@@ -450,20 +519,25 @@ def main(argv=None) -> int:
     r.add_argument("--timeline", help="write the residency timeline to this PNG")
     r.set_defaults(fn=cmd_run)
     g = sub.add_parser("generate", help="generate tokens with a decoder LLM (KV cache on the device)")
-    g.add_argument("model")
+    g.add_argument("model", help="a decoder's ONNX file, or its folder (genai_config.json, tokenizer.json, ...)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", help="token ids, comma-separated (rows of a batch separated by ';')")
     src.add_argument("--prompt", help="text, encoded by the tokenizer.json beside the model ('tokenizers' package)")
-    g.add_argument("--max-new-tokens", type=positive_int, default=32)
+    g.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=positive_float, default=1.0)
-    g.add_argument("--top-k", type=count, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=count)
+    g.add_argument("--temperature", type=temperature, default=1.0,
+                   help="sampling temperature (default 1.0); 0 decodes greedily")
+    g.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest tokens only (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens whose probability adds up to p (default 1.0: all)")
+    g.add_argument("--seed", type=count, help="the sampling seed (default: a fresh one)")
+    g.add_argument("--eos-token-id", help="token ids that end a row, comma-separated (default: the model's, "
+                                          "from generation_config.json, config.json or genai_config.json)")
     _config_flags(g)
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="a small model under a budget below its weights (GPU if present, else CPU)")
-    d.add_argument("--cpu", action="store_true")
+    d.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
+    d.add_argument("--stats", action="store_true", help="also print the session's counters")
     d.set_defaults(fn=cmd_demo)
     c = sub.add_parser("cache", help="the optimized models kept between runs: show them, or remove them all")
     c.add_argument("action", nargs="?", choices=("info", "clear"), default="info")
@@ -475,14 +549,19 @@ def main(argv=None) -> int:
     b.add_argument("--cards", help="bench cards: card sizes, comma-separated (default 8GiB,12GiB,16GiB,24GiB)")
     b.add_argument("--prompts", help="bench cards: prompt lengths, comma-separated (default 512,4096)")
     b.add_argument("--batches", help="bench cards: batch sizes, comma-separated (default 1,4)")
-    b.add_argument("--out", default="onnx-offload-bench")
-    b.add_argument("--json")
-    b.add_argument("--weight-gb", type=positive_float, default=8.0)
-    b.add_argument("--cpu", action="store_true")
+    b.add_argument("--out", default="onnx-offload-bench",
+                   help="the folder for the models and files a benchmark makes (default ./onnx-offload-bench)")
+    b.add_argument("--json", help="also write the results to this JSON file")
+    b.add_argument("--weight-gb", type=positive_float, default=8.0,
+                   help="bench offload: the model's weights in GB (default 8; on the CPU at most 0.05)")
+    b.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     try:
         return args.fn(args)
+    except KeyboardInterrupt:
+        print("onnx-offload: interrupted", file=sys.stderr)
+        return 130
     except (OffloadError, MemoryError, ValueError, TypeError, OSError, ArithmeticError, RuntimeError,
             ImportError) + _ort_errors() as e:
         # OSError: FileNotFoundError, PermissionError, ...; RuntimeError and ORT's own types

@@ -84,10 +84,12 @@ def _shown(value) -> str:
 
 
 def read_genai_config(model_dir: Optional[str]) -> dict:
-    """The parts of genai_config.json that generate() reads, checked; {} without one."""
+    """The parts of genai_config.json that generate() reads, checked; without one, the EOS
+    ids of Hugging Face's generation_config.json or config.json beside the model."""
     path = os.path.join(model_dir, "genai_config.json") if model_dir else None
     if not path or not os.path.exists(path):
-        return {}
+        eos = read_hf_eos(model_dir)
+        return {"eos": tuple(eos)} if eos else {}
     try:
         cfg = _load_json(path)
         model = cfg.get("model", {})
@@ -104,6 +106,8 @@ def read_genai_config(model_dir: Optional[str]) -> dict:
                 out[key] = value
         eos = model.get("eos_token_id", [])
         eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+        if eos == [] and "eos_token_id" not in model:  # none given here: Hugging Face's files say it
+            eos = read_hf_eos(model_dir)
         if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) and -2**63 <= e < 2**63
                                                 for e in eos):
             raise ValueError(f"model.eos_token_id must be a token id (a 64-bit integer) or a list of them, got "
@@ -112,6 +116,26 @@ def read_genai_config(model_dir: Optional[str]) -> dict:
         return out
     except (OSError, ValueError, AttributeError) as e:  # json.JSONDecodeError is a ValueError
         raise UnsupportedModel(f"{path} cannot be used: {e}") from None
+
+
+def read_hf_eos(model_dir: Optional[str]) -> list:
+    """The EOS ids Hugging Face's generate() would stop at: generation_config.json's
+    eos_token_id, else config.json's (an id or a list of them); [] without either. A file
+    that cannot be read, or an id that is not one, is no EOS."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name) if model_dir else None
+        if not path or not os.path.exists(path):
+            continue
+        try:
+            cfg = _load_json(path)
+        except (OSError, ValueError):
+            continue
+        eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+        eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+        if isinstance(eos, list) and eos and all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < 2**63
+                                                 for e in eos):
+            return eos
+    return []
 
 
 def read_sliding_window(model_dir: Optional[str]) -> Optional[int]:

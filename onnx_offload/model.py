@@ -21,6 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import resource
 import stat
@@ -87,6 +88,29 @@ def external_data_folder(sess_options: Optional[ort.SessionOptions]) -> str:
     SessionOptions name, else the current working directory."""
     folder = config_entry(sess_options, EXTERNAL_FOLDER_KEY) if sess_options is not None else None
     return os.path.abspath(folder) if folder is not None else os.getcwd()
+
+
+def model_file(path: str) -> str:
+    """The ONNX file a model path names: the file itself, or in a folder as
+    onnxruntime-genai and Optimum hand it over, the file genai_config.json names
+    (model.decoder.filename), else model.onnx, else the folder's one .onnx file."""
+    if not os.path.isdir(path):
+        return path
+    names = sorted(n for n in os.listdir(path) if n.endswith(".onnx") and os.path.isfile(os.path.join(path, n)))
+    try:
+        with open(os.path.join(path, "genai_config.json")) as f:
+            named = json.load(f)["model"]["decoder"]["filename"]
+        if isinstance(named, str) and os.path.basename(named) == named and named in names:
+            return os.path.join(path, named)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no genai_config.json, or one that names no file here
+    if "model.onnx" in names:
+        return os.path.join(path, "model.onnx")
+    if len(names) == 1:
+        return os.path.join(path, names[0])
+    if not names:
+        raise ModelNotFound(2, "the folder holds no ONNX model (model.onnx or one .onnx file)", path)
+    raise ModelNotFound(2, f"the folder holds several ONNX models ({', '.join(names[:5])}): name the file", path)
 
 
 def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = None) -> tuple:

@@ -198,11 +198,12 @@ MANIFEST = "manifest.json"  # the fingerprints of an entry's files, written befo
 PARTIAL = ".partial-"  # an entry being made, by the process its name names (see workdir.make_owned_dir)
 
 
-def write_manifest(folder: str, key: str) -> None:
+def write_manifest(folder: str, key: str, made_from: str = "") -> None:
     """Makes every file of an entry about to be published private (0600: the entry's folder
     is 0700 already) and writes its manifest: the key it is for, the fingerprint of each
-    file (see _fingerprint), and the model files its optimized model reads weights from
-    (by real path, see model.share_unchanged)."""
+    file (see _fingerprint), the model files its optimized model reads weights from
+    (by real path, see model.share_unchanged), and `made_from`, the model it was made from
+    (for `onnx-offload cache` to show)."""
     for rel in _entry_files(folder):
         os.chmod(os.path.join(folder, rel), 0o600)
     prints = {rel: _fingerprint(os.path.join(folder, rel)).hex() for rel in _entry_files(folder)}
@@ -210,7 +211,7 @@ def write_manifest(folder: str, key: str) -> None:
     sources = sorted(loc for loc in external_locations(model) if os.path.isabs(loc))
     fd = os.open(os.path.join(folder, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with open(fd, "w") as f:
-        json.dump({"key": key, "files": prints, "sources": sources}, f)
+        json.dump({"key": key, "files": prints, "sources": sources, "model": made_from}, f)
 
 
 def hold_made(folder: str, published: str) -> HeldFiles:
@@ -374,6 +375,17 @@ class CacheEntry(NamedTuple):
     path: str
     nbytes: int  # the entry's own files (not the model files it reads weights from)
     made: float  # when it was published (seconds since the epoch)
+    model: str = ""  # the model it was made from, as its manifest says ("" where it does not)
+
+
+def _made_from(path: str) -> str:
+    """What the entry's manifest says it was made from; "" where it cannot be read."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            model = json.load(f).get("model", "")
+        return model if isinstance(model, str) else ""
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def cache_entries(cache: str) -> List[CacheEntry]:
@@ -387,7 +399,7 @@ def cache_entries(cache: str) -> List[CacheEntry]:
         path = os.path.join(cache, name)
         if _ENTRY.match(name) and os.path.isdir(path) and not os.path.islink(path):
             try:
-                found.append(CacheEntry(path, _tree_bytes(path), os.stat(path).st_mtime))
+                found.append(CacheEntry(path, _tree_bytes(path), os.stat(path).st_mtime, _made_from(path)))
             except FileNotFoundError:  # removed meanwhile by another process
                 continue
     return sorted(found, key=lambda e: (e.made, e.path))

@@ -27,8 +27,10 @@ class LoadProgress:
         """A phase of the load; yields update(done, total)."""
         bar = None
         if self._tqdm is not None:
+            # A phase without a count shows its name and its time, not "0it [00:02, ?it/s]".
+            fmt = None if total else "{desc}: {elapsed}"
             bar = self._tqdm(total=total, desc=what, unit=unit, unit_scale=unit == "B", unit_divisor=1024,
-                             leave=True, file=sys.stderr, dynamic_ncols=True)
+                             leave=True, file=sys.stderr, dynamic_ncols=True, bar_format=fmt)
 
         def update(done: int, total_now: int) -> None:
             if bar is not None:

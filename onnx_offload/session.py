@@ -45,8 +45,8 @@ from .interrupts import deferred_interrupts
 from .iobinding import OffloadIOBinding
 from .kv_cache import bucket_for, describe_zones, peak_bytes
 from .model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, load_optimized, materialize,
-                    optimization_level, optimize_once, point_weights_at_placeholder, read_weights, share_unchanged,
-                    weights_as_inputs, write_optimized)
+                    model_file, optimization_level, optimize_once, point_weights_at_placeholder, read_weights,
+                    share_unchanged, weights_as_inputs, write_optimized)
 from .model_cache import (HeldFiles, cache_folder, cache_key, hold_made, make_partial, open_entry, remove_set_aside,
                           set_aside, sweep_partials, write_manifest)
 from .ort_memory import OrtMemoryMeter
@@ -234,7 +234,7 @@ class OffloadSession(InferenceSessionMembers):
                           self._disabled_optimizers, self._options)
             if own_files:
                 share_unchanged(tmp, src, self._held_files)
-            write_manifest(tmp, key)
+            write_manifest(tmp, key, os.path.abspath(src) if own_files else "a model given as bytes")
             changed = self._held_files.changed()
             if not changed:
                 made = hold_made(tmp, opt_dir)
@@ -272,6 +272,8 @@ class OffloadSession(InferenceSessionMembers):
 
     def _build(self, path_or_bytes, progress, record_timeline):
         cfg, dev = self.config, self._device
+        if isinstance(path_or_bytes, (str, os.PathLike)):
+            path_or_bytes = model_file(os.fspath(path_or_bytes))  # a model folder: the file in it
         src, original = materialize(path_or_bytes, self._workdir, external_data_folder(self._user_options))
         self._modelmeta, self._overridable = model_facts(original)
         del original  # the optimized model is what runs

@@ -86,7 +86,8 @@ def test_cache_info_lists_the_optimized_models_and_clear_removes_them(model_path
     assert rc == 0, out.err
     (entry,) = os.listdir(cache)
     rc, out = run(["cache", "info", "--cache-dir", cache], capsys)
-    assert rc == 0 and ": 1 optimized models" in out.out and entry in out.out, out
+    assert rc == 0 and ": 1 optimized models" in out.out and entry[:12] in out.out, out
+    assert os.path.abspath(path) in out.out  # the model it was made from, not only its key
     os.makedirs(os.path.join(cache, ".partial-live"))  # a pass still writing: left alone
     reading = hold_entry(os.path.join(cache, entry))  # as a session does while it reads the entry
     rc, out = run(["cache", "clear", "--cache-dir", cache], capsys)
@@ -142,3 +143,19 @@ def test_a_test_run_takes_its_cache_folder_with_it(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-2000:]
     assert not list(tmp_path.glob("onnx-offload-tests-cache-*"))
+
+
+def test_bench_gives_its_child_processes_an_absolute_out_folder(tmp_path, capsys, monkeypatch):
+    """The benchmarks start child processes in another folder: a relative --out would
+    be another folder there."""
+    from onnx_offload import bench_decode
+    seen = {}
+
+    def fake(kind, out):
+        seen["out"] = out
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(bench_decode, "bench_decode", fake)
+    monkeypatch.chdir(tmp_path)
+    rc, _ = run(["bench", "decode", "--cpu", "--out", "rel"], capsys)
+    assert rc == 2
+    assert seen["out"] == str(tmp_path / "rel")

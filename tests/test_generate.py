@@ -38,10 +38,11 @@ def model_of(layout):
     return _MODELS[layout]
 
 
-def session(model, **kw):
+def session(model, path=None, **kw):
+    """A session of `model` given as bytes, or of the model at `path` (a file or a folder)."""
     kw.setdefault("host_granularity", 4096)
     kw.setdefault("vram_limit", "64MiB")
-    return OffloadSession(model.SerializeToString(), providers=CPU, **kw)
+    return OffloadSession(path if path is not None else model.SerializeToString(), providers=CPU, **kw)
 
 
 def prompt(batch, length=6, seed=0):
@@ -1059,3 +1060,70 @@ def test_a_sliding_window_from_config_json_generates_as_a_plain_ort_loop(tmp_pat
             np.testing.assert_array_equal(s.generate(ids, 20, attention_mask=mask),
                                           reference_greedy(model, ids, 20, attention_mask=mask))
             assert s.close().committed == 0
+
+
+def test_cli_generate_streams_one_row_and_takes_temperature_0_and_eos_ids(tmp_path, capsys):
+    model = model_of("gqa")
+    path = save_decoder(model, str(tmp_path / "llm"))
+    want = reference_greedy(model, np.array([[5, 6, 7]]), 6)[0, 3:]
+    argv = ["generate", path, "--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--cpu", "--vram-limit", "64MiB"]
+    # --temperature 0 is greedy, as llama.cpp and HF users mean it, even with --do-sample.
+    assert main(argv + ["--temperature", "0", "--do-sample"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("tokens: ")] == \
+        ["tokens: " + ",".join(map(str, want))]
+    # A row ends at its first EOS id (the rest repeat it).
+    assert main(argv + ["--eos-token-id", f"{want[1]},99999"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens: " + ",".join(map(str, want[:2])) in out
+
+
+def test_cli_generate_ends_a_ctrl_c_with_130_and_the_tokens_so_far(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    path = save_decoder(decoder_lm("gqa", max_length=4096), str(tmp_path / "llm"),
+                        config=genai_config(2, 64, 4, 2, 97, 4096, eos_token_id=-1))
+    child = subprocess.Popen([sys.executable, "-m", "onnx_offload", "generate", path, "--prompt-ids", "5,6,7",
+                              "--max-new-tokens", "4000", "--cpu", "--cache-dir", "off"], cwd=str(tmp_path),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = child.stdout.read(len("tokens: ") + 3)  # the first tokens came
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 130, err
+    assert "Traceback" not in err and "interrupted after" in err, err
+    assert (seen + out).startswith("tokens: ") and len((seen + out).strip().split(",")) > 1
+
+
+def test_cli_run_on_a_decoder_without_feeds_says_to_generate(tmp_path, capsys):
+    path = save_decoder(model_of("gqa"), str(tmp_path / "llm"))
+    assert main(["run", path, "--cpu", "--vram-limit", "64MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "decoder with a KV cache" in err and "onnx-offload generate" in err and "--inputs" in err
+
+
+@pytest.mark.parametrize("source", ["generation_config.json", "config.json", "folder"])
+def test_eos_comes_from_hugging_face_s_files_and_a_folder_is_a_model(tmp_path, source):
+    """As Optimum and HF's generate() stop: generation_config.json's eos_token_id, else
+    config.json's; and the model is taken as the folder the ecosystem hands over."""
+    import json
+    model = model_of("standard")
+    ids = prompt(1)
+    want = reference_greedy(model, ids, 8)[0, 6:]
+    folder = tmp_path / "llm"
+    path = save_decoder(model, str(folder))
+    name = "config.json" if source == "config.json" else "generation_config.json"
+    (folder / name).write_text(json.dumps({"eos_token_id": [int(want[2]), 99999]}))
+    with session(model if source != "folder" else None, path=str(folder) if source == "folder" else path) as s:
+        got = s.generate(ids, 8)[0, 6:]
+    np.testing.assert_array_equal(got[:3], want[:3])
+    assert (got[3:] == want[2]).all()  # the row stopped at its EOS, which repeats
+
+
+def test_a_folder_with_several_models_and_none_named_says_so(tmp_path):
+    from onnx_offload import ModelNotFound
+    from onnx_offload.models import save
+    for name in ("a.onnx", "b.onnx"):
+        save(mlp_stack(layers=1, hidden=64, batch=2), str(tmp_path / name))
+    with pytest.raises(ModelNotFound, match="several ONNX models"):
+        OffloadSession(str(tmp_path), providers=CPU)

@@ -603,6 +603,7 @@ def test_progress_covers_the_whole_load(tmp_path):
     text = err.getvalue()
     for phase in ("optimizing the model", "reading weights", "creating ORT sessions"):
         assert phase in text, text
+    assert "0it" not in text and "?it/s" not in text, text  # a phase without a count shows its time
     seen = []
     with OffloadSession(model.SerializeToString(), progress=lambda done, total: seen.append((done, total))):
         pass
