@@ -275,10 +275,12 @@ def cmd_generate(args) -> int:
     check_config_flags(args)
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"{args.model!r}: no such model file or folder")
-    from .generation import Sampling
+    from .generation import SAMPLING_DEFAULTS, Sampling
     if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
-        args.do_sample, args.temperature = False, 1.0
-    Sampling(args.do_sample, args.temperature, args.top_k, args.top_p)  # checked before any weight loads
+        args.do_sample, args.temperature = False, None
+    given = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    # Checked before any weight loads; what is not given is the model's, read once it loads.
+    Sampling(**{k: SAMPLING_DEFAULTS[k] if v is None else v for k, v in given.items()})
     eos = None
     if args.eos_token_id is not None:
         try:
@@ -524,12 +526,15 @@ def main(argv=None) -> int:
     src.add_argument("--prompt-ids", help="token ids, comma-separated (rows of a batch separated by ';')")
     src.add_argument("--prompt", help="text, encoded by the tokenizer.json beside the model ('tokenizers' package)")
     g.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
-    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=temperature, default=1.0,
-                   help="sampling temperature (default 1.0); 0 decodes greedily")
-    g.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest tokens only (0: all)")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="sample from the likeliest tokens whose probability adds up to p (default 1.0: all)")
+    g.add_argument("--do-sample", action="store_true", default=None,
+                   help="sample instead of greedy decoding (default: the model's generation config, else greedy)")
+    g.add_argument("--temperature", type=temperature,
+                   help="sampling temperature (default: the model's, else 1.0); 0 decodes greedily")
+    g.add_argument("--top-k", type=count,
+                   help="sample from the k likeliest tokens only (default: the model's, else 0: all)")
+    g.add_argument("--top-p", type=float,
+                   help="sample from the likeliest tokens whose probability adds up to p (default: the model's, "
+                        "else 1.0: all)")
     g.add_argument("--seed", type=count, help="the sampling seed (default: a fresh one)")
     g.add_argument("--eos-token-id", help="token ids that end a row, comma-separated (default: the model's, "
                                           "from generation_config.json, config.json or genai_config.json)")

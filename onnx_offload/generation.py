@@ -62,6 +62,9 @@ class DecoderSpec:
     pos_dtype: np.dtype = np.dtype(np.int64)
     vocab: Optional[int] = None  # the logits' last dimension, when the graph gives it
     sliding_window: Optional[int] = None  # of the attention, as config.json beside the model gives it
+    # do_sample, temperature, top_k and top_p as the model's files give them (key, value) pairs:
+    # the defaults of the generate() arguments a caller leaves unset
+    sampling: tuple = ()
 
 
 def _load_json(path: str):
@@ -113,9 +116,47 @@ def read_genai_config(model_dir: Optional[str]) -> dict:
             raise ValueError(f"model.eos_token_id must be a token id (a 64-bit integer) or a list of them, got "
                              f"{_shown(eos)}")
         out["eos"] = tuple(eos)
+        out["sampling"] = _sampling_of(search)
         return out
     except (OSError, ValueError, AttributeError) as e:  # json.JSONDecodeError is a ValueError
         raise UnsupportedModel(f"{path} cannot be used: {e}") from None
+
+
+SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+def _sampling_of(section: dict) -> dict:
+    """The sampling settings of a genai_config.json search section or a Hugging Face
+    generation_config.json: those present, of their type (a value of another is left out)."""
+    out = {}
+    for key, default in SAMPLING_DEFAULTS.items():
+        value = section.get(key)
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if ok:
+            out[key] = value
+    return out
+
+
+def read_sampling(model_dir: Optional[str], genai: dict) -> tuple:
+    """The sampling defaults of a model, as onnxruntime-genai and Hugging Face read them:
+    genai_config.json's search section, then generation_config.json for what it leaves
+    out. (key, value) pairs."""
+    found = dict(genai)
+    path = os.path.join(model_dir, "generation_config.json") if model_dir else None
+    if path and os.path.exists(path):
+        try:
+            cfg = _load_json(path)
+        except (OSError, ValueError):
+            cfg = None
+        if isinstance(cfg, dict):
+            for key, value in _sampling_of(cfg).items():
+                found.setdefault(key, value)
+    return tuple(sorted(found.items()))
 
 
 def read_hf_eos(model_dir: Optional[str]) -> list:
@@ -254,7 +295,8 @@ def decoder_spec(inputs: Sequence[IOInfo], outputs: Sequence[IOInfo], op_types, 
         "standard" if "position_ids" in ins and window is None else "exact"
     return DecoderSpec(layout, max(layers) + 1, kv_heads, head_size, past0.dtype, logits.dtype, "position_ids" in ins,
                        min(bounds) if bounds else None, cfg.get("eos", ()), dtypes["input_ids"], dtypes["attention_mask"],
-                       dtypes["position_ids"], vocab if isinstance(vocab, int) and vocab > 0 else None, window)
+                       dtypes["position_ids"], vocab if isinstance(vocab, int) and vocab > 0 else None, window,
+                       read_sampling(model_dir, cfg.get("sampling", {})))
 
 
 def rotary_rows(model) -> Optional[int]:

@@ -37,8 +37,8 @@ from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag, parse
 from .device import Device, cuda_available
 from .dropin import InferenceSessionMembers, model_facts
 from .errors import BudgetExceeded, CudaUnavailable, OffloadError, OffloadWarning, StateError
-from .generation import (DEFAULT_CONTEXT, Generation, Sampling, UnsupportedModel, check_generate_args, chunk_rows,
-                         decoder_spec, generate_tokens, rotary_rows)
+from .generation import (DEFAULT_CONTEXT, SAMPLING_DEFAULTS, Generation, Sampling, UnsupportedModel,
+                         check_generate_args, chunk_rows, decoder_spec, generate_tokens, rotary_rows)
 from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
 from .host_store import HostStore
 from .interrupts import deferred_interrupts
@@ -859,20 +859,23 @@ class OffloadSession(InferenceSessionMembers):
             self._with_fallback(lambda: iobinding.run(run_options))
 
     # ------------------------------------------------------------------ generation
-    def generate(self, input_ids, max_new_tokens: int = 32, *, attention_mask=None, do_sample: bool = False,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-                 eos_token_id=None):
-        """Token ids [batch, prompt + new] (int64): greedy unless `do_sample`. Generation
-        stops at `max_new_tokens`, or when every row has produced an EOS id (from
-        `eos_token_id`, else genai_config.json); finished rows repeat their EOS.
+    def generate(self, input_ids, max_new_tokens: int = 32, *, attention_mask=None, do_sample: Optional[bool] = None,
+                 temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 seed: Optional[int] = None, eos_token_id=None):
+        """Token ids [batch, prompt + new] (int64): greedy unless `do_sample`. Sampling
+        arguments left as None take the model's own (genai_config.json's search section,
+        else generation_config.json), else greedy, temperature 1, no top-k, top-p 1.
+        Generation stops at `max_new_tokens`, or when every row has produced an EOS id
+        (from `eos_token_id`, else the model's files); finished rows repeat their EOS.
         `attention_mask` [batch, prompt]: 0 where a prompt is padded (left padding, as a
         tokenizer gives for prompts of different lengths), else 1."""
         ids, steps = self._generation(input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k,
                                       top_p, seed, eos_token_id)
         return np.concatenate([ids] + [t[:, None] for t in steps], axis=1)
 
-    def generate_iter(self, input_ids, max_new_tokens: int = 32, *, attention_mask=None, do_sample: bool = False,
-                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+    def generate_iter(self, input_ids, max_new_tokens: int = 32, *, attention_mask=None,
+                      do_sample: Optional[bool] = None, temperature: Optional[float] = None,
+                      top_k: Optional[int] = None, top_p: Optional[float] = None, seed: Optional[int] = None,
                       eos_token_id=None):
         """The step-wise form of generate(): yields each step's new tokens [batch]."""
         return self._generation(input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k, top_p, seed,
@@ -883,7 +886,10 @@ class OffloadSession(InferenceSessionMembers):
         """(the checked prompt ids, the generator of new tokens); the arguments are checked
         now, not at the first next()."""
         self._check_open()
-        sampling = Sampling(do_sample, temperature, top_k, top_p)
+        given = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        model = dict(self.decoder_spec.sampling)  # UnsupportedModel for a model generate() cannot run
+        sampling = Sampling(**{k: v if v is not None else model.get(k, SAMPLING_DEFAULTS[k])
+                               for k, v in given.items()})
         ids, new, eos, mask = check_generate_args(self, input_ids, max_new_tokens, eos_token_id, attention_mask, seed)
         return ids, generate_tokens(self, ids, new, sampling, seed, eos, mask)
 

@@ -1127,3 +1127,20 @@ def test_a_folder_with_several_models_and_none_named_says_so(tmp_path):
         save(mlp_stack(layers=1, hidden=64, batch=2), str(tmp_path / name))
     with pytest.raises(ModelNotFound, match="several ONNX models"):
         OffloadSession(str(tmp_path), providers=CPU)
+
+
+def test_sampling_defaults_come_from_the_model_s_generation_config(tmp_path):
+    """As HF's generate() and onnxruntime-genai read them: arguments left unset take the
+    model's generation_config.json (here do_sample with top_k 1, which is greedy)."""
+    import json
+    model = model_of("gqa")
+    ids = prompt(1)
+    want = reference_greedy(model, ids, 8)
+    path = save_decoder(model, str(tmp_path / "llm"))
+    with session(None, path=path) as s:
+        sampled = s.generate(ids, 8, do_sample=True, seed=3)
+    assert not np.array_equal(sampled, want)  # this model samples other tokens than its greedy ones
+    (tmp_path / "llm" / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_k": 1}))
+    with session(None, path=path) as s:
+        np.testing.assert_array_equal(s.generate(ids, 8, seed=3), want)  # top_k 1: the greedy tokens
+        assert not np.array_equal(s.generate(ids, 8, seed=3, top_k=0), want)  # an argument wins
