@@ -25,20 +25,18 @@ smaller than the model cannot hold: a session there runs the model as exported).
 """
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 
 from .bench import pinned_h2d
-from .bench_decode import WARMUP, anchor, in_process_of_its_own
+from .bench_decode import WARMUP, build_decoder, in_process_of_its_own
 from .config import GiB, MiB
 from .stats import fmt_bytes, table
 
@@ -54,19 +52,7 @@ NEW = 32
 
 def build_model(shape: dict, out_dir: str) -> str:
     """The builder-layout decoder of `shape`, made once in `out_dir`."""
-    from .models.decoder import decoder_lm, genai_config, save_decoder
-    folder = os.path.join(out_dir, "cards_model")
-    marker = os.path.join(folder, "shape.json")
-    path = os.path.join(folder, "model.onnx")
-    if not (os.path.exists(marker) and json.load(open(marker)) == shape and os.path.exists(path)):
-        model = decoder_lm("gqa", dtype=np.dtype(shape["dtype"]), **{k: v for k, v in shape.items() if k != "dtype"})
-        cfg = genai_config(shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"], shape["vocab"],
-                           shape["max_length"], eos_token_id=-1)  # no EOS: every row decodes all tokens
-        save_decoder(model, folder, config=cfg)
-        del model
-        with open(marker, "w") as f:
-            json.dump(shape, f)
-    return path
+    return build_decoder(shape, os.path.join(out_dir, "cards_model"))
 
 
 HOLDER = """

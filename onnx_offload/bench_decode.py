@@ -46,9 +46,13 @@ def _shape(kind: str) -> dict:
 
 
 def build_model(kind: str, out_dir: str) -> tuple:
-    from .models.decoder import decoder_lm, genai_config, save_decoder
     shape = _shape(kind)
-    folder = os.path.join(out_dir, "decode_model")
+    return build_decoder(shape, os.path.join(out_dir, "decode_model")), shape
+
+
+def build_decoder(shape: dict, folder: str) -> str:
+    """The builder-layout decoder of `shape` (random weights, no EOS) in `folder`, made once."""
+    from .models.decoder import decoder_lm, genai_config, save_decoder
     marker = os.path.join(folder, "shape.json")
     path = os.path.join(folder, "model.onnx")
     if not (os.path.exists(marker) and json.load(open(marker)) == shape and os.path.exists(path)):
@@ -60,7 +64,7 @@ def build_model(kind: str, out_dir: str) -> tuple:
         del model
         with open(marker, "w") as f:
             json.dump(shape, f)
-    return path, shape
+    return path
 
 
 def setup(kind: str, out_dir: str, prompt: int, new: int) -> tuple:

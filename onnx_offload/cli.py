@@ -371,7 +371,7 @@ def cmd_demo(args) -> int:
         plain = ort.InferenceSession(path, providers=[_provider(kind)])
         want = plain.run(None, {"x": x})[0]
         plain_ms = _median_ms(lambda: plain.run(None, {"x": x}))
-        del plain
+        plain = None  # its memory goes back before the OffloadSession takes any
         # The demo's model is made anew each run: a cache entry of it would never be used.
         with OffloadSession(path, providers=[_provider(kind)], offload=True, vmm=True, vram_limit=budget,
                             cache_dir="off") as s:
@@ -432,6 +432,10 @@ def cmd_bench(args) -> int:
                           prompts=listed(args.prompts, positive_int, PROMPTS),
                           batches=listed(args.batches, positive_int, BATCHES))
         text = print_cards(res)
+    elif args.what == "int4":
+        from .bench_int4 import bench_int4, print_int4
+        res = bench_int4(kind, out)
+        text = print_int4(res)
     elif args.what == "session":
         res = bench.bench_session(kind, out)
         text = bench.print_session(res)
@@ -545,12 +549,15 @@ def main(argv=None) -> int:
     d.add_argument("--stats", action="store_true", help="also print the session's counters")
     d.set_defaults(fn=cmd_demo)
     c = sub.add_parser("cache", help="the optimized models kept between runs: show them, or remove them all")
-    c.add_argument("action", nargs="?", choices=("info", "clear"), default="info")
+    c.add_argument("action", nargs="?", choices=("info", "clear"), default="info",
+                   help="info: list the entries, what each was made from and its size (the default); clear: "
+                        "remove them all, but those a session is reading")
     c.add_argument("--cache-dir",
                    help=f"the cache folder (overrides {ENV_CACHE_DIR}; default: the user cache directory)")
     c.set_defaults(fn=cmd_cache)
     b = sub.add_parser("bench", help="benchmarks: arena page-in costs, session overhead, offloaded step time")
-    b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "cards", "reliability"))
+    b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "cards", "int4",
+                                     "reliability"))
     b.add_argument("--cards", help="bench cards: card sizes, comma-separated (default 8GiB,12GiB,16GiB,24GiB)")
     b.add_argument("--prompts", help="bench cards: prompt lengths, comma-separated (default 512,4096)")
     b.add_argument("--batches", help="bench cards: batch sizes, comma-separated (default 1,4)")

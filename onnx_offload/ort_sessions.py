@@ -211,11 +211,20 @@ class SessionFactory:
         self._device_id = device_id
         self._ort_memory_cap = ort_memory_cap
 
-    def session_options(self) -> ort.SessionOptions:
+    def session_options(self, prepack: bool = False) -> ort.SessionOptions:
+        """The options of a session over weights in slots. ORT's kernels may prepack a
+        weight (a copy of it in their own layout, read instead of the slot from then on),
+        which a weight that pages in and out cannot allow: the copy would keep what the
+        slot held when the session was made. `prepack`, on the host backend: an int4
+        session whose weights stay resident for its life, whose MatMulNBits kernels
+        without their packed layout run a slower path that also rounds otherwise (35x
+        slower on a builder int4 decoder); as plain ORT does, ORT then prepacks, and its
+        copies are ORT's process memory, as all of ORT's memory is there."""
         so = copy_options(self._user)
         # The graph was optimized once already: nothing may replace the weights now.
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        set_config(so, "session.disable_prepacking", "1")
+        if not (prepack and not self._device.is_cuda):
+            set_config(so, "session.disable_prepacking", "1")
         return so
 
     def providers(self, capture: bool):

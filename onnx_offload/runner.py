@@ -111,7 +111,10 @@ class SegmentRunner:
     def _create(self, seg: Segment) -> _SegmentRun:
         res = self.residency
         path = save_model(seg.model, os.path.join(self._workdir, f"segment{seg.index}.onnx"))
-        so = self._factory.session_options()
+        # int4 weights that stay resident are prepacked, as plain ORT does (see
+        # SessionFactory.session_options); every other weight is read from its slot.
+        so = self._factory.session_options(
+            prepack=not self.streaming and any(n.op_type == "MatMulNBits" for n in seg.model.graph.node))
         acquired = False
         try:
             if self._stable:

@@ -510,26 +510,13 @@ class OffloadSession(InferenceSessionMembers):
     def _replan_engine(self, kv: int, scratch: int, why: str) -> None:
         """Moves the session onto the streaming engine planned for `kv` and `scratch`
         bytes (from resident segments, or from an engine planned for less). When it cannot
-        be made, the runner in force comes back and the error is raised; should that fail
-        too, the session closes. The caller holds the session's lock."""
-        before = self._engine_needs
-        counters = self._residency.counters if self._residency is not None else Counters()
-        self._drop_runner()
-        try:
-            self._make_engine_with_room(kv, scratch)
-        except BaseException as error:
-            try:
-                self._drop_runner()
-                if before is not None:
-                    self._make_engine(*before)
-                else:
-                    self._make_segments(self._segments_from[0])
-            except BaseException:
-                self.close()
-            raise error
-        finally:
-            if self._residency is not None:
-                self._residency.counters = counters
+        be made, the runner in force comes back and the error is raised (see
+        _swap_runner). The caller holds the session's lock."""
+        before = self._engine_needs if isinstance(self._runner, StreamEngine) else None
+        plan = self._segments_from[0]
+        self._swap_runner(lambda: self._make_engine_with_room(kv, scratch),
+                          (lambda: self._make_engine(*before)) if before is not None else
+                          (lambda: self._make_segments(plan)))
         self._notes.append(f"the streaming engine was planned again for {why}: KV cache {fmt_bytes(kv)}, step "
                            f"memory {fmt_bytes(scratch)}, {len(self._residency.slots)} weights resident")
 
@@ -602,6 +589,7 @@ class OffloadSession(InferenceSessionMembers):
     def _make_segment_runner(self, segments: Optional[List[Segment]] = None) -> None:
         plan, model, groups_by_target, names, stable, capture, outputs, factory, record_timeline = self._segments_from
         dev, cfg, weights = self._device, self.config, self._weights
+        self._engine_needs = None  # the streaming engine's reserves no longer apply
         if segments is None:
             segments = self._split(plan)
         self._residency = ResidencyManager(dev, self._store, weights, [s.weights for s in segments],
@@ -662,17 +650,24 @@ class OffloadSession(InferenceSessionMembers):
     def _run_in_segments(self, plan) -> None:
         """Replaces the runner with segments under `plan`. When they cannot be made (a
         model that cannot be split, an ORT error), the segments of the plan in force come
-        back and the error is raised; should that fail too, the session closes, so that
-        the next call says so. The caller holds the session's lock."""
-        before, counters = self._segments_from[0], self._residency.counters
+        back and the error is raised (see _swap_runner). The caller holds the session's
+        lock."""
+        before = self._segments_from[0]
         segments = self._split(plan)
+        self._swap_runner(lambda: self._make_segments(plan, segments), lambda: self._make_segments(before))
+
+    def _swap_runner(self, make, restore) -> None:
+        """The runner in force replaced by what `make()` builds; when that fails, `restore()`
+        builds the one in force again and the error is raised; should that fail too, the
+        session closes, so that the next call says so. The residency counters carry over."""
+        counters = self._residency.counters if self._residency is not None else Counters()
         try:
             self._drop_runner()
-            self._make_segments(plan, segments)
+            make()
         except BaseException as error:
             try:
                 self._drop_runner()
-                self._make_segments(before)
+                restore()
             except BaseException:
                 self.close()
             raise error

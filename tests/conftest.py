@@ -107,16 +107,20 @@ def rig_factory(request):
         r.arena.close()
 
 
-def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",), attention_mask=None, optimized=True):
+def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",), attention_mask=None, optimized=True,
+                     prepack=True):
     """The decode loop a user writes with plain ORT: numpy KV cache, a past that grows
     by one position per step, an attention mask of ones (or the prompt's, then ones),
     positions counting each row's tokens. Returns [batch, prompt + n]. `optimized=False`:
-    ORT runs the graph as given, without its graph optimizations."""
+    ORT runs the graph as given, without its graph optimizations; `prepack=False`: its
+    kernels read the weights as they are, without prepacking them."""
     import onnxruntime as ort
     from onnx_offload.ortvalues import numpy_dtype
     so = ort.SessionOptions()
     if not optimized:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
     s = ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
     names = {i.name for i in s.get_inputs()}
     outs = [o.name for o in s.get_outputs()]

@@ -154,7 +154,6 @@ def test_a_model_that_the_cuda_pass_cannot_hold_runs_as_exported(tmp_path):
     """The fallback of ORT's CUDA optimization pass on a card smaller than the model: the
     graph unchanged (no CPU pass, whose inserted float32 casts the CUDA provider would run),
     the weights in the data file, and ORT's outputs those of the model as given."""
-    import onnxruntime as ort
     from onnx_offload.model import OPTIMIZED, OPTIMIZED_DATA, _as_exported
     model = model_of("gqa")
     src = save_decoder(model, str(tmp_path / "src"))
