@@ -68,8 +68,9 @@ def _rebuild(cls: type, ort_name: str, args: tuple) -> BaseException:
 def with_ort_type(cls: type, error: BaseException) -> type:
     """`cls`, made also an instance of the ORT exception type of `error` when ORT raised
     it (InvalidProtobuf, InvalidGraph, Fail, ...), so that an except clause for either
-    catches it. Instances pickle (multiprocessing sends exceptions between processes)."""
-    t = type(error)
+    catches it (`error` may also be that type itself). Instances pickle (multiprocessing
+    sends exceptions between processes)."""
+    t = error if isinstance(error, type) else type(error)
     if t.__module__ != _ort_errors.__name__ or issubclass(cls, t):
         return cls
     if (cls, t) not in _WITH_ORT_TYPE:

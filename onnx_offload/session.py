@@ -36,7 +36,7 @@ from .budget import ZonePlan, base_zones, plan_budget, smallest_budget
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag, parse_index
 from .device import Device, cuda_available
 from .dropin import InferenceSessionMembers, model_facts
-from .errors import BudgetExceeded, CudaUnavailable, OffloadError, OffloadWarning, StateError
+from .errors import BudgetExceeded, CudaUnavailable, OffloadError, OffloadWarning, StateError, with_ort_type
 from .generation import (DEFAULT_CONTEXT, SAMPLING_DEFAULTS, Generation, Sampling, UnsupportedModel,
                          check_generate_args, chunk_rows, decoder_spec, generate_tokens, rotary_rows)
 from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
@@ -625,18 +625,19 @@ class OffloadSession(InferenceSessionMembers):
                 return call()
             except Exception as e:  # noqa: BLE001 - ORT's own types too: only an out-of-memory is taken here
                 if isinstance(e, StepMemoryShort):
-                    short = (str(e), e.needed)
+                    short = (str(e), e.needed, BudgetExceeded)
                 elif isinstance(e, OffloadError) or not is_out_of_memory(e):
                     raise
-                else:
-                    short = (f"ORT ran out of device memory in a step: {' '.join(str(e).split())[-300:]}", 0)
+                else:  # also of ORT's type (Fail, ...), which code written for InferenceSession catches
+                    short = (f"ORT ran out of memory in a step: {' '.join(str(e).split())[-300:]}", 0,
+                             with_ort_type(BudgetExceeded, type(e)))
             # Past the except clause: the failed step's frames, which hold the ORT session
             # and so its arena, are let go before the plan is made again.
-            message, needed = short
+            message, needed, error_type = short
             if not self._graph_possible or attempt == 2:
-                raise BudgetExceeded(f"{message} ({describe_zones(self._device.ledger)}). Lower prefill_chunk (the "
-                                     f"prompt's tokens per step, now {self.config.prefill_chunk}) or the batch, or "
-                                     f"raise the budget")
+                raise error_type(f"{message} ({describe_zones(self._device.ledger)}). Lower the batch, the inputs' "
+                                 f"sizes or prefill_chunk (the prompt's tokens per step, now "
+                                 f"{self.config.prefill_chunk}), or raise the budget")
             zones = self._device.ledger.snapshot().zones
             kv, scratch = self._engine_needs or (zones["kv"].reserve, zones["scratch"].reserve)
             kv = max(kv, zones["kv"].committed.current)

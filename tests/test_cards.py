@@ -166,3 +166,26 @@ def test_a_model_that_the_cuda_pass_cannot_hold_runs_as_exported(tmp_path):
     assert (tmp_path / "opt" / OPTIMIZED_DATA).stat().st_size > weight_bytes(model) // 2
     ids = prompt(1, 9)
     np.testing.assert_array_equal(reference_greedy(onnx.load(out), ids, 4), reference_greedy(model, ids, 4))
+
+
+def test_ort_running_out_of_memory_in_a_step_is_budget_exceeded_and_the_session_stays_usable():
+    """A real out-of-memory of ORT's (a 256 GiB Expand): BudgetExceeded naming the zones,
+    also ORT's own Fail, as code written for InferenceSession catches it; then the next
+    call runs, and every byte is where it was."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                           helper.make_node("Expand", ["h", "shape"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
+                           helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=[w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    x = np.ones((1, 64), np.float32)
+    with OffloadSession(model.SerializeToString(), providers=CPU, host_granularity=G, cache_dir="off") as s:
+        before = s.device.ledger.snapshot().committed
+        with pytest.raises(BudgetExceeded, match="ran out of memory.*budget") as e:
+            s.run(None, {"x": x, "shape": np.array([1 << 36, 64], np.int64)})
+        assert isinstance(e.value, Fail)
+        assert s.device.ledger.snapshot().committed == before
+        assert s.run(None, {"x": x, "shape": np.array([2, 64], np.int64)})[0].shape == (2, 64)
