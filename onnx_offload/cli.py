@@ -128,27 +128,26 @@ def count(text: str) -> int:
     return positive_int(text, least=0)
 
 
-def temperature(text: str) -> float:
-    """An argparse type: a finite number of at least 0; 0 is greedy decoding, as llama.cpp
-    and Hugging Face users mean it."""
+def _finite(text: str, zero: bool, what: str) -> float:
+    """A finite number above 0 (at least 0 with `zero`), or the argparse error `what` names."""
     try:
         x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not math.isfinite(x) or x < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0 (0: greedy), got {text!r}")
+    if not math.isfinite(x) or x < 0 or (x == 0 and not zero):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return x
+
+
+def temperature(text: str) -> float:
+    """An argparse type: a finite number of at least 0; 0 is greedy decoding, as llama.cpp
+    and Hugging Face users mean it."""
+    return _finite(text, True, "a finite number of at least 0 (0: greedy)")
 
 
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above 0."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not math.isfinite(x) or x <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
-    return x
+    return _finite(text, False, "a finite number above 0")
 
 
 def load_feeds(path: str) -> dict:

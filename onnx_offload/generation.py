@@ -142,20 +142,27 @@ def _sampling_of(section: dict) -> dict:
     return out
 
 
+def _hf_json(model_dir: Optional[str], name: str) -> dict:
+    """The object in Hugging Face's file `name` beside the model (config.json,
+    generation_config.json); {} where there is none, or it cannot be read, or it holds no
+    object: such a file only ever supplies defaults."""
+    path = os.path.join(model_dir, name) if model_dir else None
+    if not path or not os.path.exists(path):
+        return {}
+    try:
+        cfg = _load_json(path)
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
 def read_sampling(model_dir: Optional[str], genai: dict) -> tuple:
     """The sampling defaults of a model, as onnxruntime-genai and Hugging Face read them:
     genai_config.json's search section, then generation_config.json for what it leaves
     out. (key, value) pairs."""
     found = dict(genai)
-    path = os.path.join(model_dir, "generation_config.json") if model_dir else None
-    if path and os.path.exists(path):
-        try:
-            cfg = _load_json(path)
-        except (OSError, ValueError):
-            cfg = None
-        if isinstance(cfg, dict):
-            for key, value in _sampling_of(cfg).items():
-                found.setdefault(key, value)
+    for key, value in _sampling_of(_hf_json(model_dir, "generation_config.json")).items():
+        found.setdefault(key, value)
     return tuple(sorted(found.items()))
 
 
@@ -164,14 +171,7 @@ def read_hf_eos(model_dir: Optional[str]) -> list:
     eos_token_id, else config.json's (an id or a list of them); [] without either. A file
     that cannot be read, or an id that is not one, is no EOS."""
     for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_dir, name) if model_dir else None
-        if not path or not os.path.exists(path):
-            continue
-        try:
-            cfg = _load_json(path)
-        except (OSError, ValueError):
-            continue
-        eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+        eos = _hf_json(model_dir, name).get("eos_token_id")
         eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
         if isinstance(eos, list) and eos and all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < 2**63
                                                  for e in eos):
@@ -184,14 +184,8 @@ def read_sliding_window(model_dir: Optional[str]) -> Optional[int]:
     saves it: Mistral, Phi-3, Gemma 2 and 3, Qwen2 with use_sliding_window, ...) gives,
     or None. Such a model places the window by the past's length, so a padded past would
     move it. A config.json that is not a model's is no window."""
-    path = os.path.join(model_dir, "config.json") if model_dir else None
-    if not path or not os.path.exists(path):
-        return None
-    try:
-        cfg = _load_json(path)
-    except (OSError, ValueError):
-        return None
-    return _window_of(cfg, depth=3) if isinstance(cfg, dict) else None
+    cfg = _hf_json(model_dir, "config.json")
+    return _window_of(cfg, depth=3) if cfg else None
 
 
 def _mentions(value, word: str, depth: int = 4) -> bool:
@@ -359,11 +353,10 @@ class Generation:
         self._closed = False
         # What this generation holds at most, for a shortage to plan with: the cache, and
         # the step buffers (ids, positions, mask, logits) in scratch.
-        self.chunk = chunk = session.config.prefill_chunk if prompt > session.config.prefill_chunk else 0
-        kv_peak = peak_bytes(spec.layout, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt,
-                             total, dev.granularity, chunk=chunk)
+        self.chunk = chunk = prompt_chunk(prompt, session.config.prefill_chunk)
+        peak = kv_peak(spec, batch, prompt, total, dev.granularity, session.config.prefill_chunk)
         mask_peak = total if spec.layout == "gqa" else bucket_for(total) + max(1, chunk)
-        rows = chunk_rows(spec, batch, prompt, chunk) if chunk else batch
+        rows = chunk_rows(spec, batch, prompt, chunk)
         io_peak = batch * (2 * 8 + 8 * mask_peak + 4 * (spec.vocab or 0))
         io_peak += rows * (chunk * (3 * 8 + 4 * (spec.vocab or 0)) + 8 * mask_peak)
         # and, per segment boundary, a mask-sized value (as the mask a split model's
@@ -372,10 +365,10 @@ class Generation:
         # buckets double
         boundary = 2 * batch * 8 * (total + 1)
         self.kv_bufs = DeviceBuffers(dev, "kv",
-                                     lambda nbytes: session._kv_shortage(nbytes, kv_peak, io_peak, boundary))
+                                     lambda nbytes: session._kv_shortage(nbytes, peak, io_peak, boundary))
         # A step buffer short of room is the same shortage, seen from the scratch zone.
         self.io_bufs = DeviceBuffers(dev, "scratch",
-                                     lambda nbytes: session._kv_shortage(0, kv_peak, io_peak + nbytes, boundary))
+                                     lambda nbytes: session._kv_shortage(0, peak, io_peak + nbytes, boundary))
         try:
             if spec.layout == "gqa":
                 self.cache = SharedKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, total, spec.head_size,
@@ -437,23 +430,31 @@ class Generation:
             return self._decode(tokens, length)
 
     def _prompt(self, input_ids: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
-        spec, s = self.spec, self.session
         b, p = input_ids.shape
         self.prompt_mask = mask
         # A row's positions count its tokens, not its padding (as HF's generate sets them).
         self._tokens = np.full(b, p, np.int64) if mask is None else mask.sum(axis=1)
         if self.chunk:
             return self._prompt_in_chunks(input_ids, mask)
+        logits = self._no_past_step(input_ids, mask)
+        self._logits_shape = logits.shape
+        return last_position(logits)
+
+    def _no_past_step(self, ids: np.ndarray, mask: Optional[np.ndarray], row: Optional[int] = None) -> np.ndarray:
+        """The first tokens of the prompt (all of it, when it runs in one step) with no past,
+        uncaptured; the cache takes their keys and values (the shared layout's ORT writes
+        in place: every row's buffers, or row `row`'s). Returns the step's logits."""
+        spec, s = self.spec, self.session
+        b, p = ids.shape
         feeds: Dict[str, ort.OrtValue] = {
-            "input_ids": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(input_ids, spec.ids_dtype)),
-            "attention_mask": ort.OrtValue.ortvalue_from_numpy(
-                np.ones((b, p), spec.mask_dtype) if mask is None else mask.astype(spec.mask_dtype))}
+            "input_ids": _host(ids, spec.ids_dtype),
+            "attention_mask": _host(np.ones((b, p)) if mask is None else mask, spec.mask_dtype)}
         if spec.position_ids:
             pos = np.tile(np.arange(p), (b, 1)) if mask is None else np.where(mask == 1, np.cumsum(mask, 1) - 1, 1)
-            feeds["position_ids"] = ort.OrtValue.ortvalue_from_numpy(pos.astype(spec.pos_dtype))
+            feeds["position_ids"] = _host(pos, spec.pos_dtype)
         outputs: Dict[str, ort.OrtValue] = {}
         if spec.layout == "gqa":
-            self.cache.bind(feeds, outputs)
+            self.cache.bind(feeds, outputs, row=row)
         else:
             empty = np.zeros((b, spec.kv_heads, 0, spec.head_size), spec.kv_dtype)
             for i in range(spec.layers):
@@ -462,9 +463,7 @@ class Generation:
         values = s._run_bound(feeds, outputs, fixed=False)[0]
         if spec.layout != "gqa":
             self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers) for kv in ("key", "value")], p)
-        logits = np.asarray(values["logits"].numpy())
-        self._logits_shape = logits.shape
-        return last_position(logits)
+        return np.asarray(values["logits"].numpy())
 
     # ------------------------------------------------------------ the prompt in chunks
     def _pieces(self, p: int) -> list:
@@ -488,33 +487,25 @@ class Generation:
         full = np.ones((b, p), np.int64) if mask is None else mask
         logits = None
         for start, n in self._pieces(p):
+            if start == 0 and spec.layout != "exact":  # as an unchunked prompt: no past
+                logits = self._no_past_step(input_ids[:, :n], None if mask is None else mask[:, :n])
+                continue
             feeds = {"input_ids": _host(input_ids[:, start:start + n], spec.ids_dtype)}
             if spec.position_ids:
                 feeds["position_ids"] = _host(pos[:, start:start + n], spec.pos_dtype)
             outputs: Dict[str, ort.OrtValue] = {}
+            self.cache.ensure(start + n)
             if spec.layout == "exact":
-                self.cache.ensure(start + n)
                 feeds["attention_mask"] = _host(full[:, :start + n], spec.mask_dtype)
-                self.cache.bind(feeds, outputs, new=n)
-            elif start == 0:  # as an unchunked prompt: no past
-                feeds["attention_mask"] = _host(full[:, :n], spec.mask_dtype)
-                empty = np.zeros((b, spec.kv_heads, 0, spec.head_size), spec.kv_dtype)
-                for i in range(spec.layers):
-                    for kv in ("key", "value"):
-                        feeds[f"past_key_values.{i}.{kv}"] = ort.OrtValue.ortvalue_from_numpy(empty)
             else:  # the past padded to its bucket, the padding masked out, as a decode step
-                self.cache.ensure(start + n)
                 m = np.zeros((b, self.cache.bucket + n), np.int64)
                 m[:, :start] = full[:, :start]
                 m[:, self.cache.bucket:] = full[:, start:start + n]
                 feeds["attention_mask"] = _host(m, spec.mask_dtype)
-                self.cache.bind(feeds, outputs, new=n)
+            self.cache.bind(feeds, outputs, new=n)
             values = self.session._run_bound(feeds, outputs, fixed=False)[0]
             if spec.layout == "exact":
                 self.cache.advance(n)
-            elif start == 0:
-                self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers)
-                                      for kv in ("key", "value")], n)
             else:
                 self.cache.append(start, n)
             logits = np.asarray(values["logits"].numpy())
@@ -532,17 +523,12 @@ class Generation:
         length = self.cache.length
         logits = None
         for start, n in self._pieces(p):
+            if start == 0:
+                logits = self._no_past_step(ids[:, :n], None, row)
+                continue
             outputs: Dict[str, ort.OrtValue] = {}
             feeds: Dict[str, ort.OrtValue] = {}
             self.cache.bind(feeds, outputs, row=row)
-            if start == 0:
-                feeds["input_ids"] = _host(ids[:, :n], spec.ids_dtype)
-                feeds["attention_mask"] = _host(np.ones((rows, n)), spec.mask_dtype)
-                if spec.position_ids:
-                    feeds["position_ids"] = _host(np.tile(np.arange(n), (rows, 1)), spec.pos_dtype)
-                values = s._run_bound(feeds, outputs, fixed=False)[0]
-                logits = np.asarray(values["logits"].numpy())
-                continue
             if self._chunk_bufs is None or self._chunk_bufs[0].shape[0] != rows:
                 self._chunk_bufs = (self.io_bufs.new([rows, n], spec.ids_dtype),
                                     self.io_bufs.new([rows, length], spec.mask_dtype),
@@ -701,6 +687,19 @@ class Generation:
         self._tokens = self._tokens + 1
         self.cache.advance()
         return last_position(self.logits.value.numpy()), False
+
+
+def prompt_chunk(prompt: int, prefill_chunk: int) -> int:
+    """The tokens of a prompt's chunks: `prefill_chunk` for a prompt longer than it, else 0
+    (the prompt runs in one step)."""
+    return prefill_chunk if prompt > prefill_chunk else 0
+
+
+def kv_peak(spec: DecoderSpec, batch: int, prompt: int, total: int, granularity: int, prefill_chunk: int) -> int:
+    """The most committed bytes the KV cache of a generation holds (kv_cache.peak_bytes),
+    its prompt chunked as Generation chunks it."""
+    return peak_bytes(spec.layout, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt, total,
+                      granularity, chunk=prompt_chunk(prompt, prefill_chunk))
 
 
 def chunk_rows(spec: DecoderSpec, batch: int, prompt: int, chunk: int) -> int:

@@ -38,12 +38,12 @@ from .device import Device, cuda_available
 from .dropin import InferenceSessionMembers, model_facts
 from .errors import BudgetExceeded, CudaUnavailable, OffloadError, OffloadWarning, StateError, with_ort_type
 from .generation import (DEFAULT_CONTEXT, SAMPLING_DEFAULTS, Generation, Sampling, UnsupportedModel,
-                         check_generate_args, chunk_rows, decoder_spec, generate_tokens, rotary_rows)
+                         check_generate_args, chunk_rows, decoder_spec, generate_tokens, kv_peak, rotary_rows)
 from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
 from .host_store import HostStore
 from .interrupts import deferred_interrupts
 from .iobinding import OffloadIOBinding
-from .kv_cache import bucket_for, describe_zones, peak_bytes
+from .kv_cache import bucket_for, describe_zones
 from .model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, load_optimized, materialize,
                     model_file, optimization_level, optimize_once, point_weights_at_placeholder, read_weights,
                     share_unchanged, weights_as_inputs, write_optimized)
@@ -373,9 +373,6 @@ class OffloadSession(InferenceSessionMembers):
             self._graph_possible = False
         readers = collections.Counter(i for node in model.graph.node for i in node.input if i in names)
         self._shared = [n for n, c in readers.items() if c > 1]
-        self._cost = cost
-        self._record_timeline = record_timeline
-        self._model = model
         self._activations = activation_shape(model, names, None if isinstance(spec, Exception) else spec.vocab,
                                               None if isinstance(spec, Exception) else spec.logits_dtype)
 
@@ -386,8 +383,6 @@ class OffloadSession(InferenceSessionMembers):
         self._meter = OrtMemoryMeter(dev)
         factory = SessionFactory(dev, self._options, self._cuda_options, cfg.device_id, plan.ort_memory_cap)
         outputs = [o.name for o in self._graph_outputs]
-        self._outputs = outputs
-        self._capture_reason = capture.reason
         self._segments_from = (plan, model, groups_by_target, names, stable, capture, outputs, factory,
                                record_timeline)
         self._engine_needs: Optional[tuple] = None
@@ -419,8 +414,7 @@ class OffloadSession(InferenceSessionMembers):
         kv = cfg.kv_bytes
         if not kv and decoder:
             length = min(spec.max_length or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
-            kv = peak_bytes(spec.layout, spec.layers, 1, spec.kv_heads, spec.head_size, spec.kv_dtype,
-                            min(length, cfg.prefill_chunk), length, g)
+            kv = kv_peak(spec, 1, min(length, cfg.prefill_chunk), length, g, cfg.prefill_chunk)
         if cfg.scratch_bytes is not None:
             scratch = cfg.scratch_bytes
         elif decoder:
@@ -452,27 +446,29 @@ class OffloadSession(InferenceSessionMembers):
         ring, the weights zone the rest of the budget's resident weights. The caller holds
         the session's lock (or builds the session)."""
         dev, cfg = self._device, self.config
+        _, model, _, _, _, capture, outputs, _, record_timeline = self._segments_from
         g = dev.granularity
         kv, scratch = round_up(kv, g), round_up(scratch, g)
         budget = dev.budget
         allowance = min(cfg.weight_bytes or budget, budget - kv - scratch)
-        layout = plan_stream(self._weights, max(0, allowance), g, self._cost, cfg.policy, shared=self._shared)
+        cost = self._plan_inputs["cost"]
+        layout = plan_stream(self._weights, max(0, allowance), g, cost, cfg.policy, shared=self._shared)
         dev.set_zones({"weights": ZonePlan(min(budget, layout.allowance - layout.ring_bytes), 0),
                        "kv": ZonePlan(budget, kv), "scratch": ZonePlan(budget, scratch),
                        "transient": ZonePlan(budget, layout.ring_bytes)})
         kept = set(layout.resident)
         self._residency = ResidencyManager(dev, self._store, [w for w in self._weights if w.name in kept],
                                            [layout.resident], cfg.policy, vmm=True,
-                                           record_timeline=self._record_timeline)
+                                           record_timeline=record_timeline)
         try:
             self._residency.make_all_resident()
             # ORT's arena may take what the weights, the ring and the cache leave; what it
             # takes is charged to scratch, and more than the scratch reserve plans again.
-            cap = max(g, budget - self._cost(layout.resident) - layout.ring_bytes - kv)
+            cap = max(g, budget - cost(layout.resident) - layout.ring_bytes - kv)
             factory = SessionFactory(dev, self._options, self._cuda_options, cfg.device_id, cap)
             self._runner = StreamEngine(dev, self._residency, self._store, self._weights, layout, factory,
-                                        self._meter, self._model, self._workdir, self._feed_inputs, self._outputs,
-                                        self._capture_reason, cfg.device_id)
+                                        self._meter, model, self._workdir, self._feed_inputs, outputs,
+                                        capture.reason, cfg.device_id)
         except BaseException:
             self._residency.close()
             self._residency = None
@@ -497,7 +493,7 @@ class OffloadSession(InferenceSessionMembers):
         dev, g = self._device, self._device.granularity
         largest = max((w.nbytes for w in self._weights if w.name not in set(self._shared)), default=0)
         ring = round_up(largest, g) + 2 * g
-        least = kv + scratch + ring + (self._cost(self._shared) if self._shared else 0)
+        least = kv + scratch + ring + (self._plan_inputs["cost"](self._shared) if self._shared else 0)
         what = (f"the streaming engine needs {fmt_bytes(kv)} for the KV cache, {fmt_bytes(scratch)} for a step's "
                 f"memory (ORT's and the step's buffers) and a ring of about {fmt_bytes(ring)} for the streamed "
                 f"weights, and the budget is {fmt_bytes(dev.budget)} ({why})")
@@ -528,9 +524,7 @@ class OffloadSession(InferenceSessionMembers):
         if not self._graph_possible:
             return
         g = self._device.granularity
-        chunk = self.config.prefill_chunk if prompt > self.config.prefill_chunk else 0  # as Generation chunks it
-        kv = peak_bytes(spec.layout, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt,
-                        total, g, chunk=chunk)
+        kv = kv_peak(spec, batch, prompt, total, g, self.config.prefill_chunk)
         scratch = self._step_scratch(batch, prompt, total)
         if isinstance(self._runner, StreamEngine):
             have_kv, have_scratch = self._engine_needs
