@@ -388,11 +388,26 @@ class Generation:
             self._logits_shape = None  # the prompt's logits' shape: [b, p, vocab], or [b, vocab] of the last
             self._bound = None  # (key, feeds, outputs) of the decode steps
             self._chunk_bufs = None  # ids, mask, positions and logits of a prompt chunk (GQA)
+            self._first_bufs: Dict[tuple, FixedBuffer] = {}  # a GQA prompt's first step's, by shape
             # The zero fills are queued on the compute stream; the CPU EP runs on this thread.
             dev.compute_stream.synchronize()
         except BaseException:
             self.close()
             raise
+
+    def fits(self, spec: DecoderSpec, batch: int, prompt: int, total: int) -> bool:
+        """Whether a generation of these sizes runs on this one's buffers, and so replays the
+        graphs captured on them: the builder layout's shared cache, of the same length (the
+        steps' shapes, and so ORT's kernels, stay those of a new generation) and batch,
+        its prompt chunked alike."""
+        return (self.reusable() and spec == self.spec and batch == self.batch and total == self.cache.length
+                and prompt_chunk(prompt, self.session.config.prefill_chunk) == self.chunk)
+
+    def reusable(self) -> bool:
+        """Whether the next generation may take these buffers: the shared cache, whose
+        length is fixed at creation. (Only a generation whose steps all completed is
+        offered: generate_tokens closes one that raised.)"""
+        return not self._closed and self.spec.layout == "gqa"
 
     def close(self) -> None:
         """Gives every buffer back; idempotent, and whole even when Ctrl-C or an error
@@ -418,8 +433,8 @@ class Generation:
     # back: allocations may make the weights give way, which the residency manager must
     # not see from two threads at once.
     def prompt(self, input_ids: np.ndarray, mask: Optional[np.ndarray] = None) -> np.ndarray:
-        """Runs the prompt uncaptured (`mask`: its attention mask, None for all ones);
-        returns the last position's logits [batch, vocab]."""
+        """Runs the prompt (`mask`: its attention mask, None for all ones); returns the last
+        position's logits [batch, vocab]."""
         with self.session._step():
             return self._prompt(input_ids, mask)
 
@@ -454,7 +469,7 @@ class Generation:
             feeds["position_ids"] = _host(pos, spec.pos_dtype)
         outputs: Dict[str, ort.OrtValue] = {}
         if spec.layout == "gqa":
-            self.cache.bind(feeds, outputs, row=row)
+            return self._gqa_first(feeds, row)
         else:
             empty = np.zeros((b, spec.kv_heads, 0, spec.head_size), spec.kv_dtype)
             for i in range(spec.layers):
@@ -463,6 +478,36 @@ class Generation:
         values = s._run_bound(feeds, outputs, fixed=False)[0]
         if spec.layout != "gqa":
             self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers) for kv in ("key", "value")], p)
+        return np.asarray(values["logits"].numpy())
+
+    def _gqa_first(self, feeds: Dict[str, ort.OrtValue], row: Optional[int]) -> np.ndarray:
+        """The first step of a prompt of the shared layout, on buffers of this generation's
+        for its shape, so that its graph is kept and the next generation of the shape
+        replays it. The logits of the rows after the first of a prompt in chunks go to the
+        chunks' buffer (the first row's chunks made it); else to the runner's own buffer."""
+        s, dev = self.session, self.session.device
+        outputs: Dict[str, ort.OrtValue] = {}
+        self.cache.bind(feeds, outputs, row=row)
+        bound = {}
+        for name, host in feeds.items():
+            if name in ("input_ids", "attention_mask", "position_ids"):
+                array = host.numpy()
+                buf = self._first_bufs.get((name, array.shape))
+                if buf is None:
+                    buf = self._first_bufs[(name, array.shape)] = self.io_bufs.new(list(array.shape), array.dtype)
+                bound[name] = (buf, array)
+        write(dev, *bound.values())
+        feeds.update({name: buf.value for name, (buf, _) in bound.items()})
+        rows, n = bound["input_ids"][1].shape
+        if row:  # the same for every generation of these buffers: the key stands for it
+            clogits = self._chunk_bufs[3]
+            shape = [rows, n] + clogits.shape[2:] if len(clogits.shape) == 3 else clogits.shape
+            outputs["logits"] = FixedBuffer.on(dev, clogits.ptr, shape, clogits.dtype).value
+        key = ("prompt", self._name, row, n)
+        self._keys.add(key)
+        # Kept by the streaming engine, whose graph of the step holds its page-ins; the
+        # segment runner captures a few shapes for the session's life, the decode steps'.
+        values = s._run_bound(feeds, outputs, fixed=isinstance(s._runner, StreamEngine), key=key)[0]
         return np.asarray(values["logits"].numpy())
 
     # ------------------------------------------------------------ the prompt in chunks
@@ -798,6 +843,7 @@ def generate_tokens(session, ids: np.ndarray, new: int, sampling: Sampling, seed
     eos_ids = np.array(eos, np.int64)
     b, p = ids.shape
     gen = session._new_generation(spec, b, p, p + max(new - 1, 0))
+    kept = False
     try:
         logits = gen.prompt(ids, mask)
         done = np.zeros(b, bool)
@@ -811,12 +857,15 @@ def generate_tokens(session, ids: np.ndarray, new: int, sampling: Sampling, seed
                 done |= now
             last = done.all() or step + 1 == new
             if last:
-                # The cache goes back before the last token is handed over: a caller that
+                # The cache goes to the session before the last token is handed over (kept
+                # for the next generation of this shape, or given back): a caller that
                 # takes exactly what it asked for never resumes this generator.
-                gen.close()
+                session._park(gen)
+                kept = True
             yield tokens
             if last:
                 return
             logits, _ = gen.decode(tokens, p + step + 1)
     finally:
-        gen.close()  # idempotent
+        if not kept:  # an error, an interrupt, or a caller that stopped early
+            gen.close()  # idempotent

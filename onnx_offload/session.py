@@ -102,6 +102,7 @@ class OffloadSession(InferenceSessionMembers):
             self._lock = threading.RLock()  # one step at a time: slots, pins and fixed buffers are shared
         self._closed = True
         self._closing = False
+        self._parked = None  # the last generation's buffers, kept for the next of its shape (_park)
         # A keyword InferenceSession takes: ORT optimizers the caller turns off.
         self._disabled_optimizers = sorted(config_kwargs.pop("disabled_optimizers", None) or ())
         if config is not None and config_kwargs:
@@ -606,7 +607,9 @@ class OffloadSession(InferenceSessionMembers):
         - the streaming engine cannot build a step's graph (and the engine was not asked
           for by name): the session moves to segments and says so.
         The caller holds the session's lock."""
-        for attempt in range(3):
+        attempt = -1
+        while True:
+            attempt += 1
             try:
                 return call()
             except StreamingUnavailable as e:
@@ -628,6 +631,9 @@ class OffloadSession(InferenceSessionMembers):
             # Past the except clause: the failed step's frames, which hold the ORT session
             # and so its arena, are let go before the plan is made again.
             message, needed, error_type = short
+            if self._release_parked():
+                attempt -= 1  # the kept generation's bytes first: not an attempt of its own
+                continue
             if not self._graph_possible or attempt == 2:
                 raise error_type(f"{message} ({describe_zones(self._device.ledger)}). Lower the batch, the inputs' "
                                  f"sizes or prefill_chunk (the prompt's tokens per step, now "
@@ -672,7 +678,9 @@ class OffloadSession(InferenceSessionMembers):
 
     def _drop_runner(self) -> None:
         # The runner is let go before it closes: a member that takes no lock finds None,
-        # and waits for the lock and the runner made under it (_live_runner).
+        # and waits for the lock and the runner made under it (_live_runner). A kept
+        # generation's graphs are the runner's: it goes first.
+        self._release_parked()
         runner, self._runner = self._runner, None
         if runner is not None:
             runner.close()
@@ -697,6 +705,8 @@ class OffloadSession(InferenceSessionMembers):
         as the cache grows, and None says to try again. Otherwise, the advice for the
         error: the smallest budget that holds the weights and this cache. The caller
         holds the session's lock."""
+        if self._release_parked():
+            return None  # the kept generation's bytes were the ones missing, perhaps
         cfg, dev = self.config, self._device
         g = dev.granularity
         zones = dev.ledger.snapshot().zones
@@ -907,16 +917,52 @@ class OffloadSession(InferenceSessionMembers):
         return self._decoder_spec
 
     def _new_generation(self, spec, batch: int, prompt: int, total: int) -> Generation:
+        """A generation's buffers: the kept ones when they fit it (their graphs replay), else
+        new ones, the kept ones given back first."""
         gen = None
         try:
             with self._step():
-                self._prepare_generation(spec, batch, prompt, total)
-                gen = Generation(self, spec, batch, prompt, total)
+                if self._parked is not None and not self._parked.fits(spec, batch, prompt, total):
+                    self._release_parked()
+                self._prepare_generation(spec, batch, prompt, total)  # a new plan gives the kept ones back
+                gen, self._parked = self._parked, None
+                if gen is None:
+                    gen = Generation(self, spec, batch, prompt, total)
         except BaseException:  # a Ctrl-C held back during the allocation arrives here
             if gen is not None:
                 gen.close()
             raise
         return gen
+
+    def _park(self, gen: Generation) -> None:
+        """A generation that ended: its buffers, and the graphs captured on them, are kept for
+        the next generation of its shape where the runner keeps graphs for the session's
+        weights (the streaming engine, or resident weights), so that one replays its prompt
+        and its steps; the one kept before goes back. Any shortage gives them back first."""
+        with self._lock, deferred_interrupts():
+            runner = self._runner
+            if self._closed or self._closing or runner is None or not gen.reusable() or \
+                    (runner.streaming and not isinstance(runner, StreamEngine)):
+                gen.close()
+                return
+            if self._parked is not gen:
+                self._release_parked()
+                self._parked = gen
+
+    def _release_parked(self) -> bool:
+        """Gives the kept generation's buffers back; whether there were any."""
+        gen, self._parked = self._parked, None
+        if gen is None:
+            return False
+        gen.close()
+        return True
+
+    def free_generation_cache(self) -> None:
+        """Gives back the KV cache and step buffers that the session keeps after a
+        generation for the next one of the same batch and length (which then replays the
+        graphs captured on them). The session does so itself when memory runs short."""
+        with self._step():
+            self._release_parked()
 
     # ------------------------------------------------------------------ introspection
     def get_inputs(self):
@@ -1040,6 +1086,7 @@ class OffloadSession(InferenceSessionMembers):
         return self._final_ledger
 
     def _teardown(self) -> None:
+        self._release_parked()
         self._release_entry()
         if self._device is not None and not self._device.closed:
             self._device.compute_stream.synchronize()

@@ -67,7 +67,9 @@ RING_FRACTION = 0.0
 # budgets of 25, 50 and 75%, and each costs the resident weights one granule: at 25%
 # a second one would keep the resident bytes under 0.95 of the weights budget.
 RING_SLACK = 1
-GRAPH_SIGNATURES = 8  # input-shape signatures kept captured
+# Input-shape signatures kept captured: a generation of 4 rows whose prompt runs in
+# chunks holds 2 per row (the first step and the chunks') and its decode step's.
+GRAPH_SIGNATURES = 16
 GIANT = 4  # a weight over this many times the median size is resident first under `planned`
 
 
@@ -407,6 +409,7 @@ class StreamEngine:
         self.notes: List[str] = []
         self.steps = 0
         self.graph_steps = 0
+        self.captures = 0  # graphs made (a replayed step makes none)
         self.last_step = Counters()
         self._graphs: "collections.OrderedDict[tuple, _Graph]" = collections.OrderedDict()
         self._oneshot: Optional[_Graph] = None
@@ -545,6 +548,7 @@ class StreamEngine:
             lead = self._add_page_ins(graph)
             graph.instantiate(stream)
             self._meter.charge_since(mark)
+            self.captures += 1
         except BaseException:
             for name in made:
                 dev.scratch.deallocate(buffers.pop(name).ptr)

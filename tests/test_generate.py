@@ -50,6 +50,9 @@ def prompt(batch, length=6, seed=0):
 
 
 def kv_committed(s):
+    """The KV bytes committed once the cache the session keeps for its next generation of
+    the same shape is given back: what a generation left behind."""
+    s.free_generation_cache()
     return s.device.ledger.snapshot().zones["kv"].committed.current
 
 
@@ -382,6 +385,55 @@ def _raise_sigint_after(obj, name, monkeypatch):
     monkeypatch.setattr(obj, name, patched)
 
 
+def test_the_next_generation_of_a_shape_runs_on_the_kept_buffers():
+    """The builder layout's buffers (its cache, the step buffers and the plans on them) are
+    kept after a generation: the next one of the same batch, length and chunking takes them
+    and gives its own tokens (nothing of the last one's shows); another shape gives them
+    back first; close gives back everything."""
+    model = model_of("gqa")
+    ids, other = prompt(2, 40), prompt(2, 40, seed=3)
+    with session(model, prefill_chunk=16) as s:
+        np.testing.assert_array_equal(s.generate(ids, 10), reference_greedy(model, ids, 10))
+        kept = s._parked
+        held = s.device.ledger.snapshot().zones
+        assert kept is not None and held["kv"].committed.current > 0
+        for x in (other, ids):
+            np.testing.assert_array_equal(s.generate(x, 10), reference_greedy(model, x, 10))
+            now = s.device.ledger.snapshot().zones
+            assert s._parked is kept
+            assert now["kv"].committed.current == held["kv"].committed.current
+            assert now["scratch"].committed.current == held["scratch"].committed.current
+        one = prompt(1, 9)
+        np.testing.assert_array_equal(s.generate(one, 4), reference_greedy(model, one, 4))
+        assert s._parked is not kept and s._parked is not None
+        assert kv_committed(s) == 0
+    assert s.close().committed == 0
+
+
+def test_a_generation_cut_short_leaves_nothing_kept(monkeypatch):
+    """Ctrl-C in a step of a generation on the kept buffers, and a caller that stops
+    early: the buffers go back, and the next generation runs on new ones, right."""
+    from onnx_offload.runner import SegmentRunner
+    model = model_of("gqa")
+    ids = prompt(1)
+    want = reference_greedy(model, ids, 8)
+    with session(model) as s:
+        s.generate(ids, 8)
+        kept = s._parked
+        with monkeypatch.context() as m:
+            _raise_sigint_after(SegmentRunner, "run_bound", m)
+            with pytest.raises(KeyboardInterrupt):
+                s.generate(ids, 8)
+        assert s._parked is None and s.device.ledger.snapshot().zones["kv"].committed.current == 0
+        np.testing.assert_array_equal(s.generate(ids, 8), want)
+        assert s._parked is not kept
+        it = s.generate_iter(ids, 8)
+        next(it)
+        it.close()  # stopped after one token
+        assert s._parked is None and s.device.ledger.snapshot().zones["kv"].committed.current == 0
+        np.testing.assert_array_equal(s.generate(ids, 8), want)
+
+
 @pytest.mark.parametrize("where", ["allocating the cache", "dropping the plans"])
 def test_ctrl_c_while_the_cache_is_made_or_given_back_leaks_nothing(where, monkeypatch):
     from onnx_offload.kv_cache import DeviceBuffers
@@ -392,11 +444,12 @@ def test_ctrl_c_while_the_cache_is_made_or_given_back_leaks_nothing(where, monke
         want = s.generate(ids, 8)
         with monkeypatch.context() as m:
             if where == "allocating the cache":
+                s.free_generation_cache()  # else the next generation takes the kept buffers
                 _raise_sigint_after(DeviceBuffers, "new", m)
-            else:
+            else:  # the kept buffers given back, by the next generation of another shape
                 _raise_sigint_after(SegmentRunner, "drop_plans", m)
             with pytest.raises(KeyboardInterrupt):
-                s.generate(ids, 8)
+                s.generate(ids if where == "allocating the cache" else prompt(2), 8)
         assert kv_committed(s) == 0
         assert s.device.ledger.snapshot().zones["scratch"].content.current == 0
         np.testing.assert_array_equal(s.generate(ids, 8), want)
