@@ -53,8 +53,20 @@ class OrtMemoryMeter:
             self.at_creation += grown
         return grown
 
-    def refund(self) -> None:
-        """Gives the charge back (the sessions that held the memory are gone)."""
-        if self.charged:
-            self._device.ledger.refund("scratch", self.charged, outside=True)
-            self.charged = 0
+    def refund(self, mark=None) -> None:
+        """Gives the charge back (the sessions that held the memory are gone). With `mark`,
+        taken before they went, only what the device got back beyond the arena's own bytes:
+        what ORT leaves in the process once its sessions are gone (the kernels it loaded,
+        library handles and their workspaces) stays taken, and so stays charged."""
+        back = self.charged
+        if mark is not None and back:
+            free0, ours0 = mark
+            free1, _ = self._device.backend.mem_info()
+            snap = self._device.ledger.snapshot()
+            returned = (free1 - free0) - (ours0 - (snap.committed + snap.pooled))
+            g = self._device.granularity
+            back = min(back, max(0, -(-returned // g) * g))
+        if back:
+            self._device.ledger.refund("scratch", back, outside=True)
+            self.charged -= back
+            self.at_creation = min(self.at_creation, self.charged)

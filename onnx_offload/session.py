@@ -36,7 +36,8 @@ from .budget import ZonePlan, base_zones, plan_budget, smallest_budget
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag, parse_index
 from .device import Device, cuda_available
 from .dropin import InferenceSessionMembers, model_facts
-from .errors import BudgetExceeded, CudaUnavailable, OffloadError, OffloadWarning, StateError, with_ort_type
+from .errors import (BudgetExceeded, CudaDriverError, CudaUnavailable, OffloadError, OffloadWarning, StateError,
+                     with_ort_type)
 from .generation import (DEFAULT_CONTEXT, SAMPLING_DEFAULTS, Generation, Sampling, UnsupportedModel,
                          check_generate_args, chunk_rows, decoder_spec, generate_tokens, kv_peak, rotary_rows)
 from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
@@ -60,7 +61,7 @@ from .segmenter import Segment, check_bindable, plan_segments, segment_weights, 
 from .slots import slot_kind
 from .streaming import StreamEngine, StreamingUnavailable, choose_engine, plan_stream
 from .stats import OffloadStats, fmt_bytes
-from .step_memory import StepMemoryShort, activation_shape, is_out_of_memory, step_scratch
+from .step_memory import StepMemoryShort, activation_shape, device_out_of_memory, is_out_of_memory, step_scratch
 from .workdir import disown, make_workdir, remove_workdir
 
 
@@ -545,6 +546,12 @@ class OffloadSession(InferenceSessionMembers):
             # The runner in force stays: a buffer short of room asks for a plan again
             # (_kv_shortage), and the error says what would run.
             self._notes.append(f"the streaming engine cannot be planned for {why}: {e}")
+        except CudaDriverError as e:
+            if not device_out_of_memory(e):
+                raise
+            raise BudgetExceeded(f"the device has no room for the plan for {why}: {e} "
+                                 f"({describe_zones(self._device.ledger)}). Lower the batch or the length, or raise "
+                                 f"the budget") from e
 
     def _what_limits(self, inputs) -> str:
         """For a configuration that no budget of this device runs: the keyword to change."""
@@ -623,6 +630,8 @@ class OffloadSession(InferenceSessionMembers):
             except Exception as e:  # noqa: BLE001 - ORT's own types too: only an out-of-memory is taken here
                 if isinstance(e, StepMemoryShort):
                     short = (str(e), e.needed, BudgetExceeded)
+                elif device_out_of_memory(e):  # memory outside the ledger took what the plan counted on
+                    short = (f"the device ran out of memory in a step: {e}", 0, BudgetExceeded)
                 elif isinstance(e, OffloadError) or not is_out_of_memory(e):
                     raise
                 else:  # also of ORT's type (Fail, ...), which code written for InferenceSession catches
@@ -681,13 +690,16 @@ class OffloadSession(InferenceSessionMembers):
         # and waits for the lock and the runner made under it (_live_runner). A kept
         # generation's graphs are the runner's: it goes first.
         self._release_parked()
+        mark = self._meter.mark()
         runner, self._runner = self._runner, None
         if runner is not None:
             runner.close()
         if self._residency is not None:
             self._residency.close()
             self._residency = None
-        self._meter.refund()  # the runner's ORT sessions are gone; the next ones are measured anew
+        # The runner's ORT sessions are gone: what they gave back is refunded, and the
+        # next ones are measured anew.
+        self._meter.refund(mark)
 
     def _make_segments(self, plan, segments: Optional[List[Segment]] = None) -> None:
         self._segments_from = (plan,) + self._segments_from[1:]

@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from ._core import round_up
-from .errors import BudgetExceeded
+from .errors import BudgetExceeded, CudaDriverError
 
 MiB = 1 << 20
 # ORT's fixed share of a step: cuBLAS and cuDNN workspaces, the arena's first chunks and
@@ -97,6 +97,11 @@ class StepMemoryShort(BudgetExceeded):
 
 ORT_OUT_OF_MEMORY = ("Failed to allocate memory", "BFCArena", "out of memory", "CUDA_ERROR_OUT_OF_MEMORY",
                      "cudaErrorMemoryAllocation")
+
+
+def device_out_of_memory(error: BaseException) -> bool:
+    """Whether a driver call of the package's failed for want of device memory."""
+    return isinstance(error, CudaDriverError) and error.error_name == "CUDA_ERROR_OUT_OF_MEMORY"
 
 
 def is_out_of_memory(error: BaseException) -> bool:

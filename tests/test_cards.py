@@ -189,3 +189,40 @@ def test_ort_running_out_of_memory_in_a_step_is_budget_exceeded_and_the_session_
         assert isinstance(e.value, Fail)
         assert s.device.ledger.snapshot().committed == before
         assert s.run(None, {"x": x, "shape": np.array([2, 64], np.int64)})[0].shape == (2, 64)
+
+
+def test_the_device_running_out_in_a_step_is_a_budget_shortage_and_loses_nothing(monkeypatch):
+    """A driver call that finds the device full (memory outside the ledger took what the
+    plan counted on: another process, the kernels ORT loads) is a BudgetExceeded naming
+    the zones, not the driver's error; the kept generation's buffers go back first, and
+    the session runs afterwards."""
+    from onnx_offload.errors import CudaDriverError
+    from onnx_offload.runner import SegmentRunner
+    model = model_of("gqa")
+    ids = prompt(1, 12)
+    want = reference_greedy(model, ids, 4)
+    calls = []
+
+    def full(*a, **kw):
+        calls.append(1)
+        e = CudaDriverError("DRV(cuMemCreate) failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)")
+        e.error_name = "CUDA_ERROR_OUT_OF_MEMORY"
+        raise e
+    with session(model) as s:
+        np.testing.assert_array_equal(s.generate(ids, 4), want)
+        with monkeypatch.context() as m:
+            m.setattr(SegmentRunner, "run_bound", full)
+            with pytest.raises(BudgetExceeded, match=r"ran out of memory in a step.*weights \d+ committed") as e:
+                s.generate(ids, 4)  # on the kept buffers
+        assert not isinstance(e.value, CudaDriverError) and len(calls) == 1
+        assert s._parked is None and s.device.ledger.snapshot().zones["kv"].committed.current == 0
+        np.testing.assert_array_equal(s.generate(ids, 4), want)
+        # A step beside kept buffers (a run() of the session's): they go back, and the
+        # step runs again before the shortage is the caller's.
+        assert s._parked is not None
+        calls.clear()
+        with s._lock, pytest.raises(BudgetExceeded):
+            s._with_fallback(full)
+        assert len(calls) == 2 and s._parked is None
+        np.testing.assert_array_equal(s.generate(ids, 4), want)
+    assert s.close().committed == 0
