@@ -35,7 +35,7 @@ import onnxruntime as ort
 from .errors import BudgetExceeded, OffloadError, OffloadWarning, UnsupportedModel
 from .interrupts import deferred_interrupts
 from .kv_cache import BucketKV, DeviceBuffers, ExactKV, SharedKV, bucket_for, peak_bytes, write
-from .ortvalues import FixedBuffer, IOInfo
+from .ortvalues import FixedBuffer, IOInfo, numpy_dtype
 from .streaming import StreamEngine
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
@@ -452,13 +452,13 @@ class Generation:
         if self.chunk:
             return self._prompt_in_chunks(input_ids, mask)
         logits = self._no_past_step(input_ids, mask)
-        self._logits_shape = logits.shape
-        return last_position(logits)
+        self._logits_shape = tuple(logits.shape())
+        return last_logits(self.session.device, logits)
 
     def _no_past_step(self, ids: np.ndarray, mask: Optional[np.ndarray], row: Optional[int] = None) -> np.ndarray:
         """The first tokens of the prompt (all of it, when it runs in one step) with no past,
         uncaptured; the cache takes their keys and values (the shared layout's ORT writes
-        in place: every row's buffers, or row `row`'s). Returns the step's logits."""
+        in place: every row's buffers, or row `row`'s). Returns the step's logits (their value)."""
         spec, s = self.spec, self.session
         b, p = ids.shape
         feeds: Dict[str, ort.OrtValue] = {
@@ -478,7 +478,7 @@ class Generation:
         values = s._run_bound(feeds, outputs, fixed=False)[0]
         if spec.layout != "gqa":
             self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers) for kv in ("key", "value")], p)
-        return np.asarray(values["logits"].numpy())
+        return values["logits"]
 
     def _gqa_first(self, feeds: Dict[str, ort.OrtValue], row: Optional[int]) -> np.ndarray:
         """The first step of a prompt of the shared layout, on buffers of this generation's
@@ -508,7 +508,7 @@ class Generation:
         # Kept by the streaming engine, whose graph of the step holds its page-ins; the
         # segment runner captures a few shapes for the session's life, the decode steps'.
         values = s._run_bound(feeds, outputs, fixed=isinstance(s._runner, StreamEngine), key=key)[0]
-        return np.asarray(values["logits"].numpy())
+        return values["logits"]
 
     # ------------------------------------------------------------ the prompt in chunks
     def _pieces(self, p: int) -> list:
@@ -553,9 +553,9 @@ class Generation:
                 self.cache.advance(n)
             else:
                 self.cache.append(start, n)
-            logits = np.asarray(values["logits"].numpy())
-        self._logits_shape = (b,) + logits.shape[1:]
-        return last_position(logits)
+            logits = values["logits"]
+        self._logits_shape = (b,) + tuple(logits.shape())[1:]
+        return last_logits(self.session.device, logits)
 
     def _gqa_row(self, ids: np.ndarray, row: Optional[int]) -> np.ndarray:
         """One row's prompt (all rows when `row` is None) in chunks, through views of its
@@ -575,11 +575,12 @@ class Generation:
             feeds: Dict[str, ort.OrtValue] = {}
             self.cache.bind(feeds, outputs, row=row)
             if self._chunk_bufs is None or self._chunk_bufs[0].shape[0] != rows:
+                shape = logits.shape()
                 self._chunk_bufs = (self.io_bufs.new([rows, n], spec.ids_dtype),
                                     self.io_bufs.new([rows, length], spec.mask_dtype),
                                     self.io_bufs.new([rows, n], spec.pos_dtype) if spec.position_ids else None,
-                                    self.io_bufs.new([rows, n] + list(logits.shape[2:]) if logits.ndim == 3
-                                                     else [rows] + list(logits.shape[1:]), spec.logits_dtype))
+                                    self.io_bufs.new([rows, n] + list(shape[2:]) if len(shape) == 3
+                                                     else [rows] + list(shape[1:]), spec.logits_dtype))
             cids, cmask, cpos, clogits = self._chunk_bufs
             m = np.zeros((rows, length), np.int64)
             m[:, :start + n] = 1
@@ -594,10 +595,10 @@ class Generation:
             key = ("prefill", self._name, row, n)
             self._keys.add(key)
             s._run_bound(feeds, outputs, fixed=True, key=key)
-            logits = np.asarray(clogits.value.numpy())
+            logits = clogits.value
         if self._logits_shape is None:
-            self._logits_shape = (self.batch,) + logits.shape[1:]
-        return last_position(logits)
+            self._logits_shape = (self.batch,) + tuple(logits.shape())[1:]
+        return last_logits(dev, logits)
 
     def _decode(self, tokens: np.ndarray, length: int) -> tuple:
         spec, s, b = self.spec, self.session, self.batch
@@ -755,6 +756,21 @@ def chunk_rows(spec: DecoderSpec, batch: int, prompt: int, chunk: int) -> int:
 
 def _host(array: np.ndarray, dtype) -> ort.OrtValue:
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype))
+
+
+def last_logits(device, value: ort.OrtValue) -> np.ndarray:
+    """The last position's logits [batch, vocab], as float32, of a step's logits value:
+    only those rows come to the host. (A prompt's logits of every position are the
+    largest copy of its step: 131 MB for 512 tokens of a 128k vocabulary.)"""
+    shape = value.shape()
+    if len(shape) != 3 or shape[1] == 1:
+        return last_position(np.asarray(value.numpy()))
+    rows, n, vocab = shape
+    dtype = numpy_dtype(value.data_type())
+    row = vocab * dtype.itemsize
+    ptr = value.data_ptr()
+    tails = [FixedBuffer.on(device, ptr + ((r + 1) * n - 1) * row, [1, vocab], dtype).value.numpy() for r in range(rows)]
+    return np.concatenate(tails).astype(np.float32)
 
 
 def last_position(logits: np.ndarray) -> np.ndarray:

@@ -6,8 +6,8 @@ Layout (``plan_stream``, a pure function). The weights that stay resident live i
 the arena's weights zone, pinned for the session's life. Each of the others is a
 unit that streams: it has stable addresses of its own, from a granule boundary,
 inside one reservation. Behind those addresses lies the ring, a small set of
-physical granules that holds the largest streamed weight (two of them where the budget
-allows, RING_DEPTH) and RING_SLACK spare granule(s). A unit's granules are
+physical granules that holds the largest streamed weight and RING_SLACK spare
+granule(s). A unit's granules are
 mapped onto ring granules once: in turn at construction, then, when the first
 captured graph shows the order ORT reads the weights in, each unit onto the ring
 granules whose readers finish earliest.
@@ -67,15 +67,6 @@ RING_FRACTION = 0.0
 # budgets of 25, 50 and 75%, and each costs the resident weights one granule: at 25%
 # a second one would keep the resident bytes under 0.95 of the weights budget.
 RING_SLACK = 1
-# The largest streamed weights the ring holds at once. A prompt's step computes for
-# about as long as its weights take to copy (on the H200, an 8B-shape model with 512
-# tokens: 50 ms of compute, 43 ms of copies at 16 GiB), and a ring of one weight makes
-# the two take turns (90 ms): with two, the next weight copies while the one before is
-# read. Decode, bound by the link, gains nothing and the resident weights lose one
-# weight's bytes, so the second is taken only while two weights are at most
-# RING_DEPTH_SHARE of the weights budget.
-RING_DEPTH = 2
-RING_DEPTH_SHARE = 1 / 8
 # Input-shape signatures kept captured: a generation of 4 rows whose prompt runs in
 # chunks holds 2 per row (the first step and the chunks') and its decode step's.
 GRAPH_SIGNATURES = 16
@@ -153,8 +144,8 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
     """Which weights stay resident, and the units and ring of the others, for a weights
     budget of `allowance` committed bytes (the resident weights' packed `cost` plus the ring).
 
-    The ring holds the largest streamed weight, or RING_DEPTH of them (and at least
-    RING_FRACTION of the budget). The resident set: first the `shared` weights, read by more than one node
+    The ring holds the largest streamed weight (and at least RING_FRACTION of the
+    budget). The resident set: first the `shared` weights, read by more than one node
     (a rotary table read by every layer would hold its ring granules for the whole
     step); then `planned` takes the weights far above the median size (embeddings, the
     LM head: the ring then only has to hold a typical one), then the smallest, so that
@@ -166,11 +157,7 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
     floor = round_up(int(allowance * RING_FRACTION), granularity)
 
     def ring_for(largest: int) -> int:
-        if not largest:
-            return 0
-        one = round_up(largest, granularity)
-        depth = RING_DEPTH if RING_DEPTH * one <= allowance * RING_DEPTH_SHARE else 1
-        return max(depth * one + RING_SLACK * granularity, floor)
+        return max(round_up(largest, granularity) + RING_SLACK * granularity, floor) if largest else 0
 
     if policy == "planned":
         # The few weights far above the typical size first (one streamed would size the
@@ -423,6 +410,7 @@ class StreamEngine:
         self.steps = 0
         self.graph_steps = 0
         self.captures = 0  # graphs made (a replayed step makes none)
+        self._capture_retried = False  # a capture failed after others succeeded, once (_capture)
         self.last_step = Counters()
         self._graphs: "collections.OrderedDict[tuple, _Graph]" = collections.OrderedDict()
         self._oneshot: Optional[_Graph] = None
@@ -597,6 +585,15 @@ class StreamEngine:
             except OffloadError as e:
                 failure = failure or e
         if failure is not None:
+            if self.captures and not self._capture_retried:
+                # This engine captured the model's steps before, so the model captures: a
+                # capture that fails now fails for the conditions of the moment (seen on
+                # the H200 on a card of 0.6x the weights, a step first captured in a plan
+                # made again mid-generation). The plan is made again with more room once
+                # before the steps move to segments.
+                self._capture_retried = True
+                raise StepMemoryShort(f"ORT's run could not be captured into a graph ({failure}), with "
+                                      f"{self.captures} steps of this model captured before", 0) from failure
             raise StreamingUnavailable(f"ORT's run cannot be captured into a graph: {failure}") from failure
         return graph
 

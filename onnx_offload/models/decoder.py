@@ -36,33 +36,47 @@ def _normal(rng, shape, scale, dtype):
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(dtype)
 
 
-def _weights(rng, layers, hidden, heads, kv_heads, intermediate, vocab, dtype):
+# Above this many parameters each weight draws from a stream of its own, on every core
+# (an 8B shape's 8e9 draws take minutes on one); below it, one stream in a fixed order.
+PARALLEL_DRAWS = 1 << 30
+
+
+def _weights(rng, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed=0):
     """Every weight, in one fixed draw order. Linear weights are [in, out] with std
     1/sqrt(in), so activations stay near unit scale (no fp16 overflow); norm gammas are 1 +
     small noise; embeddings have std 1 so that the token keeps weight in the residual."""
     hd = hidden // heads
-
-    def gamma():
-        return (1.0 + 0.05 * rng.standard_normal(hidden, dtype=np.float32)).astype(dtype)
+    gamma = ((hidden,), None)
 
     def lin(n_in, n_out):
-        return _normal(rng, (n_in, n_out), 1.0 / math.sqrt(n_in), dtype)
+        return (n_in, n_out), 1.0 / math.sqrt(n_in)
 
-    w = {"embed_tokens": _normal(rng, (vocab, hidden), 1.0, dtype)}
+    spec = {"embed_tokens": ((vocab, hidden), 1.0)}
     for i in range(layers):
         p = f"layers.{i}."
-        w[p + "input_layernorm"] = gamma()
-        w[p + "q_proj"] = lin(hidden, heads * hd)
-        w[p + "k_proj"] = lin(hidden, kv_heads * hd)
-        w[p + "v_proj"] = lin(hidden, kv_heads * hd)
-        w[p + "o_proj"] = lin(heads * hd, hidden)
-        w[p + "post_attention_layernorm"] = gamma()
-        w[p + "gate_proj"] = lin(hidden, intermediate)
-        w[p + "up_proj"] = lin(hidden, intermediate)
-        w[p + "down_proj"] = lin(intermediate, hidden)
-    w["norm"] = gamma()
-    w["lm_head"] = lin(hidden, vocab)
-    return w
+        spec[p + "input_layernorm"] = gamma
+        spec[p + "q_proj"] = lin(hidden, heads * hd)
+        spec[p + "k_proj"] = lin(hidden, kv_heads * hd)
+        spec[p + "v_proj"] = lin(hidden, kv_heads * hd)
+        spec[p + "o_proj"] = lin(heads * hd, hidden)
+        spec[p + "post_attention_layernorm"] = gamma
+        spec[p + "gate_proj"] = lin(hidden, intermediate)
+        spec[p + "up_proj"] = lin(hidden, intermediate)
+        spec[p + "down_proj"] = lin(intermediate, hidden)
+    spec["norm"] = gamma
+    spec["lm_head"] = lin(hidden, vocab)
+
+    def draw(r, shape, scale):
+        if scale is None:  # a norm's gamma
+            return (1.0 + 0.05 * r.standard_normal(shape, dtype=np.float32)).astype(dtype)
+        return _normal(r, shape, scale, dtype)
+    if sum(math.prod(shape) for shape, _ in spec.values()) <= PARALLEL_DRAWS:
+        return {name: draw(rng, *v) for name, v in spec.items()}
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy draws without the GIL
+        futures = {name: pool.submit(draw, np.random.default_rng([seed, i]), *v)
+                   for i, (name, v) in enumerate(spec.items())}
+        return {name: f.result() for name, f in futures.items()}
 
 
 class _Graph:
@@ -222,7 +236,7 @@ def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: in
         raise ValueError("hidden must split into heads of even size, and heads into kv_heads groups")
     dtype = np.dtype(dtype)
     elem, hd = helper.np_dtype_to_tensor_dtype(dtype), hidden // heads
-    weights = _weights(np.random.default_rng(seed), layers, hidden, heads, kv_heads, intermediate, vocab, dtype)
+    weights = _weights(np.random.default_rng(seed), layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed)
     inv_freq = 1.0 / rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     freqs = np.outer(np.arange(max_length, dtype=np.float64), inv_freq)  # [max_length, hd/2]
     if layout == "standard":  # tables [max_length, hd] for rotate_half
