@@ -193,6 +193,9 @@ void Arena::commit(Zone charge, const std::vector<ByteRange>& ranges, uint64_t c
       backend_->set_access(va, bytes);  // one call over the whole run
     }
   } catch (...) {
+    // Rolled back below; a device that is full although the budget had room is a
+    // shortage of the budget's kind, which callers plan around, not a driver fault.
+    std::exception_ptr error = std::current_exception();
     ++counters_.rollbacks;
     uint64_t stuck = 0;
     for (auto it = done.rbegin(); it != done.rend(); ++it) {
@@ -209,7 +212,16 @@ void Arena::commit(Zone charge, const std::vector<ByteRange>& ranges, uint64_t c
     }
     ledger_->refund(charge, n - stuck);
     ledger_->set_pooled(pool_.bytes());
-    throw;
+    try {
+      std::rethrow_exception(error);
+    } catch (const CudaDriverError& e) {
+      if (e.error_name() != "CUDA_ERROR_OUT_OF_MEMORY") throw;
+      throw BudgetExceeded(zone_name(charge), n,
+                           concat("the device has no free memory for ", n, " bytes in zone ", zone_name(charge),
+                                  " although the budget has room: memory outside the budget (another process, "
+                                  "or what ORT and the CUDA libraries hold) took it (", e.what(), ")"),
+                           true);
+    }
   }
   for (const Mapped& m : done) gmap_.add_extent({(m.va - base_) / gran_, m.bytes / gran_, m.handle, charge});
   gmap_.acquire(charge, offs);

@@ -6,7 +6,7 @@
 
 namespace offload {
 
-void PhysicalBackend::inject_failure(const std::string& op, uint64_t after) {
+void PhysicalBackend::inject_failure(const std::string& op, uint64_t after, bool out_of_memory, uint64_t times) {
   const std::atomic<uint64_t>* target = nullptr;
   if (op == "create") target = &counters_->creates;
   else if (op == "release") target = &counters_->releases;
@@ -16,6 +16,8 @@ void PhysicalBackend::inject_failure(const std::string& op, uint64_t after) {
   else if (op == "plain_alloc") target = &counters_->plain_allocs;
   else throw std::invalid_argument(concat("cannot inject a failure into '", op, "'"));
   fail_at_ = target->load() + after;
+  fail_oom_ = out_of_memory;
+  fail_times_ = times;
   fail_op_ = target;
 }
 
@@ -37,7 +39,13 @@ std::shared_ptr<DeviceGraph> PhysicalBackend::end_graph_capture(Stream&) {
 
 void PhysicalBackend::maybe_fail(const std::atomic<uint64_t>& calls) {
   if (fail_op_.load() == &calls && calls.load() + 1 >= fail_at_.load()) {
-    fail_op_ = nullptr;
+    // A call that fails is not counted, so the next one meets the same condition.
+    if (fail_times_.load() > 1)
+      --fail_times_;
+    else
+      fail_op_ = nullptr;
+    if (fail_oom_.load())
+      throw CudaDriverError(2, "CUDA_ERROR_OUT_OF_MEMORY", "injected failure: CUDA_ERROR_OUT_OF_MEMORY (out of memory)");
     throw OffloadError("injected failure");
   }
 }

@@ -182,8 +182,10 @@ class PhysicalBackend {
   DriverCounters counters() const;
 
   // Fault injection for rollback tests: the `after`-th next call of `op` ("create",
-  // "map", "set_access", "unmap", "release", "plain_alloc") throws instead of running.
-  void inject_failure(const std::string& op, uint64_t after);
+  // "map", "set_access", "unmap", "release", "plain_alloc") throws instead of running;
+  // with `out_of_memory`, the error the CUDA driver gives a full device; `times` calls
+  // in a row fail.
+  void inject_failure(const std::string& op, uint64_t after, bool out_of_memory = false, uint64_t times = 1);
   // Test hook: the stream sleeps `ms` before its next work, so that events recorded
   // after it stay pending for that long (a reader that is genuinely still running).
   virtual void enqueue_delay(Stream& s, uint32_t ms) = 0;
@@ -203,6 +205,8 @@ class PhysicalBackend {
   void maybe_fail(const std::atomic<uint64_t>& calls);
   SharedCounters counters_ = std::make_shared<AtomicDriverCounters>();
   std::atomic<const std::atomic<uint64_t>*> fail_op_{nullptr};
+  std::atomic<bool> fail_oom_{false};
+  std::atomic<uint64_t> fail_times_{0};
   std::atomic<uint64_t> fail_at_{0};
 };
 

@@ -124,7 +124,8 @@ void bind_backend(py::module_& m) {
            py::arg("ptr"), Release())
       .def("mem_info", &PhysicalBackend::mem_info, Drain())
       .def("counters", &PhysicalBackend::counters, Drain())
-      .def("inject_failure", &PhysicalBackend::inject_failure, py::arg("op"), py::arg("after") = 1, Drain())
+      .def("inject_failure", &PhysicalBackend::inject_failure, py::arg("op"), py::arg("after") = 1,
+           py::arg("out_of_memory") = false, py::arg("times") = 1, Drain())
       .def("enqueue_delay", &PhysicalBackend::enqueue_delay, py::arg("stream"), py::arg("ms"), Release(),
            "Test hook: the stream sleeps `ms` before its next work.")
       // Raw handle calls, for benchmarks and tests of the driver costs themselves.

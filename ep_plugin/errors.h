@@ -39,16 +39,20 @@ class CudaDriverError : public OffloadError {
 
 // A zone or the device budget cannot take the requested committed bytes.
 // The message lists the request and every zone's committed bytes and allowance.
+// `device_full`: the budget had room, the device did not (memory outside the ledger
+// took it: another process, or what ORT and the CUDA libraries hold).
 class BudgetExceeded : public OffloadError {
  public:
-  BudgetExceeded(const std::string& zone, std::size_t requested, const std::string& what)
-      : OffloadError(what), zone_(zone), requested_(requested) {}
+  BudgetExceeded(const std::string& zone, std::size_t requested, const std::string& what, bool device_full = false)
+      : OffloadError(what), zone_(zone), requested_(requested), device_full_(device_full) {}
   const std::string& zone() const { return zone_; }
   std::size_t requested() const { return requested_; }
+  bool device_full() const { return device_full_; }
 
  private:
   std::string zone_;
   std::size_t requested_;
+  bool device_full_;
 };
 
 // An operation that is illegal in the slot's current state, or a bookkeeping

@@ -137,6 +137,7 @@ PYBIND11_MODULE(_core, m) {
       py::dict a;
       a["zone"] = e.zone();
       a["requested"] = e.requested();
+      a["device_full"] = e.device_full();
       raise("BudgetExceeded", e, a);
     } catch (const CudaDriverError& e) {
       py::dict a;

@@ -223,8 +223,12 @@ def _line(r: Dict) -> str:
     head = f"{fmt_bytes(r['card'])} card, {r['batch']} x {r['prompt']}"
     if "error" in r:
         return f"{head}: {r['error']}"
+    # Every column the table has, so that a run cut short still says them.
     return (f"{head}: {r['ms_per_token']:.2f} ms/token ({r['ms_per_token'] / r['bound_ms']:.2f}x), first token "
-            f"{r['ttft_ms']:.0f} ms ({r['ttft_ms'] / r['prefill_bound_ms']:.2f}x), {r['engine']}")
+            f"{r['ttft_ms']:.0f} ms ({r['ttft_ms'] / r['prefill_bound_ms']:.2f}x), {r['engine']}, resident "
+            f"{fmt_bytes(r['resident'])}, peak {fmt_bytes(r['peak']) if 'peak' in r else '-'}, tokens "
+            f"{'equal' if r['tokens_equal'] else 'DIFFER'}, graphs made in the measured run "
+            f"{r.get('captures_second', '-')}")
 
 
 def print_cards(res: Dict) -> str:

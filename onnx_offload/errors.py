@@ -30,11 +30,14 @@ class BudgetExceeded(MemoryError, OffloadError):
     """A zone or the device budget cannot take the requested committed bytes.
 
     ``zone`` and ``requested`` say what was asked; the message lists every zone's
-    committed bytes and allowance.
+    committed bytes and allowance. ``device_full``: the budget had room and the device
+    did not (memory outside the budget took it: another process, or what ORT and the
+    CUDA libraries hold).
     """
 
     zone: str = ""
     requested: int = 0
+    device_full: bool = False
 
 
 class CorruptModel(OffloadError, ValueError):

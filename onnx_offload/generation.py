@@ -365,10 +365,12 @@ class Generation:
         # buckets double
         boundary = 2 * batch * 8 * (total + 1)
         self.kv_bufs = DeviceBuffers(dev, "kv",
-                                     lambda nbytes: session._kv_shortage(nbytes, peak, io_peak, boundary))
+                                     lambda nbytes, full: session._kv_shortage(nbytes, peak, io_peak, boundary,
+                                                                               full))
         # A step buffer short of room is the same shortage, seen from the scratch zone.
         self.io_bufs = DeviceBuffers(dev, "scratch",
-                                     lambda nbytes: session._kv_shortage(0, peak, io_peak + nbytes, boundary))
+                                     lambda nbytes, full: session._kv_shortage(0, peak, io_peak + nbytes,
+                                                                               boundary, full))
         try:
             if spec.layout == "gqa":
                 self.cache = SharedKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, total, spec.head_size,

@@ -49,12 +49,13 @@ class DeviceBuffers:
     is dropped): an interrupt between an allocation and its bookkeeping, or half way
     through close(), leaves nothing behind."""
 
-    def __init__(self, device, zone: str, shortage: Optional[Callable[[int], Optional[str]]] = None):
+    def __init__(self, device, zone: str, shortage: Optional[Callable[[int, bool], Optional[str]]] = None):
         self.device = device
         self._alloc = _core.ScratchAllocator(device.arena, zone)
         self.zone = zone
-        # Called when the budget cannot give a buffer: None once it made room (the
-        # allocation is tried again), else advice for the error.
+        # Called when the budget cannot give a buffer (with the bytes, and whether the
+        # budget had room but the device did not): None once it made room (the allocation
+        # is tried again), else advice for the error.
         self._shortage = shortage
         self._ptrs: List[int] = []
 
@@ -73,14 +74,19 @@ class DeviceBuffers:
                 ptr = self._alloc.allocate(nbytes)
                 break
             except BudgetExceeded as e:
+                full = bool(getattr(e, "device_full", False))
                 if attempt == 0 and self._shortage is not None:
-                    advice = self._shortage(nbytes)
+                    advice = self._shortage(nbytes, full)
                     if advice is None:
                         continue
-                raise BudgetExceeded(
-                    f"{what or 'a buffer'} needs {nbytes} bytes in the {self.zone} zone and the budget cannot "
-                    f"give them, after every weight that can give way did: {describe_zones(ledger)}. Lower the "
-                    f"batch or the length, or raise the budget{': ' + advice if advice else ''}") from e
+                why = (f"the device cannot give them although the budget has room ({e})" if full else
+                       "the budget cannot give them, after every weight that can give way did")
+                short = BudgetExceeded(
+                    f"{what or 'a buffer'} needs {nbytes} bytes in the {self.zone} zone and {why}: "
+                    f"{describe_zones(ledger)}. Lower the batch or the length, or raise the budget"
+                    f"{': ' + advice if advice else ''}")
+                short.device_full = full
+                raise short from e
         self._ptrs.append(ptr)
         dev = self.device
         buf = FixedBuffer.on(dev, ptr, shape, dtype)

@@ -706,7 +706,8 @@ class OffloadSession(InferenceSessionMembers):
         self._device.apply(plan)
         self._make_segment_runner(segments)
 
-    def _kv_shortage(self, nbytes: int, kv_peak: int, io_peak: int, boundary: int) -> Optional[str]:
+    def _kv_shortage(self, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
+                     device_full: bool = False) -> Optional[str]:
         """A generation's KV cache, which holds at most `kv_peak` bytes (with `io_peak`
         bytes of step buffers in scratch, and about `boundary` bytes per segment
         boundary once the weights stream), found no room for `nbytes` more. Weights
@@ -715,8 +716,10 @@ class OffloadSession(InferenceSessionMembers):
         cache's bytes and the scratch zone's set aside (what this generation may reach;
         failing that, what it holds now), the weights stream in segments, which give way
         as the cache grows, and None says to try again. Otherwise, the advice for the
-        error: the smallest budget that holds the weights and this cache. The caller
-        holds the session's lock."""
+        error: the smallest budget that holds the weights and this cache. `device_full`:
+        the budget had room and the device did not, so the engine's plan sets aside more
+        for the steps (as for a step that ran out), which keeps fewer weights resident.
+        The caller holds the session's lock."""
         if self._release_parked():
             return None  # the kept generation's bytes were the ones missing, perhaps
         cfg, dev = self.config, self._device
@@ -729,6 +732,8 @@ class OffloadSession(InferenceSessionMembers):
             # and for the step buffers held and asked for, or the advice of why it cannot be.
             have = self._engine_needs or (0, 0)
             need = (max(have[0], kv), max(have[1], round_up(zones["scratch"].committed.current + io_peak, g)))
+            if device_full and need == have and have != (0, 0):
+                need = (have[0], have[1] + max(have[1], g))
             if need == have:
                 return (f"the plan in force already sets aside {fmt_bytes(have[0])} for the KV cache and "
                         f"{fmt_bytes(have[1])} for the steps")

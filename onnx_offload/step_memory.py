@@ -100,7 +100,10 @@ ORT_OUT_OF_MEMORY = ("Failed to allocate memory", "BFCArena", "out of memory", "
 
 
 def device_out_of_memory(error: BaseException) -> bool:
-    """Whether a driver call of the package's failed for want of device memory."""
+    """Whether the package found the device full: a driver call that failed for want of
+    memory, or the arena's BudgetExceeded for a budget that had room."""
+    if isinstance(error, BudgetExceeded):
+        return error.device_full
     return isinstance(error, CudaDriverError) and error.error_name == "CUDA_ERROR_OUT_OF_MEMORY"
 
 

@@ -226,3 +226,26 @@ def test_the_device_running_out_in_a_step_is_a_budget_shortage_and_loses_nothing
         assert len(calls) == 2 and s._parked is None
         np.testing.assert_array_equal(s.generate(ids, 4), want)
     assert s.close().committed == 0
+
+
+def test_a_full_device_under_a_budget_with_room_is_a_typed_shortage_and_loses_nothing():
+    """The device refusing physical memory the budget has room for (the driver's out of
+    memory, injected into the host backend's creates) is a BudgetExceeded marked
+    device_full, from the arena up through generate(), with every byte accounted and the
+    session running afterwards."""
+    from onnx_offload.errors import CudaDriverError
+    model = model_of("gqa")
+    ids = prompt(1, 12)
+    want = reference_greedy(model, ids, 4)
+    with session(model) as s:
+        before = s.device.ledger.snapshot()
+        s.device.backend.inject_failure("create", 1, out_of_memory=True, times=4)
+        with pytest.raises(BudgetExceeded, match="the device cannot give them although the budget has room") as e:
+            s.generate(prompt(2, 12), 4)
+        assert e.value.device_full and not isinstance(e.value, CudaDriverError)
+        s.device.backend.inject_failure("create", 1 << 60)  # disarmed
+        after = s.device.ledger.snapshot()
+        assert after.zones["kv"].committed.current == 0 and after.committed == before.committed
+        assert s.device.arena.stats().unaccounted_bytes == 0
+        np.testing.assert_array_equal(s.generate(ids, 4), want)
+    assert s.close().committed == 0
