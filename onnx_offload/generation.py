@@ -458,9 +458,11 @@ class Generation:
         return last_logits(self.session.device, logits)
 
     def _no_past_step(self, ids: np.ndarray, mask: Optional[np.ndarray], row: Optional[int] = None) -> np.ndarray:
-        """The first tokens of the prompt (all of it, when it runs in one step) with no past,
-        uncaptured; the cache takes their keys and values (the shared layout's ORT writes
-        in place: every row's buffers, or row `row`'s). Returns the step's logits (their value)."""
+        """The first tokens of the prompt (all of it, when it runs in one step) with no past;
+        the cache takes their keys and values (the shared layout's ORT writes in place:
+        every row's buffers, or row `row`'s, on buffers kept for the next generation, see
+        _gqa_first; the standard layouts' step runs once, its present copied into the
+        cache). Returns the step's logits (their value)."""
         spec, s = self.spec, self.session
         b, p = ids.shape
         feeds: Dict[str, ort.OrtValue] = {

@@ -410,7 +410,6 @@ class StreamEngine:
         self.steps = 0
         self.graph_steps = 0
         self.captures = 0  # graphs made (a replayed step makes none)
-        self._capture_retried = False  # a capture failed after others succeeded, once (_capture)
         self.last_step = Counters()
         self._graphs: "collections.OrderedDict[tuple, _Graph]" = collections.OrderedDict()
         self._oneshot: Optional[_Graph] = None
@@ -585,15 +584,6 @@ class StreamEngine:
             except OffloadError as e:
                 failure = failure or e
         if failure is not None:
-            if self.captures and not self._capture_retried:
-                # This engine captured the model's steps before, so the model captures: a
-                # capture that fails now fails for the conditions of the moment (seen on
-                # the H200 on a card of 0.6x the weights, a step first captured in a plan
-                # made again mid-generation). The plan is made again with more room once
-                # before the steps move to segments.
-                self._capture_retried = True
-                raise StepMemoryShort(f"ORT's run could not be captured into a graph ({failure}), with "
-                                      f"{self.captures} steps of this model captured before", 0) from failure
             raise StreamingUnavailable(f"ORT's run cannot be captured into a graph: {failure}") from failure
         return graph
 
