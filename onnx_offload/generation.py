@@ -457,7 +457,7 @@ class Generation:
         self._logits_shape = tuple(logits.shape())
         return last_logits(self.session.device, logits)
 
-    def _no_past_step(self, ids: np.ndarray, mask: Optional[np.ndarray], row: Optional[int] = None) -> np.ndarray:
+    def _no_past_step(self, ids: np.ndarray, mask: Optional[np.ndarray], row: Optional[int] = None) -> ort.OrtValue:
         """The first tokens of the prompt (all of it, when it runs in one step) with no past;
         the cache takes their keys and values (the shared layout's ORT writes in place:
         every row's buffers, or row `row`'s, on buffers kept for the next generation, see
@@ -465,44 +465,41 @@ class Generation:
         cache). Returns the step's logits (their value)."""
         spec, s = self.spec, self.session
         b, p = ids.shape
-        feeds: Dict[str, ort.OrtValue] = {
-            "input_ids": _host(ids, spec.ids_dtype),
-            "attention_mask": _host(np.ones((b, p)) if mask is None else mask, spec.mask_dtype)}
+        arrays = {"input_ids": np.ascontiguousarray(ids, spec.ids_dtype),
+                  "attention_mask": np.ascontiguousarray(np.ones((b, p)) if mask is None else mask, spec.mask_dtype)}
         if spec.position_ids:
             pos = np.tile(np.arange(p), (b, 1)) if mask is None else np.where(mask == 1, np.cumsum(mask, 1) - 1, 1)
-            feeds["position_ids"] = _host(pos, spec.pos_dtype)
-        outputs: Dict[str, ort.OrtValue] = {}
+            arrays["position_ids"] = np.ascontiguousarray(pos, spec.pos_dtype)
         if spec.layout == "gqa":
-            return self._gqa_first(feeds, row)
-        else:
-            empty = np.zeros((b, spec.kv_heads, 0, spec.head_size), spec.kv_dtype)
-            for i in range(spec.layers):
-                for kv in ("key", "value"):
-                    feeds[f"past_key_values.{i}.{kv}"] = ort.OrtValue.ortvalue_from_numpy(empty)
-        values = s._run_bound(feeds, outputs, fixed=False)[0]
-        if spec.layout != "gqa":
-            self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers) for kv in ("key", "value")], p)
+            return self._gqa_first(arrays, row)
+        feeds = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in arrays.items()}
+        empty = ort.OrtValue.ortvalue_from_numpy(np.zeros((b, spec.kv_heads, 0, spec.head_size), spec.kv_dtype))
+        for i in range(spec.layers):
+            for kv in ("key", "value"):
+                feeds[f"past_key_values.{i}.{kv}"] = empty
+        values = s._run_bound(feeds, {}, fixed=False)[0]
+        self.cache.fill_from([values[f"present.{i}.{kv}"] for i in range(spec.layers) for kv in ("key", "value")], p)
         return values["logits"]
 
-    def _gqa_first(self, feeds: Dict[str, ort.OrtValue], row: Optional[int]) -> np.ndarray:
-        """The first step of a prompt of the shared layout, on buffers of this generation's
-        for its shape, so that its graph is kept and the next generation of the shape
-        replays it. The logits of the rows after the first of a prompt in chunks go to the
-        chunks' buffer (the first row's chunks made it); else to the runner's own buffer."""
+    def _gqa_first(self, arrays: Dict[str, np.ndarray], row: Optional[int]) -> ort.OrtValue:
+        """The first step of a prompt of the shared layout (`arrays`: its ids, mask and
+        positions), on buffers of this generation's for its shape, so that its graph is
+        kept and the next generation of the shape replays it. The logits of the rows after
+        the first of a prompt in chunks go to the chunks' buffer (the first row's chunks
+        made it); else to the runner's own buffer."""
         s, dev = self.session, self.session.device
+        feeds: Dict[str, ort.OrtValue] = {}
         outputs: Dict[str, ort.OrtValue] = {}
         self.cache.bind(feeds, outputs, row=row)
-        bound = {}
-        for name, host in feeds.items():
-            if name in ("input_ids", "attention_mask", "position_ids"):
-                array = host.numpy()
-                buf = self._first_bufs.get((name, array.shape))
-                if buf is None:
-                    buf = self._first_bufs[(name, array.shape)] = self.io_bufs.new(list(array.shape), array.dtype)
-                bound[name] = (buf, array)
-        write(dev, *bound.values())
-        feeds.update({name: buf.value for name, (buf, _) in bound.items()})
-        rows, n = bound["input_ids"][1].shape
+        writes = []
+        for name, array in arrays.items():
+            buf = self._first_bufs.get((name, array.shape))
+            if buf is None:
+                buf = self._first_bufs[(name, array.shape)] = self.io_bufs.new(list(array.shape), array.dtype)
+            writes.append((buf, array))
+            feeds[name] = buf.value
+        write(dev, *writes)
+        rows, n = arrays["input_ids"].shape
         if row:  # the same for every generation of these buffers: the key stands for it
             clogits = self._chunk_bufs[3]
             shape = [rows, n] + clogits.shape[2:] if len(clogits.shape) == 3 else clogits.shape

@@ -74,7 +74,7 @@ class DeviceBuffers:
                 ptr = self._alloc.allocate(nbytes)
                 break
             except BudgetExceeded as e:
-                full = bool(getattr(e, "device_full", False))
+                full = e.device_full
                 if attempt == 0 and self._shortage is not None:
                     advice = self._shortage(nbytes, full)
                     if advice is None:
