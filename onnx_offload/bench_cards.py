@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from typing import Dict, List
 
 import numpy as np
@@ -162,6 +163,7 @@ def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) 
                    notes=list(st.notes), tokens=g["tokens"])
     except Exception as e:  # noqa: BLE001 - a row that fails is a row of the table
         out.update(error=f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
+                   where=traceback.format_exc(limit=-8)[-3000:],
                    tokens=np.zeros((ids.shape[0], 0), np.int64))
     finally:
         if s is not None:

@@ -238,15 +238,18 @@ def accelerate_missing() -> str:
 
 
 def bench_compare(kind: str, out_dir: str, prompt: int = 128, new: int = 64, fractions=(0.25, 0.5, 0.75),
-                  accelerate_new: int = 16, tenants_fraction: float = 0.25) -> Dict:
-    path, shape, weights, bw, ids, a = setup(kind, out_dir, prompt, new)
+                  accelerate_new: int = 16, tenants_fraction: float = 0.25, int4: bool = False) -> Dict:
+    """`int4`: the same shape with its MatMuls int4 (MatMulNBits), the streaming engine's
+    rows only, against plain ORT's run of the int4 model."""
+    path, shape, weights, bw, ids, a = setup(kind, out_dir, prompt, new, int4)
     scratch = 512 * MiB if kind == "cuda" else 4 * MiB
     cache = os.path.join(out_dir, "cache")
     rows: List[Dict] = []
     failures: List[str] = []
-    why_not = accelerate_missing() if kind == "cuda" else "the accelerate rows need CUDA"
+    why_not = "int4: the streaming engine's rows only" if int4 else \
+        accelerate_missing() if kind == "cuda" else "the accelerate rows need CUDA"
     for frac in fractions:
-        engines = ("graph", "baseline") + (("accelerate",) if not why_not else ())
+        engines = ("graph",) if int4 else ("graph", "baseline") + (("accelerate",) if not why_not else ())
         for engine in engines:
             try:
                 if engine == "accelerate":
@@ -273,9 +276,10 @@ def bench_compare(kind: str, out_dir: str, prompt: int = 128, new: int = 64, fra
     # Two tenants: both stream (1 - f) of the weights every step over the one link.
     tenants = None
     try:
-        tenants = in_process_of_its_own("bench_compare", "tenants_row", path=path, shape=shape, ids=ids.tolist(),
-                                        new=new, kind=kind, cache=cache, weights=weights, fraction=tenants_fraction,
-                                        scratch=scratch)
+        if not int4:
+            tenants = in_process_of_its_own("bench_compare", "tenants_row", path=path, shape=shape,
+                                            ids=ids.tolist(), new=new, kind=kind, cache=cache, weights=weights,
+                                            fraction=tenants_fraction, scratch=scratch)
     except RuntimeError as e:
         last = [ln for ln in str(e).splitlines() if ln.strip()][-1]
         failures.append(f"two sessions at {int(tenants_fraction * 100)}%: {last.strip()[:600]}")
@@ -293,7 +297,7 @@ def bench_compare(kind: str, out_dir: str, prompt: int = 128, new: int = 64, fra
         r["vs_accelerate"] = acc[0]["ms_per_token"] / r["ms_per_token"] if acc else None
     a.pop("tokens")
     return dict(kind=kind, weights=weights, h2d_gbps=bw / 1e9, prompt=prompt, new=new, anchor=a, rows=rows,
-                shape=shape, accelerate=why_not or "ran", accelerate_new=accelerate_new, failures=failures,
+                shape=shape, int4=int4, accelerate=why_not or "ran", accelerate_new=accelerate_new, failures=failures,
                 tenants=tenants)
 
 
@@ -318,7 +322,8 @@ def print_compare(res: Dict) -> str:
                      f"{sum(driver.values()):.1f}" if driver else "-",
                      f"{r['host_waits_per_step']:.1f}" if "host_waits_per_step" in r else "-",
                      "-" if r["tokens_equal"] is None else ("yes" if r["tokens_equal"] else "NO")))
-    text = (f"compare on {res['kind']}: {fmt_bytes(res['weights'])} of weights (TinyLlama shape, builder layout), "
+    text = (f"compare on {res['kind']}: {fmt_bytes(res['weights'])} of weights (TinyLlama shape, builder layout"
+            f"{', int4 MatMulNBits' if res.get('int4') else ''}), "
             f"prompt {res['prompt']}, {res['new']} new tokens ({res['accelerate_new']} for accelerate), batch 1; "
             f"pinned H2D {res['h2d_gbps']:.1f} GB/s at the start; bound = max(anchor ms/token, (1 - f) x weights / "
             f"H2D), with the H2D that each row measured in its own process right after its decode (the start's "

@@ -45,19 +45,25 @@ def _shape(kind: str) -> dict:
                 dtype="float32")
 
 
-def build_model(kind: str, out_dir: str) -> tuple:
-    shape = _shape(kind)
-    return build_decoder(shape, os.path.join(out_dir, "decode_model")), shape
+def build_model(kind: str, out_dir: str, int4: bool = False) -> tuple:
+    """The decode benchmarks' model; `int4`: its MatMuls as MatMulNBits (block 32), as
+    onnxruntime-genai's builder writes an int4 model."""
+    shape = dict(_shape(kind), **({"quant": "int4"} if int4 else {}))
+    return build_decoder(shape, os.path.join(out_dir, "decode_model_int4" if int4 else "decode_model")), shape
 
 
 def build_decoder(shape: dict, folder: str) -> str:
-    """The builder-layout decoder of `shape` (random weights, no EOS) in `folder`, made once."""
+    """The builder-layout decoder of `shape` (random weights, no EOS; its MatMuls int4
+    when shape["quant"] is "int4") in `folder`, made once."""
+    from .models import int4
     from .models.decoder import decoder_lm, genai_config, save_decoder
     marker = os.path.join(folder, "shape.json")
     path = os.path.join(folder, "model.onnx")
     if not (os.path.exists(marker) and json.load(open(marker)) == shape and os.path.exists(path)):
         model = decoder_lm("gqa", dtype=np.dtype(shape["dtype"]),
-                           **{k: v for k, v in shape.items() if k != "dtype"})
+                           **{k: v for k, v in shape.items() if k not in ("dtype", "quant")})
+        if shape.get("quant") == "int4":
+            model = int4(model)
         cfg = genai_config(shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"], shape["vocab"],
                            shape["max_length"], eos_token_id=-1)  # no EOS: every row decodes all tokens
         save_decoder(model, folder, config=cfg)
@@ -67,12 +73,12 @@ def build_decoder(shape: dict, folder: str) -> str:
     return path
 
 
-def setup(kind: str, out_dir: str, prompt: int, new: int) -> tuple:
+def setup(kind: str, out_dir: str, prompt: int, new: int, int4: bool = False) -> tuple:
     """The model, its weight bytes, the pinned H2D bandwidth, the prompt and the anchor
     row (plain ORT, in a process of its own): what every decode benchmark starts from."""
     os.makedirs(out_dir, exist_ok=True)
     t = time.perf_counter()
-    path, shape = build_model(kind, out_dir)
+    path, shape = build_model(kind, out_dir, int4)
     print(f"  model ready in {time.perf_counter() - t:.1f} s", flush=True)
     weights = os.path.getsize(path + ".data")
     bw = pinned_h2d(kind, GiB if kind == "cuda" else 128 * MiB)

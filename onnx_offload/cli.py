@@ -419,7 +419,7 @@ def cmd_bench(args) -> int:
         text = print_decode(res)
     elif args.what == "compare":
         from .bench_compare import bench_compare, print_compare
-        res = bench_compare(kind, out)
+        res = bench_compare(kind, out, int4=args.int4)
         text = print_compare(res)
     elif args.what == "cards":
         from .bench_cards import BATCHES, PROMPTS, bench_cards, print_cards
@@ -566,6 +566,8 @@ def main(argv=None) -> int:
     b.add_argument("--weight-gb", type=positive_float, default=8.0,
                    help="bench offload: the model's weights in GB (default 8; on the CPU at most 0.05)")
     b.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
+    b.add_argument("--int4", action="store_true",
+                   help="bench compare: the model's MatMuls as int4 MatMulNBits, the streaming engine's rows only")
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     try:

@@ -6,13 +6,25 @@ reads the device's free memory before and after ORT may have taken some, subtrac
 what the arena itself committed meanwhile, and charges the difference, in whole
 granules, to the scratch zone as outside bytes. Nothing is measured on the host
 backend, where ORT's memory is ordinary process memory.
+
+A delta misses what appears between marks: memory the CUDA libraries hold once an ORT
+session is gone, kernels loaded lazily, graphs, another process. So each measurement
+ends by settling: the part of the budget that the device no longer has (the budget's
+room beyond what the arena holds, against the device's free memory less SLACK) is
+charged too. Then the ledger never plans for memory the device cannot give, and a
+plan made on a small card keeps the device SLACK bytes for what no mark sees.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
+from .config import MiB
 from .errors import BudgetExceeded
 from .step_memory import StepMemoryShort
+
+# Device memory kept free beyond the budget's room: a capture, a graph's upload and a
+# kernel loaded on its first launch take device memory that no ledger call sees.
+SLACK = 32 * MiB
 
 
 class OrtMemoryMeter:
@@ -25,9 +37,19 @@ class OrtMemoryMeter:
         """The device's free bytes and the arena's physical bytes now (None: not measured)."""
         if not self._device.is_cuda:
             return None
-        free, _ = self._device.backend.mem_info()
+        free = self.keep_free()
         snap = self._device.ledger.snapshot()
         return free, snap.committed + snap.pooled
+
+    def keep_free(self) -> int:
+        """Gives the arena's idle pooled handles back to the device while it has less than
+        SLACK free, so that what ORT takes next does not find the device full of memory the
+        arena only keeps for reuse; returns the device's free bytes."""
+        free, _ = self._device.backend.mem_info()
+        if free < SLACK and self._device.ledger.snapshot().pooled:
+            self._device.arena.trim_pool(SLACK - free)
+            free, _ = self._device.backend.mem_info()
+        return free
 
     def charge_since(self, mark, creating: bool = False) -> int:
         """Charges what appeared outside the arena since `mark`; returns the bytes charged.
@@ -41,17 +63,34 @@ class OrtMemoryMeter:
         grown = (free0 - free1) - (snap.committed + snap.pooled - ours0)
         g = self._device.granularity
         grown = (grown // g) * g
-        if grown <= 0:
+        if grown > 0:
+            self._charge(grown, creating, f"ORT took {grown} bytes of device memory for its own use (its arena, "
+                                          f"workspaces)")
+        return max(0, grown) + self.settle(creating)
+
+    def settle(self, creating: bool = False) -> int:
+        """Charges the budget's room that the device cannot give (see the module's text);
+        returns the bytes charged. StepMemoryShort when the scratch zone cannot take them."""
+        if not self._device.is_cuda:
             return 0
+        free = self.keep_free()
+        snap = self._device.ledger.snapshot()
+        g = self._device.granularity
+        short = -(-((snap.budget - snap.committed - snap.pooled) - max(0, free - SLACK)) // g) * g
+        if short <= 0:
+            return 0
+        self._charge(short, creating, f"memory outside the budget (the CUDA libraries, kernels and graphs, or "
+                                      f"another process) took {short} bytes of the device that the budget counts on")
+        return short
+
+    def _charge(self, nbytes: int, creating: bool, what: str) -> None:
         try:
-            self._device.ledger.charge("scratch", grown, outside=True)
+            self._device.ledger.charge("scratch", nbytes, outside=True)
         except BudgetExceeded as e:
-            raise StepMemoryShort(f"ORT took {grown} bytes of device memory for its own use (its arena, "
-                                  f"workspaces), which the scratch zone has no room for: {e}", grown) from None
-        self.charged += grown
+            raise StepMemoryShort(f"{what}, which the scratch zone has no room for: {e}", nbytes) from None
+        self.charged += nbytes
         if creating:
-            self.at_creation += grown
-        return grown
+            self.at_creation += nbytes
 
     def refund(self, mark=None) -> None:
         """Gives the charge back (the sessions that held the memory are gone). With `mark`,

@@ -697,6 +697,11 @@ class OffloadSession(InferenceSessionMembers):
         if self._residency is not None:
             self._residency.close()
             self._residency = None
+        # The handles the arena keeps for reuse are sized for the plan that went: the
+        # device gets them back, for ORT's next session and the next plan's own.
+        pooled = self._device.ledger.snapshot().pooled
+        if pooled:
+            self._device.arena.trim_pool(pooled)
         # The runner's ORT sessions are gone: what they gave back is refunded, and the
         # next ones are measured anew.
         self._meter.refund(mark)

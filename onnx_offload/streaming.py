@@ -48,6 +48,7 @@ from ._core import DEFAULT_ALIGNMENT as ALIGNMENT, round_up  # ALIGNMENT: of eac
 from .errors import OffloadError, StateError
 from .graph_capture import GraphCaptureDecision
 from .model import WeightInfo, save_model
+from .ort_memory import SLACK
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
 from .residency import Counters
 from .segmenter import Segment
@@ -583,9 +584,18 @@ class StreamEngine:
                 graph = backend.end_graph_capture(stream)
             except OffloadError as e:
                 failure = failure or e
-        if failure is not None:
+        if failure is None:
+            return graph
+        try:
+            free = self.device.backend.mem_info()[0]
+            if free < SLACK:  # a capture on a full device fails for its memory, not for the model
+                raise StepMemoryShort(f"ORT's run could not be captured with {free} bytes of the device free: "
+                                      f"{failure}", round_up(SLACK - free, self.device.granularity)) from failure
             raise StreamingUnavailable(f"ORT's run cannot be captured into a graph: {failure}") from failure
-        return graph
+        finally:
+            # The error's traceback holds this frame: the local would make a cycle that keeps
+            # the ORT session (and its arena) alive until the garbage collector runs.
+            failure = io = None
 
     def _describe(self, graph, node: int, name: str) -> str:
         """One captured node, for a message: its kernel and where `name`'s address sits in

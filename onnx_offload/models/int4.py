@@ -24,7 +24,9 @@ def int4(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4) 
     """A copy of `model` with every MatMul by a 2-D float initializer whose K is a multiple
     of `block_size` as MatMulNBits (accuracy_level 4: int8 compute on the CPU, as the
     builder's int4 models ask for)."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # (a round trip through bytes refuses models over 2 GiB)
+    model = copy
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     readers = {}
