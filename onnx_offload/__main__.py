@@ -1,6 +1,6 @@
 """``python -m onnx_offload``: the command line, as ``onnx-offload``."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

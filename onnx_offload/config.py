@@ -19,7 +19,7 @@ import os
 import re
 from typing import Mapping, Optional, Union
 
-from .policies import DEFAULT_POLICY, NAMES as POLICIES
+from .memory.policies import DEFAULT_POLICY, NAMES as POLICIES
 
 ENV_OFFLOAD = "ONNX_GENAI_WEIGHT_OFFLOAD"
 ENV_VMM = "ONNX_GENAI_WEIGHT_OFFLOAD_VMM"

@@ -17,8 +17,8 @@ from typing import Dict, List
 import onnx
 import onnxruntime as ort
 
+from .engines.ortvalues import IOInfo, check_required, detached
 from .errors import StateError
-from .ortvalues import IOInfo, check_required, detached
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 from onnx_offload import WeightSlot, _core, cuda_available
-from onnx_offload.host_store import read_bytes
+from onnx_offload.memory.host_store import read_bytes
 from onnx_offload.stats import invariant_violations
 
 MiB = 1 << 20
@@ -115,7 +115,7 @@ def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",), attenti
     ORT runs the graph as given, without its graph optimizations; `prepack=False`: its
     kernels read the weights as they are, without prepacking them."""
     import onnxruntime as ort
-    from onnx_offload.ortvalues import numpy_dtype
+    from onnx_offload.engines.ortvalues import numpy_dtype
     so = ort.SessionOptions()
     if not optimized:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

@@ -2,7 +2,7 @@
 import pytest
 
 from onnx_offload import BudgetExceeded, OffloadConfig
-from onnx_offload.budget import plan_budget
+from onnx_offload.memory.budget import plan_budget
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from onnx_offload import cli
-from onnx_offload.model_cache import hold_entry
+from onnx_offload.tools import cli
+from onnx_offload.loading.cache import hold_entry
 from onnx_offload.models import mlp_stack, save, weight_bytes
 
 
@@ -148,7 +148,7 @@ def test_a_test_run_takes_its_cache_folder_with_it(tmp_path):
 def test_bench_gives_its_child_processes_an_absolute_out_folder(tmp_path, capsys, monkeypatch):
     """The benchmarks start child processes in another folder: a relative --out would
     be another folder there."""
-    from onnx_offload import bench_decode
+    from onnx_offload.tools import bench_decode
     seen = {}
 
     def fake(kind, out):

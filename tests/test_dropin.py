@@ -221,7 +221,7 @@ def test_the_optimized_model_is_written_where_the_options_say(cls, tmp_path):
 def test_session_options_as_given():
     """Every readable setting of the caller's SessionOptions reaches the ORT sessions that
     run the model, and get_session_options() reports the caller's, not the package's."""
-    from onnx_offload.ort_sessions import copy_options
+    from onnx_offload.loading.ort_options import copy_options
     so = ort.SessionOptions()
     so.intra_op_num_threads = 3
     so.use_per_session_threads = False
@@ -348,7 +348,7 @@ def test_options_made_before_the_import_are_named_in_a_warning(tmp_path):
 
 
 def test_every_recorded_setting_is_copied_and_initializers_in_options_are_refused(tmp_path):
-    from onnx_offload.ort_sessions import copy_options
+    from onnx_offload.loading.ort_options import copy_options
     so = ort.SessionOptions()
     so.add_session_config_entry("custom.key.the.package.does.not.know", "42")
     so.add_free_dimension_override_by_name("batch", 4)
@@ -362,7 +362,7 @@ def test_every_recorded_setting_is_copied_and_initializers_in_options_are_refuse
                                            ("tensor(float8e4m3fn)", "float8_e4m3fn"), ("tensor(int4)", "int4"),
                                            ("tensor(bool)", "bool"), ("tensor(double)", "float64")])
 def test_ort_types_map_through_onnx_float8_and_int4_included(type_str, name):
-    from onnx_offload.ortvalues import _type_string, numpy_dtype
+    from onnx_offload.engines.ortvalues import _type_string, numpy_dtype
     assert numpy_dtype(type_str).name == name
     assert _type_string(numpy_dtype(type_str)) == type_str
 
@@ -405,7 +405,7 @@ def test_results_and_refusals_on_split_sessions(tmp_path):
     """run_with_ort_values' results own their memory; an overridable initializer is
     refused rather than ignored; offload without stable addresses runs a model that fits."""
     from onnx import TensorProto, helper, numpy_helper
-    from onnx_offload.ortvalues import InvalidArgument
+    from onnx_offload.engines.ortvalues import InvalidArgument
     model = mlp_stack(layers=6, hidden=1024, batch=4)
     x = np.random.default_rng(1).standard_normal((4, 1024)).astype(np.float32)
     want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]

@@ -8,7 +8,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from onnx_offload import BudgetExceeded, CorruptModel, OffloadConfig, OffloadSession, cli
+from onnx_offload import BudgetExceeded, CorruptModel, OffloadConfig, OffloadSession
+from onnx_offload.tools import cli
 from onnx_offload.config import parse_vram_limit
 from onnx_offload.models import mlp_stack, save
 

@@ -3,7 +3,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnx_offload import resolve_graph_capture_enabled
-from onnx_offload.graph_capture import structural_safety
+from onnx_offload.engines.graph_capture import structural_safety
 from onnx_offload.models import mlp_stack
 
 

@@ -10,9 +10,9 @@ import onnxruntime as ort
 import pytest
 
 from onnx_offload import BudgetExceeded, OffloadSession, OffloadWarning
-from onnx_offload.cli import main
-from onnx_offload.generation import UnsupportedModel
-from onnx_offload.graph_capture import resolve_graph_capture_enabled
+from onnx_offload.tools.cli import main
+from onnx_offload.generation.generate import UnsupportedModel
+from onnx_offload.engines.graph_capture import resolve_graph_capture_enabled
 from onnx_offload.models import mlp_stack, weight_bytes
 from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
 
@@ -413,7 +413,7 @@ def test_the_next_generation_of_a_shape_runs_on_the_kept_buffers():
 def test_a_generation_cut_short_leaves_nothing_kept(monkeypatch):
     """Ctrl-C in a step of a generation on the kept buffers, and a caller that stops
     early: the buffers go back, and the next generation runs on new ones, right."""
-    from onnx_offload.runner import SegmentRunner
+    from onnx_offload.engines.runner import SegmentRunner
     model = model_of("gqa")
     ids = prompt(1)
     want = reference_greedy(model, ids, 8)
@@ -436,8 +436,8 @@ def test_a_generation_cut_short_leaves_nothing_kept(monkeypatch):
 
 @pytest.mark.parametrize("where", ["allocating the cache", "dropping the plans"])
 def test_ctrl_c_while_the_cache_is_made_or_given_back_leaks_nothing(where, monkeypatch):
-    from onnx_offload.kv_cache import DeviceBuffers
-    from onnx_offload.runner import SegmentRunner
+    from onnx_offload.generation.kv_cache import DeviceBuffers
+    from onnx_offload.engines.runner import SegmentRunner
     model = model_of("gqa")
     ids = prompt(1)
     with session(model) as s:
@@ -459,7 +459,7 @@ def test_an_interrupt_between_an_allocation_and_its_bookkeeping_loses_nothing(mo
     """A KeyboardInterrupt that no SIGINT raised (so nothing holds it back) lands right
     after a cache buffer is allocated, before the generation has noted it: the buffer
     still goes back, since the generation's allocator gives back all it holds."""
-    from onnx_offload import kv_cache
+    from onnx_offload.generation import kv_cache
     model = model_of("exact")
     ids = prompt(2)
     calls = []
@@ -539,7 +539,7 @@ def test_an_interrupt_right_after_a_page_in_leaves_nothing_pinned(monkeypatch):
     """An exception between a segment's page-in and the code that releases it (a signal's
     handler may raise anywhere): the step gives back what it acquired, the transient zone
     is empty when the session is idle, and later generations are right."""
-    from onnx_offload import residency
+    from onnx_offload.memory import residency
     model = model_of("standard")
     ids = prompt(2)
     want = reference_greedy(model, ids, 12)
@@ -570,7 +570,7 @@ def test_an_interrupt_right_after_a_weight_is_pinned_leaves_it_unpinned(nth):
     the weight must not stay pinned (it could never be evicted, and its transient bytes
     would stay charged)."""
     import sys
-    from onnx_offload import residency
+    from onnx_offload.memory import residency
     model = model_of("gqa")
     ids = prompt(2)
     want = reference_greedy(model, ids, 8)
@@ -627,7 +627,7 @@ def test_an_interrupt_before_any_line_of_a_segments_acquire_or_release_leaves_th
     transient byte, the policy tracks exactly the weights resident in the weights zone,
     and the next generation's tokens are right."""
     import sys
-    from onnx_offload import residency
+    from onnx_offload.memory import residency
     model = model_of("standard")
     ids = prompt(2)
     want = reference_greedy(model, ids, 4)
@@ -740,8 +740,8 @@ def test_a_decoder_whose_logits_are_the_last_position_only_generates_the_same_to
 ])
 def test_kv_shapes_that_differ_between_layers_are_refused_by_name(layer1_value):
     from onnx import TensorProto, helper
-    from onnx_offload.generation import decoder_spec
-    from onnx_offload.ortvalues import IOInfo
+    from onnx_offload.generation.generate import decoder_spec
+    from onnx_offload.engines.ortvalues import IOInfo
 
     def vi(name, elem, heads, size):
         t = {"float": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[elem]
@@ -1043,7 +1043,7 @@ def test_weights_that_cannot_start_streaming_stay_resident_and_the_session_runs_
     """When the segments cannot be made (here ORT fails to create one, after the resident
     runner was let go), the weights come back resident, the error is raised, nothing
     leaks, and the session runs on."""
-    from onnx_offload.ort_sessions import SessionFactory
+    from onnx_offload.loading.ort_options import SessionFactory
     model = model_of("gqa")
     ids = prompt(1)
     least = _least_budget(lambda **kw: session(model, **kw), offload=False)

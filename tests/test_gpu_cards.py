@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from onnx_offload import OffloadSession
-from onnx_offload.bench_cards import Card, _Peak
+from onnx_offload.tools.bench_cards import Card, _Peak
 from onnx_offload.models import weight_bytes
 from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
 

@@ -207,7 +207,7 @@ def test_ort_runs_on_the_compute_stream_it_is_given():
     of copies and then writes a new input: ORT must read the new one. On a stream of its
     own (the control) it reads the old one."""
     from onnx_offload import _core
-    from onnx_offload.ortvalues import ortvalue_at
+    from onnx_offload.engines.ortvalues import ortvalue_at
     be = _core.make_cuda_backend(0)
     compute, side = be.create_stream(), be.create_stream()
     n, big = 1 << 20, 1 << 30

@@ -160,7 +160,7 @@ def test_init_again_on_a_live_session_closes_what_the_first_made():
     """As ORT's InferenceSession.__init__ run again drops the session it had: the second
     __init__ closes what the first made (memory, streams, threads, fds, the session's
     folder), then builds; what it built runs, and close() gives every byte back."""
-    from onnx_offload.workdir import _owned
+    from onnx_offload.loading.workdir import _owned
     model = mlp_stack(layers=4, hidden=256, batch=4)
     data = model.SerializeToString()
     kw = dict(providers=CPU, offload=True, vmm=True, vram_limit="256MiB", weight_bytes=weight_bytes(model) // 2)

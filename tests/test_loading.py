@@ -404,7 +404,7 @@ WAIT = "for _ in range(600): time.sleep(0.1)"
 
 MAKE_AND_WAIT = """
     import sys, time
-    from onnx_offload.workdir import make_workdir
+    from onnx_offload.loading.workdir import make_workdir
     path = make_workdir()
     open(path + "/weights.bin", "wb").write(b"x" * 1000)
     print(path, flush=True)
@@ -420,7 +420,7 @@ def private_tmp(tmp_path, monkeypatch):
 
 
 def test_workdir_records_pid_and_is_removed(private_tmp):
-    from onnx_offload.workdir import make_workdir, remove_workdir
+    from onnx_offload.loading.workdir import make_workdir, remove_workdir
     path = make_workdir()
     assert os.path.dirname(path) == str(private_tmp)
     assert os.path.basename(path).startswith(f"onnx-offload-{os.getpid()}-")
@@ -457,7 +457,7 @@ def test_existing_sigterm_handler_is_kept(private_tmp):
 
 
 def test_stale_workdirs_are_swept_and_live_ones_kept(private_tmp):
-    from onnx_offload.workdir import make_workdir, remove_workdir
+    from onnx_offload.loading.workdir import make_workdir, remove_workdir
     dead, dead_path = run_child(MAKE_AND_WAIT.format(then="os._exit(0)").replace("import sys", "import os, sys"),
                                 private_tmp)
     dead.communicate(timeout=30)
@@ -496,14 +496,14 @@ SESSION_CHILD = """
 
 def session_workdir_or_skip(path: str) -> str:
     if not os.path.basename(path).startswith("onnx-offload-") or not os.path.basename(path).split("-")[2].isdigit():
-        pytest.skip("session.py does not create its folder with onnx_offload.workdir.make_workdir yet")
+        pytest.skip("session.py does not create its folder with onnx_offload.loading.workdir.make_workdir yet")
     return path
 
 
 @pytest.mark.parametrize("how", ["sigterm", "os._exit"])
 def test_session_folder_does_not_outlive_its_process(how, private_tmp):
     """Needs session.py to create its folder with make_workdir (skips until then)."""
-    from onnx_offload.workdir import make_workdir, remove_workdir
+    from onnx_offload.loading.workdir import make_workdir, remove_workdir
     then = WAIT if how == "sigterm" else "os._exit(0)"
     child, path = run_child(SESSION_CHILD.format(then=then), private_tmp)
     if how == "sigterm":
@@ -561,7 +561,7 @@ def test_optimized_models_are_kept_in_the_user_cache_by_default(tmp_path, monkey
     """The second session of a model reuses the optimized model of the first: ORT's
     optimization pass runs once per content, in the user cache directory unless
     ONNX_OFFLOAD_CACHE_DIR (or cache_dir=) says otherwise."""
-    import onnx_offload.model as model_module
+    import onnx_offload.loading.model as model_module
     from onnx_offload import OffloadConfig, OffloadSession
     from onnx_offload.config import default_cache_dir
     from onnx_offload.models import mlp_stack
@@ -646,7 +646,7 @@ def test_a_save_that_failed_is_not_an_optimized_model(tmp_path):
     """A full disk or a file size limit leaves an empty optimized.onnx, or a data file
     shorter than its tensors: neither is an optimized model to run."""
     import shutil
-    from onnx_offload.model import OPTIMIZED, OPTIMIZED_DATA, optimized_exists
+    from onnx_offload.loading.model import OPTIMIZED, OPTIMIZED_DATA, optimized_exists
     model, feeds = tiny_mlp()
     path = str(tmp_path / "m.onnx")
     onnx.save(model, path)
@@ -672,7 +672,7 @@ def test_external_data_outside_the_models_folder_is_refused_as_ort_refuses_it(ca
     the working folder) once links are resolved, with its Fail: so does the session, by
     path and as bytes, the cache off and on, and it never reads the file."""
     import shutil
-    from onnx_offload import reliability_trust as trust
+    from onnx_offload.tools import reliability_trust as trust
     base = trust.world()
     home = base
     try:
@@ -696,8 +696,8 @@ def test_weights_are_read_from_the_files_the_cache_key_fingerprinted(tmp_path, m
     """The data file replaced by a rename between the cache lookup and the read of the
     weights: the session runs the version it looked up, whole (the weight optimization
     folded from its entry, the one it left as it was from the file it fingerprinted)."""
-    from onnx_offload import host_store
-    from onnx_offload.reliability_trust import replace_with_copy, versions
+    from onnx_offload.memory import host_store
+    from onnx_offload.tools.reliability_trust import replace_with_copy, versions
     path, data, v2, feeds, want = versions(str(tmp_path))
     cache = str(tmp_path / "cache")
     np.testing.assert_allclose(_versions_run(path, cache, feeds), want[0], rtol=1e-5, atol=1e-5)
@@ -719,8 +719,8 @@ def test_no_entry_is_published_from_files_that_changed_during_the_optimization_p
     runs one version whole. Put back, the first version runs as it is."""
     import shutil
     from onnx_offload import OffloadWarning
-    from onnx_offload import model as model_module
-    from onnx_offload.reliability_trust import replace_with_copy, versions
+    from onnx_offload.loading import model as model_module
+    from onnx_offload.tools.reliability_trust import replace_with_copy, versions
     path, data, v2, feeds, want = versions(str(tmp_path))
     v1 = str(tmp_path / "v1.data")
     shutil.copyfile(data, v1)

@@ -6,7 +6,7 @@ import pytest
 from onnx import numpy_helper
 
 from onnx_offload.models import mlp_stack, residual_mlp, transformer_block
-from onnx_offload.segmenter import plan_segments, split
+from onnx_offload.loading.segmenter import plan_segments, split
 
 CPU = ["CPUExecutionProvider"]
 
@@ -77,7 +77,7 @@ def test_boundary_types_of_contrib_ops_come_from_ort_s_own_inference():
     """MatMulInteger16 (a contrib op) takes int16 and gives int32: a boundary after it is
     typed int32, as ORT's symbolic shape inference says, not as its first input."""
     from onnx import TensorProto, helper, numpy_helper
-    from onnx_offload.segmenter import value_types
+    from onnx_offload.loading.segmenter import value_types
     w = numpy_helper.from_array(np.ones((8, 8), np.int16), "w")
     g = helper.make_graph([helper.make_node("MatMulInteger16", ["x", "w"], ["y"], domain="com.microsoft"),
                            helper.make_node("Cast", ["y"], ["z"], to=TensorProto.FLOAT)], "g",

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 
 from onnx_offload import OffloadConfig, OffloadSession
-from onnx_offload.graph_capture import GraphCaptureDecision
-from onnx_offload.model import WeightInfo
+from onnx_offload.engines.graph_capture import GraphCaptureDecision
+from onnx_offload.loading.model import WeightInfo
 from onnx_offload.models import mlp_stack, weight_bytes
-from onnx_offload.slots import slot_kind
-import onnx_offload.streaming as streaming
-from onnx_offload.streaming import (RING_FRACTION, RING_SLACK, StreamingUnavailable, choose_engine, leading_copies,
-                                     plan_copies, plan_stream, ring_by_reads)
+from onnx_offload.memory.slots import slot_kind
+import onnx_offload.engines.streaming as streaming
+from onnx_offload.engines.streaming import (RING_FRACTION, RING_SLACK, StreamingUnavailable, choose_engine,
+                                            leading_copies, plan_copies, plan_stream, ring_by_reads)
 
 MiB = 1 << 20
 G = 2 * MiB
@@ -202,7 +202,7 @@ def test_each_copy_starts_in_spare_granules_without_waiting_for_the_weight_befor
 
 
 def test_a_read_order_the_ring_cannot_follow_is_a_clear_error():
-    from onnx_offload.streaming import Unit
+    from onnx_offload.engines.streaming import Unit
     units = [Unit(["a"], [0], 11 * G, 11), Unit(["b"], [0], 11 * G, 11)]
     readers = [[1, 10], [5]]  # "a" is still read after "b" is first read
     with pytest.raises(StreamingUnavailable, match="too small"):
@@ -320,7 +320,7 @@ def test_a_model_the_engine_cannot_capture_moves_to_segments_and_says_so(monkeyp
 def test_an_engine_that_fails_half_way_gives_everything_back(monkeypatch, op, after):
     """A driver call that fails while the engine maps its ring: the session raises, and
     every physical handle it made is given back."""
-    import onnx_offload.device as device_module
+    import onnx_offload.memory.device as device_module
     import onnx_offload.session as session_module
     from onnx_offload import OffloadError, _core
     from onnx_offload.models.decoder import decoder_lm

@@ -122,7 +122,7 @@ class Rig:
             ev.synchronize()
 
     def reads_back(self, slot) -> bool:
-        from onnx_offload.host_store import read_bytes
+        from onnx_offload.memory.host_store import read_bytes
         return bool(np.array_equal(read_bytes(self.backend, self.stream, slot.va, slot.length),
                                    self.sources[slot.key]))
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from onnx_offload.policies import NAMES as POLICIES
+from onnx_offload.memory.policies import NAMES as POLICIES
 
 INTERRUPTS = 30
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from onnx_offload import OffloadWarning
-from onnx_offload import reliability_trust as trust
-from onnx_offload.model import OPTIMIZED, OPTIMIZED_DATA
-from onnx_offload.model_cache import MANIFEST
+from onnx_offload.tools import reliability_trust as trust
+from onnx_offload.loading.model import OPTIMIZED, OPTIMIZED_DATA
+from onnx_offload.loading.cache import MANIFEST
 
 SECOND_USER, NO_SECOND_USER = trust.attacker()
 second_user = pytest.mark.skipif(SECOND_USER is None, reason=NO_SECOND_USER)
@@ -189,8 +189,8 @@ def test_cache_clear_removes_links_and_the_partial_folders_of_dead_starts(tmp_pa
     of a start that was killed, at once; a partial folder whose maker may be alive stays."""
     import onnx
 
-    from onnx_offload import cli
-    from onnx_offload.model_cache import clear_cache
+    from onnx_offload.tools import cli
+    from onnx_offload.loading.cache import clear_cache
     from onnx_offload.models import mlp_stack
     cache = str(tmp_path / "cache")
     entry = honest_entry(trust.add_model(str(tmp_path), trust.weight(8)), cache)
@@ -419,7 +419,7 @@ def test_the_partial_folder_of_a_start_killed_by_sigkill_goes_with_the_next_star
 
 @pytest.mark.parametrize("label,scenario,args,timeout", trust.SCENARIOS, ids=[s[0] for s in trust.SCENARIOS])
 def test_the_trust_scenarios_of_the_bench_hold(label, scenario, args, timeout):
-    from onnx_offload.reliability import run_scenario
+    from onnx_offload.tools.reliability import run_scenario
     r = run_scenario(scenario, args, timeout)
     assert (r["wrong_outputs"], r["leaks"], r["hangs"], r["crashes"]) == (0, 0, 0, 0), r
 

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import onnx
 from onnx import helper
 
-from .errors import UnsupportedModel
+from ..errors import UnsupportedModel
 from .model import node_inputs
 
 # Ops cheap enough to run again in every segment that needs their result, when all

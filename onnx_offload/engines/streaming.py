@@ -44,15 +44,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import onnxruntime as ort
 
-from ._core import DEFAULT_ALIGNMENT as ALIGNMENT, round_up  # ALIGNMENT: of each resident slot's start
-from .errors import OffloadError, StateError
+from .._core import DEFAULT_ALIGNMENT as ALIGNMENT, round_up
+from ..errors import OffloadError, StateError
+from ..loading.model import WeightInfo, save_model
+from ..loading.segmenter import Segment
+from ..memory.ort_memory import SLACK
+from ..memory.residency import Counters
+from ..memory.step_memory import StepMemoryShort, is_out_of_memory
 from .graph_capture import GraphCaptureDecision
-from .model import WeightInfo, save_model
-from .ort_memory import SLACK
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
-from .residency import Counters
-from .segmenter import Segment
-from .step_memory import StepMemoryShort, is_out_of_memory
 
 # The ring's floor, as a share of the weights budget. Decode is bound by the link (on
 # the H200 a 23 MB weight copies in 0.4 ms and its reader takes microseconds), so a

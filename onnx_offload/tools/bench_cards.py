@@ -36,10 +36,10 @@ from typing import Dict, List
 
 import numpy as np
 
+from ..config import GiB, MiB
+from ..stats import fmt_bytes, table
 from .bench import pinned_h2d
 from .bench_decode import WARMUP, build_decoder, in_process_of_its_own
-from .config import GiB, MiB
-from .stats import fmt_bytes, table
 
 SHAPE_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256, max_length=8192,
                 dtype="float16")
@@ -98,7 +98,7 @@ class _Peak:
     """The device's free memory, sampled every millisecond on a thread, against `start`."""
 
     def __init__(self, start: int):
-        from . import _core
+        from .. import _core
         self._backend = _core.make_cuda_backend(0)
         self.start = start
         self.low = self._backend.mem_info()[0]
@@ -139,7 +139,7 @@ def _generate(s, ids: np.ndarray, new: int) -> Dict:
 
 def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) -> Dict:
     """One card: the user's call beside a process that holds the rest of the device."""
-    from .session import OffloadSession
+    from ..session import OffloadSession
     holder = Card(card) if kind == "cuda" else None
     peak = _Peak(holder.free) if holder is not None else None
     s = None
@@ -178,7 +178,7 @@ def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) 
 
 def warm_cache(path: str, kind: str, cache: str, ids=None) -> Dict:
     """Makes the cache entry with the whole device (see the module's note)."""
-    from .session import OffloadSession
+    from ..session import OffloadSession
     provider = "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
     t = time.perf_counter()
     with OffloadSession(path, providers=[provider], offload=True, vmm=True, cache_dir=cache,

@@ -30,9 +30,9 @@ from typing import Dict, List
 import numpy as np
 import onnxruntime as ort
 
+from ..config import GiB, MiB
+from ..stats import fmt_bytes, table
 from .bench import pinned_h2d
-from .config import GiB, MiB
-from .stats import fmt_bytes, table
 
 WARMUP = 3
 
@@ -55,8 +55,8 @@ def build_model(kind: str, out_dir: str, int4: bool = False) -> tuple:
 def build_decoder(shape: dict, folder: str) -> str:
     """The builder-layout decoder of `shape` (random weights, no EOS; its MatMuls int4
     when shape["quant"] is "int4") in `folder`, made once."""
-    from .models import int4
-    from .models.decoder import decoder_lm, genai_config, save_decoder
+    from ..models import int4
+    from ..models.decoder import decoder_lm, genai_config, save_decoder
     marker = os.path.join(folder, "shape.json")
     path = os.path.join(folder, "model.onnx")
     if not (os.path.exists(marker) and json.load(open(marker)) == shape and os.path.exists(path)):
@@ -147,7 +147,7 @@ def anchor(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, warm_pr
 
 def offload_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, cache: str, weights: int,
                 fraction: float, capture: bool, scratch: int) -> Dict:
-    from .session import OffloadSession
+    from ..session import OffloadSession
     provider = "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
     b, p = ids.shape
     hd = shape["hidden"] // shape["heads"]

@@ -6,7 +6,7 @@ manifest lists a FIFO, external data outside the model's folder, a data file ren
 while a session loads, a save that fails (a file size limit, a full disk) and starts
 killed by SIGTERM or SIGKILL.
 
-Each scenario is a child of ``python -m onnx_offload.reliability`` and returns the
+Each scenario is a child of ``python -m onnx_offload.tools.reliability`` and returns the
 counts of ``reliability._result``: a served planted entry or a returned foreign byte is
 a wrong output, and so is an error of another type than the one plain ORT raises for
 the same model; a folder left behind is a leak; the parent's timeout counts a hang.
@@ -94,7 +94,7 @@ def zeros() -> dict:
 
 
 def session(path_or_bytes, cache, **kw):
-    from .session import OffloadSession
+    from ..session import OffloadSession
     return OffloadSession(path_or_bytes, providers=CPU, offload=True, vmm=True, vram_limit="256MiB",
                           host_granularity=64 << 10, cache_dir=cache, **kw)
 
@@ -130,7 +130,7 @@ def refresh_manifest(entry: str, source: Optional[str] = None) -> None:
     """What someone who can write an entry does after changing its files: fingerprints them
     again with the package's own function, and lists `source` among the model files the
     entry reads (the manifests that keep such a list)."""
-    from .model_cache import MANIFEST, _fingerprint
+    from ..loading.cache import MANIFEST, _fingerprint
     with open(os.path.join(entry, MANIFEST)) as f:
         manifest = json.load(f)
     files = manifest["files"] if "files" in manifest else manifest
@@ -146,7 +146,7 @@ def repoint(entry: str, location: str) -> None:
     """Rewrites an entry's optimized model so that its weight W reads `location`."""
     import onnx
 
-    from .model import OPTIMIZED
+    from ..loading.model import OPTIMIZED
     path = os.path.join(entry, OPTIMIZED)
     model = onnx.load(path, load_external_data=False)
     (t,) = [t for t in model.graph.initializer if t.name == "W"]
@@ -292,8 +292,8 @@ def trust_planted() -> dict:
 def trust_links() -> dict:
     """A symbolic link under an entry's key (to an entry outside the cache), one in place of
     an entry's data file, and `cache clear` with a link in the cache."""
-    from .model import OPTIMIZED_DATA
-    from .model_cache import clear_cache
+    from ..loading.model import OPTIMIZED_DATA
+    from ..loading.cache import clear_cache
     base = world()
     attempts = wrong = leaks = 0
     try:
@@ -340,7 +340,7 @@ def trust_links() -> dict:
 def trust_special_entry(which: str = "zero") -> dict:
     """An entry (this user's, its manifest in order) whose weight reads /dev/zero (`zero`),
     or whose manifest lists a FIFO (`fifo`: the session must not wait on it)."""
-    from .model_cache import MANIFEST
+    from ..loading.cache import MANIFEST
     base = world()
     wrong = leaks = 0
     try:
@@ -492,8 +492,8 @@ def trust_rename() -> dict:
     """The data file replaced by a rename between the cache lookup and the read of the
     weights, and during the optimization pass (then put back): every run must be one
     version's, never a mix."""
-    from . import host_store
-    from . import model as model_module
+    from ..memory import host_store
+    from ..loading import model as model_module
     base = world()
     attempts = wrong = 0
     try:
@@ -552,7 +552,7 @@ def trust_failed_save() -> dict:
 
     import onnx
 
-    from .models import mlp_stack
+    from ..models import mlp_stack
     base = world()
     attempts = clear = wrong = leaks = 0
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -618,7 +618,7 @@ def trust_killed_starts(count: str = "4") -> dict:
     folder in the cache; one killed by SIGKILL leaves one that the next start removes."""
     import onnx
 
-    from .models import mlp_stack
+    from ..models import mlp_stack
     rng = random.Random(0)
     base = world()
     attempts = leaks = 0
@@ -649,7 +649,7 @@ def trust_full_disk() -> dict:
     import onnx
     import onnxruntime as ort
 
-    from .models import mlp_stack
+    from ..models import mlp_stack
     base = world()
     attempts = clear = wrong = leaks = 0
     try:

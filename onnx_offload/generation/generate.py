@@ -32,11 +32,11 @@ from typing import Dict, Iterator, Optional, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from .errors import BudgetExceeded, OffloadError, OffloadWarning, UnsupportedModel
-from .interrupts import deferred_interrupts
+from ..engines.ortvalues import FixedBuffer, IOInfo, numpy_dtype
+from ..engines.streaming import StreamEngine
+from ..errors import BudgetExceeded, OffloadError, OffloadWarning, UnsupportedModel
+from ..interrupts import deferred_interrupts
 from .kv_cache import BucketKV, DeviceBuffers, ExactKV, SharedKV, bucket_for, peak_bytes, write
-from .ortvalues import FixedBuffer, IOInfo, numpy_dtype
-from .streaming import StreamEngine
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 # The positions the streaming engine plans a decoder's KV cache for at construction; a

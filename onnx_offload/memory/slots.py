@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
-from . import _core
-from .errors import StateError
+from .. import _core
+from ..errors import StateError
 
 
 class PlainSlot:

@@ -22,8 +22,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from ._core import round_up
-from .errors import BudgetExceeded, CudaDriverError
+from .._core import round_up
+from ..errors import BudgetExceeded, CudaDriverError
 
 MiB = 1 << 20
 # ORT's fixed share of a step: cuBLAS and cuDNN workspaces, the arena's first chunks and

@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
-from .config import (ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_OFFLOAD, ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT,
-                     env_is_set)
-from .device import cuda_available
-from .errors import OffloadError
-from .policies import NAMES as POLICIES
+from ..config import (ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_OFFLOAD, ENV_POLICY, ENV_VMM,
+                      ENV_VRAM_LIMIT, env_is_set)
+from ..errors import OffloadError
+from ..memory.device import cuda_available
+from ..memory.policies import NAMES as POLICIES
 
 
 def _kind(args) -> str:
@@ -43,7 +43,7 @@ def _provider(kind: str) -> str:
 
 def make_feeds(inputs, seed: int = 0):
     """Random feeds from the model's input shapes; dynamic dimensions become 1."""
-    from .ortvalues import numpy_dtype
+    from ..engines.ortvalues import numpy_dtype
     rng = np.random.default_rng(seed)
     feeds = {}
     for i in inputs:
@@ -102,7 +102,7 @@ def config_kwargs(args) -> dict:
 
 def check_config_flags(args) -> None:
     """The budget flags, parsed before any weight loads (their errors name the flag)."""
-    from .config import parse_bytes, parse_vram_limit
+    from ..config import parse_bytes, parse_vram_limit
     if args.vram_limit is not None:
         parse_vram_limit(args.vram_limit, "--vram-limit")
     if args.weight_bytes is not None:
@@ -179,7 +179,7 @@ def load_feeds(path: str) -> dict:
 def check_feeds(feeds: dict, inputs, source: str = "--inputs") -> None:
     """Refuses feeds that do not match the model's inputs by name, dtype or static shape;
     nothing is converted."""
-    from .ortvalues import numpy_dtype
+    from ..engines.ortvalues import numpy_dtype
     wanted = {i.name: i for i in inputs}
     missing = [n for n in wanted if n not in feeds]
     unknown = [n for n in feeds if n not in wanted]
@@ -207,7 +207,7 @@ def check_feeds(feeds: dict, inputs, source: str = "--inputs") -> None:
 
 
 def cmd_run(args) -> int:
-    from .session import OffloadSession
+    from ..session import OffloadSession
     check_config_flags(args)  # everything the arguments allow is checked before any weight loads
     feeds = load_feeds(args.inputs) if args.inputs else None
     kind = _kind(args)
@@ -270,11 +270,11 @@ def load_tokenizer(model: str):
 
 
 def cmd_generate(args) -> int:
-    from .session import OffloadSession
+    from ..session import OffloadSession
     check_config_flags(args)
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"{args.model!r}: no such model file or folder")
-    from .generation import SAMPLING_DEFAULTS, Sampling
+    from ..generation.generate import SAMPLING_DEFAULTS, Sampling
     if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
         args.do_sample, args.temperature = False, None
     given = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -355,8 +355,8 @@ def _median_ms(fn, runs: int = 5) -> float:
 def cmd_demo(args) -> int:
     import onnxruntime as ort
 
-    from .models import mlp_stack, save, weight_bytes
-    from .session import OffloadSession
+    from ..models import mlp_stack, save, weight_bytes
+    from ..session import OffloadSession
     kind = _kind(args)
     model = mlp_stack(layers=16, hidden=1024, batch=4)
     weights = weight_bytes(model)
@@ -423,7 +423,7 @@ def cmd_bench(args) -> int:
         text = print_compare(res)
     elif args.what == "cards":
         from .bench_cards import BATCHES, PROMPTS, bench_cards, print_cards
-        from .config import parse_bytes
+        from ..config import parse_bytes
 
         def listed(text, parse, default):
             return default if not text else [parse(t.strip()) for t in text.split(",") if t.strip()]
@@ -449,9 +449,9 @@ def cmd_bench(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from .config import OffloadConfig, parse_cache_dir
-    from .model_cache import cache_entries, clear_cache
-    from .stats import fmt_bytes, table
+    from ..config import OffloadConfig, parse_cache_dir
+    from ..loading.cache import cache_entries, clear_cache
+    from ..stats import fmt_bytes, table
     # Only the cache's own flag and variable: the others configure sessions, not the cache.
     folder = args.cache_dir if args.cache_dir is not None else os.environ.get(ENV_CACHE_DIR)
     cache = OffloadConfig() if folder is None else OffloadConfig(cache_dir=parse_cache_dir(folder, ENV_CACHE_DIR
@@ -510,7 +510,7 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv=None) -> int:
     import onnxruntime
-    from . import __version__
+    from .. import __version__
     p = _Parser(prog="onnx-offload", description=__doc__.split("\n")[0])
     p.add_argument("--version", action="version",
                    version=f"onnx-offload {__version__} (onnxruntime {onnxruntime.__version__})")

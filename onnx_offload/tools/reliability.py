@@ -3,7 +3,7 @@ each scenario in a child process so that a crash or a hang is counted, not suffe
 
     onnx-offload bench reliability [--json FILE]
 
-A child runs ``python -m onnx_offload.reliability SCENARIO ARGS`` and prints one JSON line
+A child runs ``python -m onnx_offload.tools.reliability SCENARIO ARGS`` and prints one JSON line
 of counts: attempts, clear (typed) errors, wrong outputs and leaks. The parent adds
 crashes (a signal, or an exit without a result) and hangs (no exit in time).
 """
@@ -20,8 +20,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..stats import table
 from . import reliability_hostile, reliability_trust
-from .stats import table
 
 MiB = 1 << 20
 RTOL, ATOL = 1e-5, 1e-6
@@ -33,7 +33,7 @@ COLUMNS = ("attempts", "clear_errors", "crashes", "wrong_outputs", "leaks", "han
 
 @functools.lru_cache(maxsize=None)
 def _model() -> Tuple[bytes, int]:
-    from .models import mlp_stack, weight_bytes
+    from ..models import mlp_stack, weight_bytes
     m = mlp_stack(layers=8, hidden=512, batch=4)
     return m.SerializeToString(), weight_bytes(m)
 
@@ -55,7 +55,7 @@ def _correct(got, seed: int) -> bool:
 
 
 def _session(split: bool = True, vmm: bool = True, policy: str = "planned"):
-    from .session import OffloadSession
+    from ..session import OffloadSession
     data, weights = _model()
     kw = dict(weight_bytes=weights // 3) if split else {}
     return OffloadSession(data, providers=["CPUExecutionProvider"], offload=True, vmm=vmm, vram_limit="256MiB",
@@ -67,7 +67,7 @@ def _closing_leaks(s, fds: Optional[int] = None) -> int:
     invariant breaks, descriptors."""
     import gc
 
-    from .stats import invariant_violations
+    from ..stats import invariant_violations
     workdir = s._workdir
     final = s.close()
     arena = s.stats().arena
@@ -85,14 +85,14 @@ def _result(attempts=0, clear_errors=0, wrong_outputs=0, leaks=0, **notes) -> di
 
 
 def _rig(budget: int, granularity: int = 64 << 10):
-    from . import _core
+    from .. import _core
     backend = _core.make_host_backend(granularity)
     ledger = _core.BudgetOwner(budget)
     return backend, ledger, _core.Arena(backend, ledger, zone_va_bytes=1 << 36), backend.create_stream()
 
 
 def _slot(arena, key: str, n: int, seed: int, keep: dict):
-    from ._core import WeightSlot
+    from .._core import WeightSlot
     s = WeightSlot(arena, key, n)
     keep[key] = data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
     s.set_source(data.ctypes.data, n)
@@ -100,7 +100,7 @@ def _slot(arena, key: str, n: int, seed: int, keep: dict):
 
 
 def _reads_back(backend, stream, slot, keep) -> bool:
-    from .host_store import read_bytes
+    from ..memory.host_store import read_bytes
     return bool(np.array_equal(read_bytes(backend, stream, slot.va, slot.length), keep[slot.key]))
 
 
@@ -116,8 +116,8 @@ class Churn:
         self.page_ins = self.refusals = 0
 
     def run(self, cycles: int, check, every: int = 500) -> None:
-        from ._core import WeightSlot
-        from .errors import BudgetExceeded
+        from .._core import WeightSlot
+        from ..errors import BudgetExceeded
         while self.page_ins < cycles:
             s = self.slots[int(self.rng.integers(len(self.slots)))]
             if s.state != "evicted":
@@ -139,7 +139,7 @@ class Churn:
                 check(self.page_ins, s)
 
     def evict_all(self) -> None:
-        from ._core import WeightSlot
+        from .._core import WeightSlot
         WeightSlot.evict(self.resident)
         self.resident = []
 
@@ -152,7 +152,7 @@ def soak_sizes(g: int) -> list:
 # ---------------------------------------------------------------- the scenarios (children)
 
 def soak_arena(cycles: str = "10000") -> dict:
-    from .stats import invariant_violations
+    from ..stats import invariant_violations
     fds = len(os.listdir("/proc/self/fd"))
     backend, ledger, arena, stream = _rig(8 * (64 << 10))
     keep = {}
@@ -188,9 +188,9 @@ def soak_session(vmm: str = "1", steps: str = "200") -> dict:
 def faults() -> dict:
     """A create, map or set_access failure at every position of a page-in of four slots,
     then the same at the session level."""
-    from ._core import WeightSlot
-    from .errors import OffloadError
-    from .stats import invariant_violations
+    from .._core import WeightSlot
+    from ..errors import OffloadError
+    from ..stats import invariant_violations
     attempts = clear = wrong = leaks = 0
     for op in ("create", "map", "set_access"):
         for after in range(1, 100):
@@ -239,7 +239,7 @@ def faults() -> dict:
 def threads(split: str = "1", n: str = "8", steps: str = "20") -> dict:
     import threading
 
-    from .errors import OffloadError
+    from ..errors import OffloadError
     s = _session(split == "1", True, "planned")
     counts = dict(wrong=0, clear=0)
     for t in range(int(n)):
@@ -267,7 +267,7 @@ def interrupts(policy: str, vmm: str, count: str = "10") -> dict:
     import random
     import threading
 
-    from .errors import OffloadError
+    from ..errors import OffloadError
     rng = random.Random(0)
     s = _session(True, vmm == "1", policy)
     t0 = time.perf_counter()
@@ -296,7 +296,7 @@ def interrupts(policy: str, vmm: str, count: str = "10") -> dict:
 
 
 def fork() -> dict:
-    from .errors import StateError
+    from ..errors import StateError
     s = _session(True, True, "lru")
     s.run(None, _feed(0))
     _reference(5)
@@ -326,8 +326,8 @@ def fork() -> dict:
 
 
 def bad_inputs() -> dict:
-    from .errors import BudgetExceeded, CorruptModel, OffloadError, StateError
-    from .session import OffloadSession
+    from ..errors import BudgetExceeded, CorruptModel, OffloadError, StateError
+    from ..session import OffloadSession
     from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
     typed = (InvalidArgument, ValueError, TypeError, OffloadError)
     x = _feed(3)["x"]
@@ -396,7 +396,7 @@ SCENARIOS = [
 def run_scenario(child: str, args=(), timeout: float = 60) -> dict:
     """One child: its counts, plus crashes and hangs as the parent saw them."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "onnx_offload.reliability", child, *args]
+    cmd = [sys.executable, "-m", "onnx_offload.tools.reliability", child, *args]
     try:
         # `-m` puts the working folder first on the path: run where this very package lies, so
         # that the child imports it (and not a source tree the parent was started in).

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from .config import MiB
-from .errors import BudgetExceeded
+from ..config import MiB
+from ..errors import BudgetExceeded
 from .step_memory import StepMemoryShort
 
 # Device memory kept free beyond the budget's room: a capture, a graph's upload and a

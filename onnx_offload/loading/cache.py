@@ -31,8 +31,8 @@ from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 import onnx
 import onnxruntime as ort
 
+from ..errors import CorruptModel
 from . import workdir
-from .errors import CorruptModel
 from .model import OPTIMIZED, OPTIMIZED_DATA, all_tensors, external_locations, load_optimized, open_regular, read_range
 
 # Files up to this size are hashed in full (sha256 runs at 1.5-2 GB/s, so at most about

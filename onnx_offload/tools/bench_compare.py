@@ -29,10 +29,10 @@ from typing import Dict, List
 
 import numpy as np
 
+from ..config import GiB, MiB
+from ..stats import fmt_bytes, table
 from .bench import pinned_h2d
 from .bench_decode import WARMUP, in_process_of_its_own, setup
-from .config import GiB, MiB
-from .stats import fmt_bytes, table
 
 STEADY = ("creates", "releases", "maps", "unmaps", "set_access", "plain_allocs", "plain_frees")
 
@@ -48,7 +48,7 @@ class _PeakDevice:
 
     def __init__(self, kind: str):
         import threading
-        from . import _core
+        from .. import _core
         self.backend = _core.make_cuda_backend(0) if kind == "cuda" else None
         self.free0 = self.low = self.backend.mem_info()[0] if self.backend else 0
         self._lock = threading.Lock()  # threads sample at once
@@ -67,7 +67,7 @@ class _PeakDevice:
 def _session(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, cache: str, weights: int,
              fraction: float, engine: str, scratch: int):
     """An OffloadSession at a weights budget of `fraction`, made as the rows make it."""
-    from .session import OffloadSession
+    from ..session import OffloadSession
     provider = "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
     # The weights budget is f of the weights; the KV cache and ORT's scratch are reserved
     # on top of it (the streaming engine's resident weights cannot lend to the cache).

@@ -11,8 +11,8 @@ from typing import Dict
 
 import numpy as np
 
+from ..stats import table
 from .bench_decode import WARMUP, in_process_of_its_own
-from .stats import table
 
 
 def _shape(kind: str) -> dict:
@@ -21,7 +21,7 @@ def _shape(kind: str) -> dict:
 
 
 def build_model(kind: str, out_dir: str) -> str:
-    from .models import decoder_lm, genai_config, int4, save_decoder
+    from ..models import decoder_lm, genai_config, int4, save_decoder
     shape = _shape(kind)
     folder = os.path.join(out_dir, f"int4_model_{kind}")
     path = os.path.join(folder, "model.onnx")
@@ -35,7 +35,7 @@ def build_model(kind: str, out_dir: str) -> str:
 
 
 def resident_row(path: str, ids: np.ndarray, new: int, kind: str) -> Dict:
-    from .session import OffloadSession
+    from ..session import OffloadSession
     provider = "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
     with OffloadSession(path, providers=[provider], cache_dir="off") as s:
         s.generate(ids, 4)

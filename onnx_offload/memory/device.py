@@ -9,10 +9,10 @@ from __future__ import annotations
 import resource
 from typing import Dict
 
-from . import _core
+from .. import _core
+from ..config import GiB, MiB, OffloadConfig
+from ..errors import CudaUnavailable
 from .budget import ZONES, BudgetPlan, ZonePlan, base_zones, device_budget
-from .config import GiB, MiB, OffloadConfig
-from .errors import CudaUnavailable
 
 
 def cuda_available() -> tuple[bool, str]:

@@ -29,13 +29,12 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import onnxruntime as ort
 
-from .errors import BudgetExceeded, ModelRunError, OffloadError, StateError, with_ort_type
+from ..errors import BudgetExceeded, ModelRunError, OffloadError, StateError, with_ort_type
+from ..loading.model import save_model
+from ..loading.segmenter import Segment
+from ..memory.residency import Counters
 from .graph_capture import GraphCaptureDecision
-from .model import save_model
-from .ortvalues import (FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, shareable,
-                        signature)
-from .residency import Counters
-from .segmenter import Segment
+from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, shareable, signature
 
 MAX_SIGNATURES = 4
 # The gpu_graph_ids that run() captures under, apart from the small ids (0 by default)

@@ -18,8 +18,8 @@ import collections
 import dataclasses
 from typing import Dict, List, Optional, Sequence
 
-from ._core import round_up
-from .model import WeightInfo
+from .._core import round_up
+from ..loading.model import WeightInfo
 from .policies import PolicyInputs, make_policy
 from .slots import slot_kind
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .config import MiB, OffloadConfig
-from .errors import BudgetExceeded
+from ..config import MiB, OffloadConfig
+from ..errors import BudgetExceeded
 
 ZONES = ("weights", "kv", "scratch", "transient")
 

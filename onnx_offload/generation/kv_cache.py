@@ -30,10 +30,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from . import _core
-from ._core import round_up
-from .errors import BudgetExceeded
-from .ortvalues import FixedBuffer, nbytes_of
+from .. import _core
+from .._core import round_up
+from ..engines.ortvalues import FixedBuffer, nbytes_of
+from ..errors import BudgetExceeded
 
 
 def describe_zones(ledger) -> str:

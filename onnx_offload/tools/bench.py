@@ -16,9 +16,9 @@ from typing import Dict, List
 
 import numpy as np
 
-from . import _core
-from .config import GiB, MiB
-from .stats import fmt_bytes, table
+from .. import _core
+from ..config import GiB, MiB
+from ..stats import fmt_bytes, table
 
 HANDLE_CLASSES_2MIB = "2 MiB handles"
 HANDLE_CLASSES_SIZED = "size classes"
@@ -186,8 +186,8 @@ def step_times(run, warmup: int, steps: int) -> List[float]:
 def bench_session(kind: str, out_dir: str, steps: int = 100) -> Dict:
     import onnxruntime as ort
 
-    from .models import decoder_like
-    from .session import OffloadSession
+    from ..models import decoder_like
+    from ..session import OffloadSession
     os.makedirs(out_dir, exist_ok=True)
     if kind == "cuda":
         path = decoder_like(os.path.join(out_dir, "session_model.onnx"), layers=4, hidden=4096, ffn=11008)
@@ -227,8 +227,8 @@ def print_session(res: Dict) -> str:
 # ---------------------------------------------------------------------- offload
 def bench_offload(kind: str, out_dir: str, weight_gb: float = 8.0, steps: int = 3,
                   fractions=(0.25, 0.5, 0.75), policies=("planned", "stable", "lru", "mru")) -> Dict:
-    from .models import decoder_like
-    from .session import OffloadSession
+    from ..models import decoder_like
+    from ..session import OffloadSession
     os.makedirs(out_dir, exist_ok=True)
     if kind == "cuda":
         hidden, ffn, dtype = 4096, 11008, np.float16

@@ -33,9 +33,9 @@ import onnxruntime as ort
 from onnx import helper
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
-from . import _core
-from .errors import CorruptModel, ModelNotFound, OffloadError, invalid_protobuf, with_ort_type
-from .ort_sessions import EXTERNAL_FOLDER_KEY, config_entry, copy_options, set_config
+from .. import _core
+from ..errors import CorruptModel, ModelNotFound, OffloadError, invalid_protobuf, with_ort_type
+from .ort_options import EXTERNAL_FOLDER_KEY, config_entry, copy_options, set_config
 
 OPTIMIZED = "optimized.onnx"
 OPTIMIZED_DATA = "optimized.onnx.data"

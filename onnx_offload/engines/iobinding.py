@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import onnxruntime as ort
 
-from .errors import StateError
+from ..errors import StateError
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, detached, numpy_dtype, ortvalue_at
 
 

@@ -9,7 +9,7 @@ that the session must answer right or refuse by name.
 - ``hostile_stats``: ``stats()`` from another thread while ``generate()`` makes room in
   the budget (a deadlock is a hang, caught by the parent's timeout).
 
-Each is a child of ``python -m onnx_offload.reliability`` returning the counts of
+Each is a child of ``python -m onnx_offload.tools.reliability`` returning the counts of
 ``reliability._result``: a wrong answer, a refusal of a valid call, or an error of the
 wrong type is a wrong output; a file descriptor or memfd left behind is a leak. They use
 only the public API, so they run against any version of the package.
@@ -58,16 +58,16 @@ class _Tally:
 
 
 def _decoder_folder(config: dict = None) -> str:
-    from .models.decoder import decoder_lm, save_decoder
+    from ..models.decoder import decoder_lm, save_decoder
     folder = tempfile.mkdtemp(prefix="hostile-")
     save_decoder(decoder_lm("gqa", max_length=64), folder, config=config)
     return os.path.join(folder, "model.onnx")
 
 
 def hostile_calls() -> dict:
-    from .errors import BudgetExceeded, UnsupportedModel
-    from .models import mlp_stack
-    from .session import OffloadSession
+    from ..errors import BudgetExceeded, UnsupportedModel
+    from ..models import mlp_stack
+    from ..session import OffloadSession
     t = _Tally()
     path = _decoder_folder()
     s = OffloadSession(path, providers=CPU, offload=True, vmm=True)
@@ -104,9 +104,9 @@ def hostile_models() -> dict:
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from .models import mlp_stack
-    from .models.generators import build_model
-    from .session import OffloadSession
+    from ..models import mlp_stack
+    from ..models.generators import build_model
+    from ..session import OffloadSession
     t = _Tally()
     rng = np.random.default_rng(0)
 
@@ -157,9 +157,9 @@ def hostile_stats(seconds: str = "10") -> dict:
 
     import onnxruntime as ort
 
-    from .models import weight_bytes
-    from .models.decoder import decoder_lm
-    from .session import OffloadSession
+    from ..models import weight_bytes
+    from ..models.decoder import decoder_lm
+    from ..session import OffloadSession
     model = decoder_lm("gqa", max_length=256)
     so = ort.SessionOptions()
     so.intra_op_num_threads = so.inter_op_num_threads = 1
