@@ -25,11 +25,11 @@ except ModuleNotFoundError as _e:  # the source tree, whose compiled core is bui
         f"run from another folder, or run 'pytest' (not 'python -m pytest') from the repository root.",
         name=_e.name) from None
 from .config import OffloadConfig, parse_bytes
-from .engines.graph_capture import GraphCaptureDecision, resolve_graph_capture_enabled
+from .engines import GraphCaptureDecision, resolve_graph_capture_enabled
 from .errors import (BudgetExceeded, CorruptModel, CudaDriverError, CudaUnavailable, ModelNotFound, ModelRunError,
                      OffloadError, OffloadWarning, StateError, UnsupportedModel)
 from .install import conflict as _conflict, installed_versions as _installed_versions
-from .memory.device import Device, cuda_available
+from .memory import Device, cuda_available
 from .session import OffloadSession
 from .stats import OffloadStats
 

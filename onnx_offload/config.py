@@ -19,7 +19,10 @@ import os
 import re
 from typing import Mapping, Optional, Union
 
-from .memory.policies import DEFAULT_POLICY, NAMES as POLICIES
+# The residency policies (memory/policies.py implements each, and checks at import that
+# it implements these and no others).
+POLICIES = ("planned", "stable", "lru", "mru")
+DEFAULT_POLICY = "planned"
 
 ENV_OFFLOAD = "ONNX_GENAI_WEIGHT_OFFLOAD"
 ENV_VMM = "ONNX_GENAI_WEIGHT_OFFLOAD_VMM"

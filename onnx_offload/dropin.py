@@ -17,7 +17,7 @@ from typing import Dict, List
 import onnx
 import onnxruntime as ort
 
-from .engines.ortvalues import IOInfo, check_required, detached
+from .engines import IOInfo, check_required, detached
 from .errors import StateError
 
 

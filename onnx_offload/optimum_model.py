@@ -70,7 +70,7 @@ def causal_lm(model, providers=None, provider_options=None, sess_options=None, *
     except ImportError as e:
         raise ImportError(f"causal_lm needs Optimum's ONNX Runtime models and transformers ({e}): pip install "
                           f"'optimum-onnx[onnxruntime]' (or [onnxruntime-gpu])") from e
-    from .loading.model import model_file
+    from .loading import model_file
     from .session import OffloadSession
     path = os.path.abspath(model_file(os.fspath(model)))
     folder = os.path.dirname(path)

@@ -34,34 +34,32 @@ import onnxruntime as ort
 from ._core import round_up
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag, parse_index
 from .dropin import InferenceSessionMembers, model_facts
-from .engines.graph_capture import (CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled,
-                                    structural_safety)
-from .engines.iobinding import OffloadIOBinding
-from .engines.ortvalues import InvalidArgument, IOInfo, as_arrays, check_feeds, shareable
-from .engines.runner import SegmentRunner
-from .engines.streaming import StreamEngine, StreamingUnavailable, choose_engine, plan_stream
+from .engines import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
+from .engines import OffloadIOBinding
+from .engines import InvalidArgument, IOInfo, as_arrays, check_feeds, shareable
+from .engines import SegmentRunner
+from .engines import StreamEngine, StreamingUnavailable, choose_engine, plan_stream
 from .errors import (BudgetExceeded, CudaDriverError, CudaUnavailable, OffloadError, OffloadWarning, StateError,
                      with_ort_type)
-from .generation.generate import (DEFAULT_CONTEXT, SAMPLING_DEFAULTS, Generation, Sampling, UnsupportedModel,
-                                  check_generate_args, chunk_rows, decoder_spec, generate_tokens, kv_peak, rotary_rows)
-from .generation.kv_cache import bucket_for, describe_zones
+from .generation import (DEFAULT_CONTEXT, SAMPLING_DEFAULTS, Generation, Sampling, UnsupportedModel,
+                         check_generate_args, chunk_rows, decoder_spec, generate_tokens, kv_peak, rotary_rows)
+from .generation import bucket_for, describe_zones
 from .interrupts import deferred_interrupts
-from .loading.cache import (HeldFiles, cache_folder, cache_key, hold_made, make_partial, open_entry, remove_set_aside,
-                            set_aside, sweep_partials, write_manifest)
-from .loading.model import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, load_optimized,
-                            materialize, model_file, optimization_level, optimize_once, point_weights_at_placeholder,
-                            read_weights, share_unchanged, weights_as_inputs, write_optimized)
-from .loading.ort_options import (CUDA_EP, SessionFactory, choose_providers, copy_options, normalize_providers,
-                                  options_key, unseen)
-from .loading.segmenter import Segment, check_bindable, plan_segments, segment_weights, split, value_types
-from .loading.workdir import disown, make_workdir, remove_workdir
-from .memory.budget import ZonePlan, base_zones, plan_budget, smallest_budget
-from .memory.device import Device, cuda_available
-from .memory.host_store import HostStore
-from .memory.ort_memory import OrtMemoryMeter
-from .memory.residency import Counters, ResidencyManager, segment_costs
-from .memory.slots import slot_kind
-from .memory.step_memory import StepMemoryShort, activation_shape, device_out_of_memory, is_out_of_memory, step_scratch
+from .loading import (HeldFiles, cache_folder, cache_key, hold_made, make_partial, open_entry, remove_set_aside,
+                      set_aside, sweep_partials, write_manifest)
+from .loading import (OPTIMIZED, OPTIMIZED_DATA, external_data_folder, keep_in_model, load_optimized, materialize,
+                      model_file, optimization_level, optimize_once, point_weights_at_placeholder, read_weights,
+                      share_unchanged, weights_as_inputs, write_optimized)
+from .loading import CUDA_EP, SessionFactory, choose_providers, copy_options, normalize_providers, options_key, unseen
+from .loading import Segment, check_bindable, plan_segments, segment_weights, split, value_types
+from .loading import disown, make_workdir, remove_workdir
+from .memory import ZonePlan, base_zones, plan_budget, smallest_budget
+from .memory import Device, cuda_available
+from .memory import HostStore
+from .memory import OrtMemoryMeter
+from .memory import Counters, ResidencyManager, segment_costs
+from .memory import slot_kind
+from .memory import StepMemoryShort, activation_shape, device_out_of_memory, is_out_of_memory, step_scratch
 from .progress import LoadProgress
 from .stats import OffloadStats, fmt_bytes
 

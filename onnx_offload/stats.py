@@ -5,7 +5,7 @@ import dataclasses
 from typing import Optional
 
 from ._core import ArenaStats, DriverCounters, LedgerSnapshot, ScratchStats
-from .memory.residency import Counters
+from .memory import Counters
 
 
 def fmt_bytes(n: float) -> str:

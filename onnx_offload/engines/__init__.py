@@ -5,3 +5,10 @@ segment runner (one ORT session per segment) offer one surface; ``switch.Engines
 the one in force and the fallback between them. OrtValues over the package's memory, a
 split session's IOBinding and the graph-capture decision live here too.
 """
+
+from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
+from .iobinding import OffloadIOBinding
+from .ortvalues import (FixedBuffer, IOInfo, InvalidArgument, as_arrays, check_feeds, check_required, detached,
+                        nbytes_of, numpy_dtype, shareable)
+from .runner import SegmentRunner
+from .streaming import StreamEngine, StreamingUnavailable, choose_engine, plan_stream

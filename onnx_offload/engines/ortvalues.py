@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from .. import _core
 from ..errors import OffloadError
-from ..loading.segmenter import dims, elem_name, onnx_type_string
+from ..loading import dims, elem_name, onnx_type_string
 
 try:  # the type ORT itself raises for a bad input or output name
     from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument

@@ -30,9 +30,9 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import BudgetExceeded, ModelRunError, OffloadError, StateError, with_ort_type
-from ..loading.model import save_model
-from ..loading.segmenter import Segment
-from ..memory.residency import Counters
+from ..loading import save_model
+from ..loading import Segment
+from ..memory import Counters
 from .graph_capture import GraphCaptureDecision
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, shareable, signature
 

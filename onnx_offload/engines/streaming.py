@@ -46,11 +46,11 @@ import onnxruntime as ort
 
 from .._core import DEFAULT_ALIGNMENT as ALIGNMENT, round_up
 from ..errors import OffloadError, StateError
-from ..loading.model import WeightInfo, save_model
-from ..loading.segmenter import Segment
-from ..memory.ort_memory import SLACK
-from ..memory.residency import Counters
-from ..memory.step_memory import StepMemoryShort, is_out_of_memory
+from ..loading import WeightInfo, save_model
+from ..loading import Segment
+from ..memory import SLACK
+from ..memory import Counters
+from ..memory import StepMemoryShort, is_out_of_memory
 from .graph_capture import GraphCaptureDecision
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
 

@@ -32,8 +32,8 @@ from typing import Dict, Iterator, Optional, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from ..engines.ortvalues import FixedBuffer, IOInfo, numpy_dtype
-from ..engines.streaming import StreamEngine
+from ..engines import FixedBuffer, IOInfo, numpy_dtype
+from ..engines import StreamEngine
 from ..errors import BudgetExceeded, OffloadError, OffloadWarning, UnsupportedModel
 from ..interrupts import deferred_interrupts
 from .kv_cache import BucketKV, DeviceBuffers, ExactKV, SharedKV, bucket_for, peak_bytes, write

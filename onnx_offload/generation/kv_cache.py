@@ -32,7 +32,7 @@ import onnxruntime as ort
 
 from .. import _core
 from .._core import round_up
-from ..engines.ortvalues import FixedBuffer, nbytes_of
+from ..engines import FixedBuffer, nbytes_of
 from ..errors import BudgetExceeded
 
 

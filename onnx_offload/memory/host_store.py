@@ -12,7 +12,7 @@ from typing import Callable, Dict, Iterable, Optional
 
 import numpy as np
 
-from ..loading.model import Files, WeightInfo, opened
+from ..loading import Files, WeightInfo, opened
 
 ALIGN = 256
 

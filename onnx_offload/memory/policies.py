@@ -1,7 +1,8 @@
 """Residency policies: which weights stay in the weights zone, and which give way.
 
-Every policy name the package accepts is a key of ``POLICIES``; configuration, the
-command line and the residency manager all read it from here.
+Every policy name the package accepts is in ``config.POLICIES``, which the configuration
+and the command line read; ``POLICIES`` here maps each to its class, and the import
+fails if the two lists differ.
 
 A policy sees what it needs, not the residency manager: the weights in pack order,
 their sizes, the segments that read them, a cost model of committed bytes and the
@@ -21,6 +22,8 @@ import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
+
+from ..config import POLICIES as NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +165,8 @@ def plan_by_packs(inputs: PolicyInputs, value: Dict[str, int]) -> set:
 
 
 POLICIES: Dict[str, type] = {"planned": PlannedPolicy, "stable": StablePolicy, "lru": LRUPolicy, "mru": MRUPolicy}
-DEFAULT_POLICY = "planned"
-NAMES: List[str] = list(POLICIES)
+if tuple(POLICIES) != NAMES:
+    raise ImportError(f"the policies implemented ({', '.join(POLICIES)}) are not config.POLICIES ({', '.join(NAMES)})")
 
 
 def make_policy(name: str) -> Policy:

@@ -19,7 +19,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence
 
 from .._core import round_up
-from ..loading.model import WeightInfo
+from ..loading import WeightInfo
 from .policies import PolicyInputs, make_policy
 from .slots import slot_kind
 

@@ -20,10 +20,9 @@ import time
 import numpy as np
 
 from ..config import (ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_OFFLOAD, ENV_POLICY, ENV_VMM,
-                      ENV_VRAM_LIMIT, env_is_set)
+                      ENV_VRAM_LIMIT, POLICIES, env_is_set)
 from ..errors import OffloadError
-from ..memory.device import cuda_available
-from ..memory.policies import NAMES as POLICIES
+from ..memory import cuda_available
 
 
 def _kind(args) -> str:
@@ -43,7 +42,7 @@ def _provider(kind: str) -> str:
 
 def make_feeds(inputs, seed: int = 0):
     """Random feeds from the model's input shapes; dynamic dimensions become 1."""
-    from ..engines.ortvalues import numpy_dtype
+    from ..engines import numpy_dtype
     rng = np.random.default_rng(seed)
     feeds = {}
     for i in inputs:
@@ -179,7 +178,7 @@ def load_feeds(path: str) -> dict:
 def check_feeds(feeds: dict, inputs, source: str = "--inputs") -> None:
     """Refuses feeds that do not match the model's inputs by name, dtype or static shape;
     nothing is converted."""
-    from ..engines.ortvalues import numpy_dtype
+    from ..engines import numpy_dtype
     wanted = {i.name: i for i in inputs}
     missing = [n for n in wanted if n not in feeds]
     unknown = [n for n in feeds if n not in wanted]
@@ -274,7 +273,7 @@ def cmd_generate(args) -> int:
     check_config_flags(args)
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"{args.model!r}: no such model file or folder")
-    from ..generation.generate import SAMPLING_DEFAULTS, Sampling
+    from ..generation import SAMPLING_DEFAULTS, Sampling
     if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
         args.do_sample, args.temperature = False, None
     given = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -450,7 +449,7 @@ def cmd_bench(args) -> int:
 
 def cmd_cache(args) -> int:
     from ..config import OffloadConfig, parse_cache_dir
-    from ..loading.cache import cache_entries, clear_cache
+    from ..loading import cache_entries, clear_cache
     from ..stats import fmt_bytes, table
     # Only the cache's own flag and variable: the others configure sessions, not the cache.
     folder = args.cache_dir if args.cache_dir is not None else os.environ.get(ENV_CACHE_DIR)

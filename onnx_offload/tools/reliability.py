@@ -100,7 +100,7 @@ def _slot(arena, key: str, n: int, seed: int, keep: dict):
 
 
 def _reads_back(backend, stream, slot, keep) -> bool:
-    from ..memory.host_store import read_bytes
+    from ..memory import read_bytes
     return bool(np.array_equal(read_bytes(backend, stream, slot.va, slot.length), keep[slot.key]))
 
 

@@ -146,7 +146,7 @@ def repoint(entry: str, location: str) -> None:
     """Rewrites an entry's optimized model so that its weight W reads `location`."""
     import onnx
 
-    from ..loading.model import OPTIMIZED
+    from ..loading import OPTIMIZED
     path = os.path.join(entry, OPTIMIZED)
     model = onnx.load(path, load_external_data=False)
     (t,) = [t for t in model.graph.initializer if t.name == "W"]
@@ -292,8 +292,8 @@ def trust_planted() -> dict:
 def trust_links() -> dict:
     """A symbolic link under an entry's key (to an entry outside the cache), one in place of
     an entry's data file, and `cache clear` with a link in the cache."""
-    from ..loading.model import OPTIMIZED_DATA
-    from ..loading.cache import clear_cache
+    from ..loading import OPTIMIZED_DATA
+    from ..loading import clear_cache
     base = world()
     attempts = wrong = leaks = 0
     try:
@@ -340,7 +340,7 @@ def trust_links() -> dict:
 def trust_special_entry(which: str = "zero") -> dict:
     """An entry (this user's, its manifest in order) whose weight reads /dev/zero (`zero`),
     or whose manifest lists a FIFO (`fifo`: the session must not wait on it)."""
-    from ..loading.cache import MANIFEST
+    from ..loading import MANIFEST
     base = world()
     wrong = leaks = 0
     try:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from onnx_offload.memory.policies import NAMES as POLICIES
+from onnx_offload.config import POLICIES
 
 INTERRUPTS = 30
 
