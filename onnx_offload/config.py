@@ -56,6 +56,12 @@ BOOL_FORMS = "'0' or '1' ('false' or 'true')"
 MAX_BYTES = 2**63 - 1  # sizes travel as 64-bit integers
 
 
+def fmt_bytes(n: float) -> str:
+    """Bytes as a person reads them, in binary units ("2.05 GiB")."""
+    import humanize
+    return humanize.naturalsize(n, binary=True, format="%.2f")
+
+
 def parse_bytes(value: Union[str, int], name: str = "value") -> int:
     """Parses ``6GiB``, ``512MiB``, ``6GB`` or ``6000000000`` into bytes."""
     if isinstance(value, bool):

@@ -7,44 +7,88 @@ work under offload raises an error that says why.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import threading
 import time
-from typing import Dict, List
+from typing import List
 
-import onnx
 import onnxruntime as ort
 
-from .engines import IOInfo, check_required, detached
+from .engines import IOInfo, InvalidArgument, check_feeds, check_required, detached
 from .errors import StateError
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelMeta:
-    """What ORT's ModelMetadata says, read from the caller's model."""
-
-    producer_name: str
-    graph_name: str
-    domain: str
-    description: str
-    graph_description: str
-    version: int
-    custom_metadata_map: Dict[str, str]
-
-    @classmethod
-    def of(cls, model: onnx.ModelProto) -> "ModelMeta":
-        # A model without model_version reads as ORT's "no version", the largest int64.
-        version = model.model_version if model.HasField("model_version") else 2**63 - 1
-        return cls(model.producer_name, model.graph.name, model.domain, model.doc_string, model.graph.doc_string,
-                   version, {p.key: p.value for p in model.metadata_props})
+from .loading import ModelMeta
 
 
 class InferenceSessionMembers:
     """Mixed into OffloadSession; uses its _step(), _runner, _ask_runner(), _with_fallback(),
     _check_call() and the model facts it records at construction
     (_modelmeta, _overridable)."""
+
+    # ------------------------------------------------------------------ introspection
+    def get_inputs(self):
+        # As ORT lists them: the inputs a caller feeds, never the weights (which a session
+        # without stable addresses receives as inputs of its own).
+        fed = set(self._feed_inputs)
+
+        def listed(runner):
+            return self._graph_inputs if runner.streaming else runner.single.get_inputs()
+        return [i for i in self._ask_runner(listed) if i.name in fed]
+
+    def get_outputs(self):
+        return self._ask_runner(lambda r: r.single.get_outputs() if not r.streaming else list(self._graph_outputs))
+
+    def get_providers(self):
+        return self._ask_runner(lambda r: r.single.get_providers())
+
+    def get_session_options(self):
+        """The SessionOptions as the caller gave them (ORT's defaults when none were).
+        The ORT sessions underneath run the graph optimized once, with optimizations
+        off; those settings are the package's own, not reported here."""
+        self._check_open()
+        return self._user_options if self._user_options is not None else ort.SessionOptions()
+
+    def _live_runner(self):
+        """The runner, for members that take no lock (as ORT's do not): None only while
+        another thread moves the session to another runner (a fallback), which this
+        waits out; once closing, StateError (the runner's `single` raises it too)."""
+        self._check_open()
+        runner = self._runner
+        if runner is None:
+            with self._lock:
+                self._check_open()
+                runner = self._runner
+        return runner
+
+    def _ask_runner(self, question):
+        """question(runner) of the runner in force, for members that take no lock. A
+        runner that another thread closes meanwhile (the session moving to segments) is
+        no answer: the question goes to the runner made in its place. Once the session
+        closes, StateError."""
+        while True:
+            runner = self._live_runner()
+            try:
+                return question(runner)
+            except StateError:
+                if self._runner is runner:  # the runner in force raised it: the answer
+                    raise
+
+    def _refuse_overrides(self, names) -> None:
+        """An initializer the model also lists as an input is a weight in a slot here:
+        feeding it would be silently ignored by the segments, so it is refused."""
+        fed = sorted({i.name for i in self._overridable}.intersection(names))
+        if fed:
+            raise InvalidArgument(f"{fed[0]!r} is an initializer the model lets callers override, but under offload "
+                                  f"it is a weight in a slot: overriding it is not supported (its value would be "
+                                  f"ignored)")
+
+    def _check_call(self, input_feed, output_names) -> None:
+        """What ORT checks of a call, raising what ORT raises, where ORT does not check
+        it itself."""
+        if not self._runner.plain:  # else ORT checks feeds and applies overridden initializers itself
+            self._refuse_overrides(input_feed)
+            check_feeds(self._required_inputs, self._graph_inputs, [o.name for o in self._graph_outputs],
+                        input_feed, output_names)
 
     def get_modelmeta(self) -> ModelMeta:
         self._check_open()
@@ -193,14 +237,3 @@ class InferenceSessionMembers:
             callback(out, user_data, "")
 
         threading.Thread(target=work, name="OffloadSession.run_async", daemon=True).start()
-
-
-def overridable_initializers(model: onnx.ModelProto) -> List[IOInfo]:
-    inits = {t.name for t in model.graph.initializer}
-    return [IOInfo(v) for v in model.graph.input if v.name in inits]
-
-
-def model_facts(model: onnx.ModelProto) -> tuple:
-    """(ModelMeta, overridable initializers) of the caller's model."""
-    return ModelMeta.of(model), overridable_initializers(model)
-

@@ -5,13 +5,9 @@ import dataclasses
 from typing import Optional
 
 from ._core import ArenaStats, DriverCounters, LedgerSnapshot, ScratchStats
-from .memory import Counters
-
-
-def fmt_bytes(n: float) -> str:
-    """Bytes as a person reads them, in binary units ("2.05 GiB")."""
-    import humanize
-    return humanize.naturalsize(n, binary=True, format="%.2f")
+from .config import fmt_bytes
+from .engines import GraphCaptureDecision, StreamEngine
+from .memory import Counters, Device
 
 
 def table(rows, headers=None) -> str:
@@ -122,3 +118,65 @@ INVARIANTS = ("refcount_underflows", "unmaps_before_reader", "unaccounted_bytes"
 def invariant_violations(arena: ArenaStats) -> dict:
     """The arena's invariant counters that do not read 0, with their values."""
     return {k: getattr(arena, k) for k in INVARIANTS if getattr(arena, k)}
+
+
+class ReportingMembers:
+    """What an OffloadSession reports of itself: its engine, segments, capture decision,
+    counters and residency timeline. Mixed into OffloadSession; uses its engine in force
+    (_runner, _residency), device, meter and notes."""
+
+    @property
+    def graph_capture(self) -> GraphCaptureDecision:
+        runner = self._runner
+        if runner is None and not self._closed:  # another thread moves the session to another runner
+            runner = self._live_runner()
+        return runner.capture
+
+    def timeline_png(self, path: str) -> str:
+        """Draws the residency timeline (a session made with record_timeline=True) with
+        matplotlib, the optional extra [plot]; returns the path."""
+        from .timeline import residency_png
+        res = self._residency
+        budget = self._final_ledger.budget if self._closed else self._device.ledger.snapshot().budget
+        title = (f"{self._model_name}: budget {fmt_bytes(budget)}, policy {self.config.policy}, "
+                 f"{len(self.segments)} segment(s)")
+        return residency_png(path, res.timeline or (), res.zone_timeline or (), budget=budget, title=title)
+
+    @property
+    def engine(self) -> str:
+        """"graph": the streaming engine runs the model (one ORT session, captured, with
+        the page-ins in its graph); "segments": one ORT session per segment (one in all
+        when every weight is resident)."""
+        return "graph" if isinstance(self._runner, StreamEngine) else "segments"
+
+    @property
+    def segments(self) -> list:
+        if self._closed and self._segments_at_close is not None:
+            return list(self._segments_at_close)
+        return [r.seg for r in self._runner.runs] if self._runner else []
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def residency(self):
+        return self._residency
+
+    def stats(self) -> OffloadStats:
+        # A forked child may not even read the counters: a lock of the arena's may have been
+        # held by another of the parent's threads at the fork, and is held for good here.
+        self._check_process()
+        dev, res, runner = self._device, self._residency, self._runner
+        ledger = self._final_ledger if self._closed else dev.ledger.snapshot()
+        return OffloadStats(
+            backend=dev.kind, policy=self.config.policy, vmm=self._stable, segments=len(self.segments),
+            weights=len(self._weights), weight_bytes=sum(w.nbytes for w in self._weights),
+            capture=f"{'on' if self.graph_capture.enabled else 'off'}: {self.graph_capture.reason}",
+            ledger=ledger, arena=dev.arena.stats(), driver=dev.backend.counters(),
+            counters=Counters(**vars(res.counters)) if res else Counters(),
+            last_step=runner.last_step if runner else Counters(),
+            scratch=dev.scratch.stats() if dev.scratch is not None else None,
+            ort_owned_bytes=self._meter.at_creation if self._meter else 0,
+            outside_bytes=self._meter.charged if self._meter else 0, notes=tuple(self._notes),
+            graph_steps=runner.graph_steps if runner else 0)

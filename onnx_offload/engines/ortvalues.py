@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from .. import _core
 from ..errors import OffloadError
-from ..loading import dims, elem_name, onnx_type_string
+from ..loading import IOInfo, elem_name, numpy_dtype
 
 try:  # the type ORT itself raises for a bad input or output name
     from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
@@ -75,20 +75,6 @@ def shareable(dtype: np.dtype) -> bool:
     return np.dtype(dtype).name in _SHAREABLE
 
 
-def numpy_dtype(type_str: str) -> np.dtype:
-    """The numpy dtype of an ORT type string such as 'tensor(float16)', through onnx's own
-    mapping (float8, int4 and bfloat16 come from ml_dtypes)."""
-    name = type_str[len("tensor("):-1] if type_str.startswith("tensor(") and type_str.endswith(")") else ""
-    code = name.upper()
-    elem = getattr(onnx.TensorProto, code, None) if code else None
-    if not isinstance(elem, int) or code in ("STRING", "UNDEFINED"):
-        raise OffloadError(f"boundary tensors of type {type_str} are not supported")
-    try:
-        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
-    except (KeyError, TypeError, ValueError):
-        raise OffloadError(f"boundary tensors of type {type_str} are not supported") from None
-
-
 def signature(values, prefix: str = "", addresses: bool = False) -> tuple:
     """What fixed buffers and captured graphs are keyed by: each value's name (with
     `prefix`), shape and type, and with `addresses` where it lives."""
@@ -129,23 +115,6 @@ def as_ortvalue(value) -> ort.OrtValue:
     if isinstance(elem, int):  # kept alive by the OrtValue, which views it
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(f"u{a.dtype.itemsize}"), elem)
     return ort.OrtValue.ortvalue_from_numpy(a)
-
-
-class IOInfo:
-    """What get_inputs()/get_outputs() return for a split model (like ORT's NodeArg)."""
-
-    def __init__(self, vi: onnx.ValueInfoProto):
-        self.name = vi.name
-        self.type = onnx_type_string(vi.type)
-        tensor = vi.type.HasField("tensor_type")
-        self.shape = dims(vi.type.tensor_type) if tensor else []
-        try:
-            self.dtype = numpy_dtype(self.type) if tensor else None
-        except OffloadError:  # a type no boundary or cache can hold
-            self.dtype = None
-
-    def __repr__(self):
-        return f"IOInfo(name={self.name!r}, type={self.type!r}, shape={self.shape!r})"
 
 
 class FixedBuffer:

@@ -34,13 +34,7 @@ from .. import _core
 from .._core import round_up
 from ..engines import FixedBuffer, nbytes_of
 from ..errors import BudgetExceeded
-
-
-def describe_zones(ledger) -> str:
-    snap = ledger.snapshot()
-    parts = [f"{name} {z.committed.current} committed (allowance {z.allowance}, reserve {z.reserve}, "
-             f"lent {z.lent})" for name, z in snap.zones.items()]
-    return f"budget {snap.budget}: " + "; ".join(parts)
+from ..memory import describe_zones
 
 
 class DeviceBuffers:

@@ -5,10 +5,11 @@ zones, the slots at stable addresses, the residency manager and its policies, th
 host store the page-ins copy from, and the meter that charges ORT's own memory.
 """
 
-from .budget import ZonePlan, base_zones, plan_budget, smallest_budget
+from .budget import ZonePlan, base_zones, describe_zones, plan_budget, smallest_budget
 from .device import Device, cuda_available
 from .host_store import HostStore, read_bytes
 from .ort_memory import OrtMemoryMeter, SLACK
 from .residency import Counters, ResidencyManager, segment_costs
 from .slots import slot_kind
 from .step_memory import StepMemoryShort, activation_shape, device_out_of_memory, is_out_of_memory, step_scratch
+from .planning import plan_inputs, plan_or_explain

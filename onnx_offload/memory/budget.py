@@ -159,3 +159,10 @@ def _ort_cap(budget: int, zones: Dict[str, ZonePlan], weights: int, granularity:
     others = zones["kv"].reserve + zones["transient"].reserve
     return max(granularity, budget - weights - others)
 
+
+def describe_zones(ledger) -> str:
+    """Every zone of a budget owner in one line, for errors that name them."""
+    snap = ledger.snapshot()
+    parts = [f"{name} {z.committed.current} committed (allowance {z.allowance}, reserve {z.reserve}, "
+             f"lent {z.lent})" for name, z in snap.zones.items()]
+    return f"budget {snap.budget}: " + "; ".join(parts)

@@ -1,0 +1,142 @@
+"""What a session does when a generation's KV cache finds no room, and the advice when
+nothing it can do makes room.
+
+Weights resident for the session's life (all of them, or the streaming engine's
+resident set) cannot give way. With offload on, the budget is planned again:
+- where the streaming engine can run, it is planned again for the cache and the step
+  buffers the generation holds and asks for;
+- elsewhere the weights stream in segments, which give way as the cache grows.
+Otherwise the advice names the smallest budget that holds the weights and this cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Optional
+
+from .._core import round_up
+from ..config import ENV_VRAM_LIMIT, fmt_bytes
+from ..errors import BudgetExceeded, OffloadWarning
+from ..memory import base_zones, plan_budget, smallest_budget
+from .streaming import StreamEngine, StreamingUnavailable
+
+
+def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
+             device_full: bool = False) -> Optional[str]:
+    """A generation's KV cache, which holds at most `kv_peak` bytes (with `io_peak` bytes
+    of step buffers in scratch, and about `boundary` bytes per segment boundary once the
+    weights stream), found no room for `nbytes` more. None says the budget was planned
+    again and to try again; a text is the advice for the error. `device_full`: the
+    budget had room and the device did not, so the engine's plan sets aside more for the
+    steps (as for a step that ran out), which keeps fewer weights resident. The caller
+    holds the session's lock."""
+    if engines.release_kept():
+        return None  # the kept generation's bytes were the ones missing, perhaps
+    cfg, dev = engines.config, engines.device
+    g = dev.granularity
+    zones = dev.ledger.snapshot().zones
+    in_force = engines.plan
+    kv = round_up(kv_peak, g)
+    if engines.graph_possible and cfg.offload:
+        # On CUDA the streaming engine takes the weights: planned (again) for this cache
+        # and for the step buffers held and asked for, or the advice of why it cannot be.
+        have = engines.needs or (0, 0)
+        need = (max(have[0], kv), max(have[1], round_up(zones["scratch"].committed.current + io_peak, g)))
+        if device_full and need == have and have != (0, 0):
+            need = (have[0], have[1] + max(have[1], g))
+        if need == have:
+            return (f"the plan in force already sets aside {fmt_bytes(have[0])} for the KV cache and "
+                    f"{fmt_bytes(have[1])} for the steps")
+        try:
+            engines.replan_engine(*need, f"a KV cache of up to {fmt_bytes(kv_peak)}")
+            return None
+        except StreamingUnavailable:
+            pass  # the weights stream in segments instead, below
+        except BudgetExceeded as e:
+            return str(e)
+    # Segments pass values between them through scratch, which the resident runner
+    # never needed and whose sizes are known only once the segments run: the scratch
+    # reserve the configuration gives is doubled, plus `boundary` bytes per segment.
+    # (The configuration's, not the reserve in force, which an earlier plan may have
+    # raised: a plan depends on the cache it is for, not on the ones before it.)
+    configured = base_zones(cfg, in_force.budget, g)["scratch"].reserve
+    base = 2 * max(configured, round_up(zones["scratch"].committed.current + io_peak, g))
+    plan_inputs = engines.run_inputs.plan_inputs
+
+    def trial_for(segments: int):
+        scratch = base + round_up(boundary * segments, g)
+        return dataclasses.replace(cfg, kv_bytes=max(cfg.kv_bytes, kv), scratch_bytes=scratch)
+
+    trial = trial_for(len(in_force.segments))
+    pinned = isinstance(engines.runner, StreamEngine) or not in_force.streaming
+    # Segments planned with less set aside for the cache than this generation needs (a
+    # shorter one came first): planned again, as a session new to this length would be.
+    short = in_force.streaming and kv > in_force.zones["kv"].reserve
+    if (pinned or short) and cfg.offload and cfg.engine != "graph":
+        kept = configured
+        now = round_up(zones["kv"].committed.current + nbytes, g)
+
+        def planned(trial):
+            try:
+                return plan_budget(trial, **plan_inputs)
+            except BudgetExceeded:
+                return None
+
+        plan = planned(trial)
+        if plan is not None and plan.streaming:
+            plan = planned(trial_for(len(plan.segments)))
+        for fallback in (dict(kv_bytes=max(cfg.kv_bytes, kv), scratch_bytes=kept),
+                         dict(kv_bytes=max(cfg.kv_bytes, now), scratch_bytes=kept)):
+            if plan is None or not plan.streaming:
+                plan = planned(dataclasses.replace(cfg, **fallback))
+        if plan is not None and plan.streaming:
+            engines.run_in_segments(plan)
+            if pinned:
+                why = (f"the KV cache needs up to {fmt_bytes(kv_peak)} and the weights, resident for the "
+                       f"session's life, left no room: the weights now stream in {len(plan.segments)} segments. "
+                       f"Pass kv_bytes={trial.kv_bytes} to plan for the cache from the start, or raise the budget "
+                       f"to keep the weights resident")
+            else:
+                why = (f"the KV cache needs up to {fmt_bytes(kv_peak)}, more than the "
+                       f"{fmt_bytes(in_force.zones['kv'].reserve)} set aside for it: the weights now stream in "
+                       f"{len(plan.segments)} segments. Pass kv_bytes={trial.kv_bytes} to plan for the cache from "
+                       f"the start")
+            engines.notes.append(why)
+            warnings.warn(why, OffloadWarning, stacklevel=4)
+            return None
+    # The smallest budget for this cache, with the scratch its segments need: their
+    # number depends on the budget, so the search runs again while it grows.
+    segments = len(in_force.segments)
+    for _ in range(3):
+        trial = trial_for(segments)
+        least = smallest_budget(trial, **plan_inputs)
+        if not least:
+            break
+        at = plan_budget(dataclasses.replace(trial, vram_limit=least),
+                         **dict(plan_inputs, free=max(plan_inputs["free"], least)))
+        if len(at.segments) <= segments:
+            break
+        segments = len(at.segments)
+    if not least:
+        return f"not even the device's {fmt_bytes(dev.device_total)} holds the weights and this cache"
+    return (f"the smallest budget that holds the weights and this cache (up to {fmt_bytes(kv_peak)}) is "
+            f"{fmt_bytes(least)}: pass vram_limit={least}, kv_bytes={trial.kv_bytes}, "
+            f"scratch_bytes={trial.scratch_bytes}")
+
+
+def engine_short(engines, kv: int, scratch: int, why) -> BudgetExceeded:
+    """The error for a budget too small for the streaming engine with these reserves,
+    with the smallest budget that runs it."""
+    dev, g, run = engines.device, engines.device.granularity, engines.run_inputs
+    shared = set(run.shared)
+    largest = max((w.nbytes for w in run.weights if w.name not in shared), default=0)
+    ring = round_up(largest, g) + 2 * g
+    least = kv + scratch + ring + (engines.cost(run.shared) if run.shared else 0)
+    what = (f"the streaming engine needs {fmt_bytes(kv)} for the KV cache, {fmt_bytes(scratch)} for a step's "
+            f"memory (ORT's and the step's buffers) and a ring of about {fmt_bytes(ring)} for the streamed "
+            f"weights, and the budget is {fmt_bytes(dev.budget)} ({why})")
+    if least <= dev.device_total * 0.9 and least > dev.budget:
+        return BudgetExceeded(f"{what}: pass vram_limit={least} (or set {ENV_VRAM_LIMIT}={least}), or lower the "
+                              f"batch or the length")
+    return BudgetExceeded(f"{what}: lower the batch, the length or prefill_chunk (the prompt's tokens per "
+                          f"step, now {engines.config.prefill_chunk})")

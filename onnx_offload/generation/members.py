@@ -1,0 +1,74 @@
+"""generate() and generate_iter(), as members of OffloadSession.
+
+The members check their arguments when called (not at the first next()), read the
+model's sampling defaults, and run the generation loop (``loop.py``) over the session's
+engine; the buffers a generation ends with are kept for the next of its shape
+(``kept.py``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ..errors import UnsupportedModel
+from .generate import SAMPLING_DEFAULTS, Sampling, check_generate_args, generate_tokens
+from .kept import new_generation, park, release
+
+
+class GenerationMembers:
+    """Mixed into OffloadSession; uses its _check_open(), _step() and _decoder_spec."""
+
+    def generate(self, input_ids, max_new_tokens: int = 32, *, attention_mask=None, do_sample: Optional[bool] = None,
+                 temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 seed: Optional[int] = None, eos_token_id=None):
+        """Token ids [batch, prompt + new] (int64): greedy unless `do_sample`. Sampling
+        arguments left as None take the model's own (genai_config.json's search section,
+        else generation_config.json), else greedy, temperature 1, no top-k, top-p 1.
+        Generation stops at `max_new_tokens`, or when every row has produced an EOS id
+        (from `eos_token_id`, else the model's files); finished rows repeat their EOS.
+        `attention_mask` [batch, prompt]: 0 where a prompt is padded (left padding, as a
+        tokenizer gives for prompts of different lengths), else 1."""
+        ids, steps = self._generation(input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k,
+                                      top_p, seed, eos_token_id)
+        return np.concatenate([ids] + [t[:, None] for t in steps], axis=1)
+
+    def generate_iter(self, input_ids, max_new_tokens: int = 32, *, attention_mask=None,
+                      do_sample: Optional[bool] = None, temperature: Optional[float] = None,
+                      top_k: Optional[int] = None, top_p: Optional[float] = None, seed: Optional[int] = None,
+                      eos_token_id=None):
+        """The step-wise form of generate(): yields each step's new tokens [batch]."""
+        return self._generation(input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k, top_p, seed,
+                                eos_token_id)[1]
+
+    def _generation(self, input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k, top_p, seed,
+                    eos_token_id):
+        """(the checked prompt ids, the generator of new tokens); the arguments are checked
+        now, not at the first next()."""
+        self._check_open()
+        given = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        model = dict(self.decoder_spec.sampling)  # UnsupportedModel for a model generate() cannot run
+        sampling = Sampling(**{k: v if v is not None else model.get(k, SAMPLING_DEFAULTS[k])
+                               for k, v in given.items()})
+        ids, new, eos, mask = check_generate_args(self, input_ids, max_new_tokens, eos_token_id, attention_mask, seed)
+        return ids, generate_tokens(self, ids, new, sampling, seed, eos, mask)
+
+    @property
+    def decoder_spec(self):
+        """The decoder layout generate() runs; raises UnsupportedModel for other models."""
+        if isinstance(self._decoder_spec, Exception):
+            raise UnsupportedModel(str(self._decoder_spec))
+        return self._decoder_spec
+
+    def _new_generation(self, spec, batch: int, prompt: int, total: int):
+        return new_generation(self, spec, batch, prompt, total)
+
+    def _park(self, gen) -> None:
+        park(self, gen)
+
+    def free_generation_cache(self) -> None:
+        """Gives back the KV cache and step buffers that the session keeps after a
+        generation for the next one of the same batch and length (which then replays the
+        graphs captured on them). The session does so itself when memory runs short."""
+        with self._step():
+            release(self)
