@@ -11,7 +11,7 @@ import pytest
 
 from onnx_offload import BudgetExceeded, OffloadSession, OffloadWarning
 from onnx_offload.tools.cli import main
-from onnx_offload.generation.generate import UnsupportedModel
+from onnx_offload.errors import UnsupportedModel
 from onnx_offload.engines.graph_capture import resolve_graph_capture_enabled
 from onnx_offload.models import mlp_stack, weight_bytes
 from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
@@ -740,7 +740,7 @@ def test_a_decoder_whose_logits_are_the_last_position_only_generates_the_same_to
 ])
 def test_kv_shapes_that_differ_between_layers_are_refused_by_name(layer1_value):
     from onnx import TensorProto, helper
-    from onnx_offload.generation.generate import decoder_spec
+    from onnx_offload.loading.decoder import decoder_spec
     from onnx_offload.engines.ortvalues import IOInfo
 
     def vi(name, elem, heads, size):

@@ -12,7 +12,7 @@ The functions take the session (``OffloadSession``) and use its lock, its engine
 from __future__ import annotations
 
 from ..interrupts import deferred_interrupts
-from .generate import Generation
+from .steps import Generation
 from .needs import generation_needs
 
 

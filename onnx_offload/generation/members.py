@@ -12,7 +12,9 @@ from typing import Optional
 import numpy as np
 
 from ..errors import UnsupportedModel
-from .generate import SAMPLING_DEFAULTS, Sampling, check_generate_args, generate_tokens
+from ..loading import SAMPLING_DEFAULTS
+from .loop import generate_tokens
+from .sampling import Sampling, check_generate_args
 from .kept import new_generation, park, release
 
 

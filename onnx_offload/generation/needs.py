@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..memory import step_scratch as bounded_step
-from .generate import DEFAULT_CONTEXT, chunk_rows, kv_peak
+from .loop import DEFAULT_CONTEXT, chunk_rows, kv_peak
 from .kv_cache import bucket_for
 
 

@@ -16,5 +16,6 @@ from .ort_options import (CUDA_EP, SessionFactory, choose_providers, copy_option
 from .segmenter import (Segment, check_bindable, dims, elem_name, onnx_type_string, plan_segments, segment_weights,
                         split, value_types)
 from .workdir import disown, make_workdir, remove_workdir
+from .decoder import DecoderSpec, SAMPLING_DEFAULTS, decoder_spec, rotary_rows
 from .values import IOInfo, numpy_dtype
 from .pipeline import LoadRequest, ModelMeta, PreparedModel, prepare
