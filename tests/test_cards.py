@@ -154,7 +154,7 @@ def test_a_model_that_the_cuda_pass_cannot_hold_runs_as_exported(tmp_path):
     """The fallback of ORT's CUDA optimization pass on a card smaller than the model: the
     graph unchanged (no CPU pass, whose inserted float32 casts the CUDA provider would run),
     the weights in the data file, and ORT's outputs those of the model as given."""
-    from onnx_offload.loading.model import OPTIMIZED, OPTIMIZED_DATA, _as_exported
+    from onnx_offload.loading.optimize import OPTIMIZED, OPTIMIZED_DATA, _as_exported
     model = model_of("gqa")
     src = save_decoder(model, str(tmp_path / "src"))
     out = str(tmp_path / "opt" / OPTIMIZED)

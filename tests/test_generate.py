@@ -1043,7 +1043,7 @@ def test_weights_that_cannot_start_streaming_stay_resident_and_the_session_runs_
     """When the segments cannot be made (here ORT fails to create one, after the resident
     runner was let go), the weights come back resident, the error is raised, nothing
     leaks, and the session runs on."""
-    from onnx_offload.loading.ort_options import SessionFactory
+    from onnx_offload.engines.ort_sessions import SessionFactory
     model = model_of("gqa")
     ids = prompt(1)
     least = _least_budget(lambda **kw: session(model, **kw), offload=False)

@@ -561,7 +561,7 @@ def test_optimized_models_are_kept_in_the_user_cache_by_default(tmp_path, monkey
     """The second session of a model reuses the optimized model of the first: ORT's
     optimization pass runs once per content, in the user cache directory unless
     ONNX_OFFLOAD_CACHE_DIR (or cache_dir=) says otherwise."""
-    import onnx_offload.loading.model as model_module
+    import onnx_offload.loading.optimize as optimize_module
     from onnx_offload import OffloadConfig, OffloadSession
     from onnx_offload.config import default_cache_dir
     from onnx_offload.models import mlp_stack
@@ -570,8 +570,8 @@ def test_optimized_models_are_kept_in_the_user_cache_by_default(tmp_path, monkey
     assert OffloadConfig.from_env({"ONNX_OFFLOAD_CACHE_DIR": "off"}).cache_path is None
     assert OffloadConfig.from_env({"ONNX_OFFLOAD_CACHE_DIR": str(tmp_path / "c")}).cache_path == str(tmp_path / "c")
     passes = []
-    real = model_module._optimize
-    monkeypatch.setattr(model_module, "_optimize", lambda *a, **k: (passes.append(a[0]), real(*a, **k))[1])
+    real = optimize_module._optimize
+    monkeypatch.setattr(optimize_module, "_optimize", lambda *a, **k: (passes.append(a[0]), real(*a, **k))[1])
     model = mlp_stack(layers=3, hidden=128, batch=2)
     path = str(tmp_path / "m.onnx")
     onnx.save(model, path)
@@ -646,7 +646,7 @@ def test_a_save_that_failed_is_not_an_optimized_model(tmp_path):
     """A full disk or a file size limit leaves an empty optimized.onnx, or a data file
     shorter than its tensors: neither is an optimized model to run."""
     import shutil
-    from onnx_offload.loading.model import OPTIMIZED, OPTIMIZED_DATA, optimized_exists
+    from onnx_offload.loading.optimize import OPTIMIZED, OPTIMIZED_DATA, optimized_exists
     model, feeds = tiny_mlp()
     path = str(tmp_path / "m.onnx")
     onnx.save(model, path)
@@ -719,13 +719,13 @@ def test_no_entry_is_published_from_files_that_changed_during_the_optimization_p
     runs one version whole. Put back, the first version runs as it is."""
     import shutil
     from onnx_offload import OffloadWarning
-    from onnx_offload.loading import model as model_module
+    from onnx_offload.loading import optimize as optimize_module
     from onnx_offload.tools.reliability_trust import replace_with_copy, versions
     path, data, v2, feeds, want = versions(str(tmp_path))
     v1 = str(tmp_path / "v1.data")
     shutil.copyfile(data, v1)
     cache = str(tmp_path / "cache")
-    optimize, calls = model_module._optimize, []
+    optimize, calls = optimize_module._optimize, []
 
     def rename_then_optimize(*args, **kw):
         if not calls:
@@ -733,7 +733,7 @@ def test_no_entry_is_published_from_files_that_changed_during_the_optimization_p
         calls.append(args[0])
         return optimize(*args, **kw)
 
-    monkeypatch.setattr(model_module, "_optimize", rename_then_optimize)
+    monkeypatch.setattr(optimize_module, "_optimize", rename_then_optimize)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         got = _versions_run(path, cache, feeds)

@@ -6,7 +6,7 @@ import pytest
 from onnx_offload import OffloadConfig
 from onnx_offload.memory.device import Device
 from onnx_offload.memory.host_store import HostStore, read_bytes
-from onnx_offload.loading.model import WeightInfo
+from onnx_offload.loading.weights import WeightInfo
 from onnx_offload.memory.residency import ResidencyManager
 from onnx_offload.stats import invariant_violations
 

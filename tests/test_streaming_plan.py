@@ -6,7 +6,7 @@ import pytest
 
 from onnx_offload import OffloadConfig, OffloadSession
 from onnx_offload.engines.graph_capture import GraphCaptureDecision
-from onnx_offload.loading.model import WeightInfo
+from onnx_offload.loading.weights import WeightInfo
 from onnx_offload.models import mlp_stack, weight_bytes
 from onnx_offload.memory.slots import slot_kind
 import onnx_offload.engines.streaming as streaming

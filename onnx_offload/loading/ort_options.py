@@ -1,9 +1,11 @@
-"""The ORT sessions that run a model's segments: their options and providers.
+"""The caller's SessionOptions and providers, as the package's ORT sessions take them.
 
-Every segment session runs a graph that was optimized once already, so optimizations
-and prepacking are off and the weights ORT runs are the ones in the slots. On CUDA it
-runs on the device's compute stream (``user_compute_stream``), with ORT's own arena
-capped by the budget plan, and with ``enable_cuda_graph`` when capture is on.
+ORT has no getter for some SessionOptions calls (config entries, free-dimension
+overrides, custom-op libraries), so the package records them on every SessionOptions made
+after it is imported: the options are copied with them onto the optimization pass and
+the sessions that run, and what of them can change the optimized graph keys the cache.
+Initializers given through the options are refused: the package places every weight.
+The providers are those ORT would take, kept to the CUDA and CPU ones the package runs.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ KNOWN_CONFIG_KEYS = (
     "session.allow_released_opsets_only", "session.use_device_allocator_for_initializers",
     "session.disable_cpu_ep_fallback", "session.use_deterministic_compute", "session.x64quantprecision",
     "session.qdqisint8allowed", "session.enable_quant_qdq_cleanup", "session.disable_quant_qdq",
-    "session.disable_double_qdq_remover", "session.disable_aot_function_inlining", "session.node_partition_config_file",
+    "session.disable_double_qdq_remover", "session.disable_aot_function_inlining",
+    "session.node_partition_config_file",
     "session.record_ep_graph_assignment_info", "session.inter_op.thread_pool_size",
     "optimization.enable_gelu_approximation", "optimization.disable_specified_optimizers",
     "optimization.enable_cast_chain_elimination", "mlas.enable_gemm_fastmath_arm64_bfloat16",
@@ -198,62 +201,3 @@ def normalize_providers(providers, provider_options) -> Tuple[List[str], List[di
             names.append(p)
             options.append(dict(provider_options[i]) if provider_options else {})
     return names, options
-
-
-class SessionFactory:
-    """Creates segment sessions with the caller's settings and the package's own."""
-
-    def __init__(self, device, user_options: Optional[ort.SessionOptions], cuda_options: dict,
-                 device_id: int, ort_memory_cap: int):
-        self._device = device
-        self._user = user_options
-        self._cuda_options = cuda_options
-        self._device_id = device_id
-        self._ort_memory_cap = ort_memory_cap
-
-    def session_options(self, prepack: bool = False) -> ort.SessionOptions:
-        """The options of a session over weights in slots. ORT's kernels may prepack a
-        weight (a copy of it in their own layout, read instead of the slot from then on),
-        which a weight that pages in and out cannot allow: the copy would keep what the
-        slot held when the session was made. `prepack`, on the host backend: an int4
-        session whose weights stay resident for its life, whose MatMulNBits kernels
-        without their packed layout run a slower path that also rounds otherwise (35x
-        slower on a builder int4 decoder); as plain ORT does, ORT then prepacks, and its
-        copies are ORT's process memory, as all of ORT's memory is there."""
-        so = copy_options(self._user)
-        # The graph was optimized once already: nothing may replace the weights now.
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        if not (prepack and not self._device.is_cuda):
-            set_config(so, "session.disable_prepacking", "1")
-        return so
-
-    def providers(self, capture: bool):
-        if not self._device.is_cuda:
-            return [CPU_EP]
-        opts = {k: str(v) for k, v in self._cuda_options.items()}
-        opts["device_id"] = str(self._device_id)
-        opts["has_user_compute_stream"] = "1"
-        opts["user_compute_stream"] = str(self._device.compute_stream.native)
-        # ORT's own arena, capped by the budget plan; what it takes is measured and
-        # charged. (With ORT 1.31.1 the external allocator cannot be used here: with it
-        # ORT reads initializers from the model file instead of the add_initializer
-        # values, and it breaks capture.)
-        opts["arena_extend_strategy"] = "kSameAsRequested"
-        opts["gpu_mem_limit"] = str(self._ort_memory_cap)
-        if capture:
-            opts["enable_cuda_graph"] = "1"
-        return [(CUDA_EP, opts), CPU_EP]
-
-    def create(self, path: str, so: ort.SessionOptions, capture: bool) -> Tuple[ort.InferenceSession, bool, str]:
-        """(session, captured, why not captured). ORT refuses capture when it places
-        nodes on the CPU; such a session runs without it."""
-        if not capture:
-            return ort.InferenceSession(path, so, providers=self.providers(False)), False, ""
-        try:
-            return ort.InferenceSession(path, so, providers=self.providers(True)), True, ""
-        except Exception as e:  # noqa: BLE001 - ORT raises its own types
-            msg = str(e)
-            if "CUDA Graph" not in msg:
-                raise
-            why = f"ORT refused capture: {msg.strip()[:200]}"
-            return ort.InferenceSession(path, so, providers=self.providers(False)), False, why

@@ -21,7 +21,7 @@ import onnx
 from onnx import helper
 
 from ..errors import UnsupportedModel
-from .model import node_inputs
+from .graphs import node_inputs
 
 # Ops cheap enough to run again in every segment that needs their result, when all
 # their inputs come from the graph inputs or small constants.

@@ -130,7 +130,7 @@ def refresh_manifest(entry: str, source: Optional[str] = None) -> None:
     """What someone who can write an entry does after changing its files: fingerprints them
     again with the package's own function, and lists `source` among the model files the
     entry reads (the manifests that keep such a list)."""
-    from ..loading.cache import MANIFEST, _fingerprint
+    from ..loading.fingerprints import MANIFEST, _fingerprint
     with open(os.path.join(entry, MANIFEST)) as f:
         manifest = json.load(f)
     files = manifest["files"] if "files" in manifest else manifest
@@ -493,7 +493,7 @@ def trust_rename() -> dict:
     weights, and during the optimization pass (then put back): every run must be one
     version's, never a mix."""
     from ..memory import host_store
-    from ..loading import model as model_module
+    from ..loading import optimize as optimize_module
     base = world()
     attempts = wrong = 0
     try:
@@ -517,19 +517,19 @@ def trust_rename() -> dict:
 
         replace_with_copy(v1, data)
         shutil.rmtree(cache)
-        optimize = model_module._optimize
+        optimize = optimize_module._optimize
 
         def rename_then_optimize(*a, **k):
-            model_module._optimize = optimize
+            optimize_module._optimize = optimize
             replace_with_copy(v2, data)
             return optimize(*a, **k)
 
-        model_module._optimize = rename_then_optimize
+        optimize_module._optimize = rename_then_optimize
         try:
             attempts += 1
             wrong += not consistent(run_once(path, cache, feeds), want)
         finally:
-            model_module._optimize = optimize
+            optimize_module._optimize = optimize
         replace_with_copy(v1, data)  # version 1 again: a session of it runs version 1
         attempts += 1
         wrong += not consistent(run_once(path, cache, feeds), want[:1])

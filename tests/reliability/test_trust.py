@@ -20,8 +20,8 @@ import pytest
 
 from onnx_offload import OffloadWarning
 from onnx_offload.tools import reliability_trust as trust
-from onnx_offload.loading.model import OPTIMIZED, OPTIMIZED_DATA
-from onnx_offload.loading.cache import MANIFEST
+from onnx_offload.loading.optimize import OPTIMIZED, OPTIMIZED_DATA
+from onnx_offload.loading.fingerprints import MANIFEST
 
 SECOND_USER, NO_SECOND_USER = trust.attacker()
 second_user = pytest.mark.skipif(SECOND_USER is None, reason=NO_SECOND_USER)
