@@ -27,7 +27,7 @@ from .engines import (CONTROL_FLOW_OPS, OffloadIOBinding, StreamingUnavailable, 
                       resolve_graph_capture_enabled, shareable, structural_safety)
 from .engines.switch import Engines, RunInputs
 from .errors import OffloadWarning, StateError
-from .generation import GenerationMembers, UnsupportedModel, decoder_spec, rotary_rows
+from .generation import GenerationMembers, UnsupportedModel
 from .generation.kept import release
 from .generation.needs import first_needs
 from .interrupts import deferred_interrupts
@@ -114,8 +114,7 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
         self._prepared = p = prepare(path_or_bytes, LoadRequest(
             self._on_cuda, cfg, dev, self._workdir, self._disabled_optimizers, self._options, self._user_options,
             shareable, self._notes), progress)
-        model, self._weights = p.model, p.weights
-        rows = rotary_rows(model)
+        model, self._weights, self._decoder_spec = p.model, p.weights, p.decoder
         self._model_name, self._modelmeta, self._overridable = p.name, p.meta, p.overridable
         self._feed_inputs, self._required_inputs = p.feed_inputs, p.required_inputs
         self._graph_inputs, self._graph_outputs = p.graph_inputs, p.graph_outputs
@@ -128,7 +127,7 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
             point_weights_at_placeholder(model, names)
         else:
             weights_as_inputs(model, self._weights)
-        spec = self._read_decoder_spec(p, rows)
+        spec = p.decoder
         safe, why = structural_safety(model)
         override, source = cfg.graph_override, ""
         if override is None and self._graph_request is not None:
@@ -162,22 +161,6 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
         needs = first_needs(spec, cfg, plan.zones["scratch"].reserve, self._activations, dev.granularity,
                             dev.is_cuda) if engine == "graph" else None
         self._engines.start(engine, needs, progress)
-
-    def _read_decoder_spec(self, prepared, rotary):
-        """The decoder layout generate() runs, or the UnsupportedModel that says why not."""
-        fed = set(self._feed_inputs)
-        try:
-            self._decoder_spec = decoder_spec([i for i in self._graph_inputs if i.name in fed], self._graph_outputs,
-                                              prepared.op_types, prepared.model_dir, rotary)
-        except UnsupportedModel as e:
-            self._decoder_spec = e
-            return e
-        window = self._decoder_spec.sliding_window
-        why = (f"generate(): config.json gives this model a sliding window of {window} positions, which it places "
-               f"by the past's length: its past is fed at its exact length, and its decode steps run uncaptured")
-        if window and self._decoder_spec.layout == "exact" and why not in self._notes:
-            self._notes.append(why)
-        return self._decoder_spec
 
     # ------------------------------------------------------------------ the engine in force
     @property

@@ -27,10 +27,11 @@ import onnx
 from .._core import round_up
 from ..config import fmt_bytes
 from ..errors import BudgetExceeded, CudaDriverError, OffloadError, OffloadWarning, with_ort_type
-from ..loading import Segment, SessionFactory, WeightInfo, check_bindable, split, value_types
+from ..loading import Segment, WeightInfo, check_bindable, split, value_types
 from ..memory import (Counters, ResidencyManager, StepMemoryShort, ZonePlan, describe_zones, device_out_of_memory,
                       is_out_of_memory)
 from .graph_capture import GraphCaptureDecision
+from .ort_sessions import SessionFactory
 from .runner import SegmentRunner
 from .streaming import StreamEngine, StreamingUnavailable, plan_stream
 

@@ -3,7 +3,7 @@
 The model is materialized where ORT would read it (its external data checked by ORT's
 rules), optimized once for the target provider, cached under a key of its content, and
 read as a weights table; the segmenter splits it where the weights must stream.
-Nothing here touches device memory.
+``pipeline.prepare`` is the one entry point. Nothing here touches device memory.
 """
 
 from .cache import (cache_entries, cache_folder, clear_cache, make_partial, open_entry, remove_set_aside, set_aside,
@@ -18,6 +18,6 @@ from .segmenter import (Segment, check_bindable, dims, elem_name, onnx_type_stri
 from .weights import (WeightInfo, keep_in_model, load_optimized, point_weights_at_placeholder, read_weights,
                       save_model, share_unchanged, weights_as_inputs, write_optimized)
 from .workdir import disown, make_workdir, remove_workdir
-from .decoder import DecoderSpec, SAMPLING_DEFAULTS, decoder_spec, rotary_rows
+from .decoder import SAMPLING_DEFAULTS, DecoderSpec, decoder_spec, rotary_rows
 from .values import IOInfo, numpy_dtype
 from .pipeline import LoadRequest, ModelMeta, PreparedModel, prepare

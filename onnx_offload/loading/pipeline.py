@@ -2,12 +2,13 @@
 
 ``prepare`` runs every step of it:
 1. the model file is found (a folder gives its one model) and materialized where ORT
-   would read it, its external data checked by ORT's rules (``model.py``);
+   would read it, its external data checked by ORT's rules (``files.py``);
 2. it is optimized once for the target provider, into a cache entry published with one
    rename (or the session's own folder when the cache cannot be used or trusted), its
-   files fingerprinted and held open (``cache.py``);
-3. the optimized model is loaded through the held files and its weights table read;
-4. the graph's inputs, outputs and decoder layout are read from it.
+   files fingerprinted and held open (``optimize.py``, ``cache.py``, ``fingerprints.py``);
+3. the optimized model is loaded through the held files and its weights table read
+   (``weights.py``);
+4. the graph's inputs, outputs and decoder layout (``decoder.py``) are read from it.
 
 The ``PreparedModel`` keeps the held files open until ``release()``: the weights are read
 through the descriptors that were fingerprinted, so a file replaced in between cannot
@@ -23,14 +24,15 @@ from typing import Callable, Dict, List, Optional
 import onnx
 
 from ..config import fmt_bytes
-from ..errors import OffloadWarning
-from .cache import (HeldFiles, cache_folder, cache_key, hold_made, make_partial, open_entry, remove_set_aside,
-                    set_aside, sweep_partials, write_manifest)
-from .model import (OPTIMIZED, OPTIMIZED_DATA, WeightInfo, external_data_folder, keep_in_model, load_optimized,
-                    materialize, model_file, optimization_level, optimize_once, read_weights, share_unchanged,
-                    write_optimized)
+from ..errors import OffloadWarning, UnsupportedModel
+from .cache import cache_folder, make_partial, open_entry, remove_set_aside, set_aside, sweep_partials
+from .decoder import decoder_spec, rotary_rows
+from .files import external_data_folder, materialize, model_file
+from .fingerprints import HeldFiles, cache_key, hold_made, write_manifest
+from .optimize import OPTIMIZED, OPTIMIZED_DATA, optimization_level, optimize_once
 from .ort_options import options_key
 from .values import IOInfo
+from .weights import WeightInfo, keep_in_model, load_optimized, read_weights, share_unchanged, write_optimized
 from .workdir import disown, remove_workdir
 
 
@@ -86,6 +88,7 @@ class PreparedModel:
     graph_inputs: List[IOInfo]
     graph_outputs: List[IOInfo]
     op_types: set
+    decoder: object  # the DecoderSpec generate() runs, or the UnsupportedModel that says why not
     entry_lock: Optional[int] = None  # a shared lock on the cache entry while it is read
 
     @property
@@ -142,13 +145,31 @@ def prepare(path_or_bytes, request: LoadRequest, progress) -> PreparedModel:
     # optional type may be left out.
     feed = [v.name for v in model.graph.input if v.name not in inits]
     required = [v.name for v in model.graph.input if v.name in feed and not v.type.HasField("optional_type")]
+    graph_inputs = [IOInfo(v) for v in model.graph.input]
+    graph_outputs = [IOInfo(v) for v in model.graph.output]
+    op_types = {n.op_type for n in model.graph.node}
+    model_dir = os.path.dirname(os.path.abspath(os.fspath(path_or_bytes))) if from_file else None
+    fed = set(feed)
+    decoder = _decoder([i for i in graph_inputs if i.name in fed], graph_outputs, op_types, model_dir, model, notes)
     return PreparedModel(
         model=model, folder=folder, weights=weights, held=held, entry_lock=entry_lock,
-        name=os.path.basename(os.fspath(path_or_bytes)) if from_file else "model (bytes)",
-        model_dir=os.path.dirname(os.path.abspath(os.fspath(path_or_bytes))) if from_file else None,
-        meta=meta, overridable=overridable, feed_inputs=feed, required_inputs=required,
-        graph_inputs=[IOInfo(v) for v in model.graph.input], graph_outputs=[IOInfo(v) for v in model.graph.output],
-        op_types={n.op_type for n in model.graph.node})
+        name=os.path.basename(os.fspath(path_or_bytes)) if from_file else "model (bytes)", model_dir=model_dir,
+        meta=meta, overridable=overridable, feed_inputs=feed, required_inputs=required, graph_inputs=graph_inputs,
+        graph_outputs=graph_outputs, op_types=op_types, decoder=decoder)
+
+
+def _decoder(inputs, outputs, op_types, model_dir, model, notes):
+    """The decoder layout generate() runs, or the UnsupportedModel that says why not."""
+    try:
+        spec = decoder_spec(inputs, outputs, op_types, model_dir, rotary_rows(model))
+    except UnsupportedModel as e:
+        return e
+    window = spec.sliding_window
+    why = (f"generate(): config.json gives this model a sliding window of {window} positions, which it places by "
+           f"the past's length: its past is fed at its exact length, and its decode steps run uncaptured")
+    if window and spec.layout == "exact" and why not in notes:
+        notes.append(why)
+    return spec
 
 
 def _note(request: LoadRequest, why: str, depth: int) -> None:

@@ -41,7 +41,7 @@ class HostStore:
                        progress: Optional[Callable[[int, int], None]] = None, files: Optional[Files] = None) -> None:
         """Reads each weight from its own data file (`w.path`), else from `path`: through
         the descriptor `files` holds for it (the one its fingerprint was checked through,
-        see model_cache.HeldFiles), else from the file opened here, a regular file only."""
+        see loading.fingerprints.HeldFiles), else from the file opened here, a regular file only."""
         weights = list(weights)
         if not weights:
             return  # no initializer reached the threshold: ORT wrote no data file
