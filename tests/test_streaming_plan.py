@@ -9,9 +9,9 @@ from onnx_offload.engines.graph_capture import GraphCaptureDecision
 from onnx_offload.loading.weights import WeightInfo
 from onnx_offload.models import mlp_stack, weight_bytes
 from onnx_offload.memory.slots import slot_kind
-import onnx_offload.engines.streaming as streaming
-from onnx_offload.engines.streaming import (RING_FRACTION, RING_SLACK, StreamingUnavailable, choose_engine,
-                                            leading_copies, plan_copies, plan_stream, ring_by_reads)
+import onnx_offload.engines.stream_plan as stream_plan
+from onnx_offload.engines.stream_plan import (RING_FRACTION, RING_SLACK, StreamingUnavailable, choose_engine,
+                                              leading_copies, plan_copies, plan_stream, ring_by_reads)
 
 MiB = 1 << 20
 G = 2 * MiB
@@ -91,7 +91,7 @@ def test_the_fill_packs_the_budget_where_the_first_pass_leaves_room(monkeypatch,
         allowance = total * pct // 100
         plan = plan_stream(weights, allowance, G, packed, "planned", shared=shared)
         with monkeypatch.context() as m:
-            m.setattr(streaming, "_fill", lambda order, resident, *rest: resident)
+            m.setattr(stream_plan, "_fill", lambda order, resident, *rest: resident)
             first = plan_stream(weights, allowance, G, packed, "planned", shared=shared)
         hit, first_hit = (sum(size[n] for n in p.resident) for p in (plan, first))
         assert packed(plan.resident) + plan.ring_bytes <= allowance
@@ -202,7 +202,7 @@ def test_each_copy_starts_in_spare_granules_without_waiting_for_the_weight_befor
 
 
 def test_a_read_order_the_ring_cannot_follow_is_a_clear_error():
-    from onnx_offload.engines.streaming import Unit
+    from onnx_offload.engines.stream_plan import Unit
     units = [Unit(["a"], [0], 11 * G, 11), Unit(["b"], [0], 11 * G, 11)]
     readers = [[1, 10], [5]]  # "a" is still read after "b" is first read
     with pytest.raises(StreamingUnavailable, match="too small"):
@@ -334,13 +334,14 @@ def test_an_engine_that_fails_half_way_gives_everything_back(monkeypatch, op, af
 
     monkeypatch.setattr(device_module, "make_backend", backend)
     model = decoder_lm("gqa", layers=2, hidden=64, max_length=64)
-    real_map_ring = session_module.StreamEngine._map_ring
+    from onnx_offload.engines.stream_ring import Ring
+    real_map_ring = Ring.map
 
     def failing_map_ring(self):
         self.device.backend.inject_failure(op, after)
         real_map_ring(self)
 
-    monkeypatch.setattr(session_module.StreamEngine, "_map_ring", failing_map_ring)
+    monkeypatch.setattr(Ring, "map", failing_map_ring)
     with pytest.raises(OffloadError, match="injected failure"):
         OffloadSession(model.SerializeToString(), offload=True, vmm=True, host_granularity=4096,
                        vram_limit="64MiB", weight_bytes=weight_bytes(model) // 2)

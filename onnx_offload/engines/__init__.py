@@ -1,16 +1,18 @@
 """The engines that run a prepared model on ORT under the budget.
 
 The streaming engine (one ORT session, captured, with the page-ins in its graph) and the
-segment runner (one ORT session per segment) offer one surface; ``switch.Engines`` holds
-the one in force and the fallback between them. OrtValues over the package's memory, a
-split session's IOBinding, the graph-capture decision and the factory of the ORT sessions
-they run live here too.
+segment runner (one ORT session per segment) offer one surface, ``base.Engine``;
+``switch.Engines`` holds the one in force and every move between them. OrtValues over
+the package's memory, a split session's IOBinding, the graph-capture decision and the
+factory of the ORT sessions they run live here too.
 """
 
+from .base import Engine
 from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
 from .iobinding import OffloadIOBinding
 from .ort_sessions import SessionFactory
 from .ortvalues import (FixedBuffer, IOInfo, InvalidArgument, as_arrays, check_feeds, check_required, detached,
                         nbytes_of, numpy_dtype, shareable)
 from .runner import SegmentRunner
-from .streaming import StreamEngine, StreamingUnavailable, choose_engine, plan_stream
+from .stream_plan import StreamingUnavailable, choose_engine, plan_stream
+from .streaming import StreamEngine

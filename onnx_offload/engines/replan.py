@@ -18,7 +18,8 @@ from .._core import round_up
 from ..config import ENV_VRAM_LIMIT, fmt_bytes
 from ..errors import BudgetExceeded, OffloadWarning
 from ..memory import base_zones, plan_budget, smallest_budget
-from .streaming import StreamEngine, StreamingUnavailable
+from .stream_plan import StreamingUnavailable
+from .streaming import StreamEngine
 
 
 def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,

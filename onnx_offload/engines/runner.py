@@ -8,10 +8,10 @@ event on that stream marks the end of its reads (``release``), and nothing it re
 unmapped before that event.
 
 Boundary tensors live in fixed buffers, one set per input-shape signature (a
-``_Plan``): the first step of a signature passes ORT's own outputs along and sizes the
-buffers from them; later steps bind the same addresses, which is what a captured
-segment replays. Under capture each segment is captured once per signature, under the
-plan's ``gpu_graph_id``.
+``Plan``, see ``segment_plans``): the first step of a signature passes ORT's own
+outputs along and sizes the buffers from them; later steps bind the same addresses,
+which is what a captured segment replays. Under capture each segment is captured once
+per signature, under the plan's ``gpu_graph_id``.
 
 ``run_bound`` is the step of a decode loop: the caller's values (token and mask
 buffers, the KV cache, the logits) stay where they are, at addresses that do not change
@@ -21,7 +21,6 @@ buffer the caller has let go.
 """
 from __future__ import annotations
 
-import collections
 import copy
 import os
 from typing import Dict, List, Optional, Tuple
@@ -29,18 +28,15 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import onnxruntime as ort
 
-from ..errors import BudgetExceeded, ModelRunError, OffloadError, StateError, with_ort_type
+from ..errors import ModelRunError, OffloadError, StateError
 from ..loading import save_model
 from ..loading import Segment
 from ..memory import Counters
+from .base import Engine
 from .graph_capture import GraphCaptureDecision
-from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, shareable, signature
+from .ortvalues import as_ortvalue, copy_into, ortvalue_at, signature
+from .segment_plans import Binder, Plan, Plans, graph_run_options
 
-MAX_SIGNATURES = 4
-# The gpu_graph_ids that run() captures under, apart from the small ids (0 by default)
-# that callers pass to run_with_iobinding with their own buffers: a shared id would
-# replay the caller's graph on the caller's buffers.
-FIRST_GRAPH_ID = 1 << 20
 # ORT takes its memory (arena growth, workspaces, capture) on the first steps: the
 # meter measures these and trusts the figure after them.
 MEASURED_RUNS = 3
@@ -53,18 +49,10 @@ class _SegmentRun:
         self.captured = captured  # created with enable_cuda_graph
 
 
-class _Plan:
-    """Fixed buffers for one set of input shapes: every segment input and output."""
+class SegmentRunner(Engine):
+    """Runs a model as one ORT session per segment, paging each segment's weights in
+    before it runs (see the module's docstring); the engine of resident weights too."""
 
-    def __init__(self, graph_id: int):
-        self.buffers: Dict[str, FixedBuffer] = {}
-        self.bindings: Dict[int, ort.IOBinding] = {}  # per segment, made on the first run
-        self.run_options: Optional[ort.RunOptions] = None  # under capture: this plan's gpu_graph_id
-        self.graph_id = graph_id  # ORT's gpu_graph_id for captured segments; -1: not captured
-        self.runs = 0
-
-
-class SegmentRunner:
     def __init__(self, device, residency, factory, meter, segments: List[Segment], workdir: str,
                  graph_outputs: List[str], *, streaming: bool, stable: bool, capture: GraphCaptureDecision,
                  device_id: int, constants: Optional[Dict[str, np.ndarray]] = None):
@@ -81,10 +69,8 @@ class SegmentRunner:
         self._device_id = device_id
         self.runs: List[_SegmentRun] = []
         self._initializer_values: List[ort.OrtValue] = []
-        self._plans: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
-        # Signatures whose boundary shapes depend on input values: no fixed buffers fit them.
-        self._dynamic: set = set()
-        self._next_graph_id = FIRST_GRAPH_ID
+        self._plans = Plans(device)
+        self._binder = Binder(device, residency, device_id, stable)
         self.steps = 0
         self.graph_steps = 0  # steps run under a plan's gpu_graph_id: captured once, then replayed
         self.last_step = Counters()  # the counters of the last segmented step
@@ -179,7 +165,7 @@ class SegmentRunner:
     def run_single_with_iobinding(self, iobinding, run_options) -> None:
         mark = self._meter.mark() if self.steps < MEASURED_RUNS else None
         if not self._stable:
-            self._bind_weights(iobinding, self.runs[0].seg)  # the caller binds only its own values
+            self._binder.bind_weights(iobinding, self.runs[0].seg)  # the caller binds only its own values
         self.single.run_with_iobinding(iobinding, run_options)
         # The outputs are complete when this returns, as plain ORT's are: the caller may
         # read them from any stream, or from the host, at once. ORT's own wait covers the
@@ -211,8 +197,7 @@ class SegmentRunner:
             # A boundary came out in another shape than the buffers of its signature: its
             # shape depends on input values. The step runs again without fixed buffers,
             # and so does every later step of this signature.
-            self._dynamic.add(sig)
-            self._free_plan(self._plans.pop(sig))
+            self._plans.forget_dynamic(sig)
             return self._step(sig, None, feeds, run_options)
 
     def run_bound(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue], *,
@@ -230,22 +215,22 @@ class SegmentRunner:
         if not existed and fixed and not self.streaming and self._all_bound(feeds, outputs):
             # Unsplit with every value the caller's: no boundary to size, so the plan (and
             # its graph) can serve this very step.
-            plan = self._new_plan(sig)
+            plan = self._plans.new(sig, self.capture.enabled)
         values = self._step(sig, plan, feeds, None, bound_outputs=outputs, make_plan=fixed)
         return values, existed
 
-    def _step(self, sig, plan: Optional[_Plan], feeds, run_options, bound_outputs=None,
+    def _step(self, sig, plan: Optional[Plan], feeds, run_options, bound_outputs=None,
               make_plan: bool = True) -> Dict[str, ort.OrtValue]:
         dev, res = self.device, self.residency
         bound_outputs = bound_outputs or {}
         if plan is not None:
-            self._plans.move_to_end(sig)
+            self._plans.touch(sig)
             for name, v in feeds.items():
                 if name in plan.buffers:
                     copy_into(dev, plan.buffers[name], v)
         measured = plan is None or plan.runs < MEASURED_RUNS  # capture happens on an early run
         mark = self._meter.mark() if measured else None
-        graph_options = self._graph_run_options(plan, run_options)
+        graph_options = graph_run_options(plan, run_options, self.capture.enabled)
         values: Dict[str, ort.OrtValue] = {}
         before = copy.copy(res.counters) if self.streaming else None
         if self.streaming:
@@ -268,14 +253,14 @@ class SegmentRunner:
                 checked = io is None or plan.runs < MEASURED_RUNS
                 if io is None:
                     io = run.session.io_binding()
-                    self._bind(io, run.seg, plan, values, feeds, bound_outputs)
+                    self._binder.bind(io, run.seg, plan, values, feeds, bound_outputs)
                 try:
                     run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
                 except RuntimeError as e:
-                    self._raise_as_ort_run(e, run, plan, {**values, **bound_outputs}, feeds, run_options)
+                    self._binder.raise_as_ort_run(e, run, plan, {**values, **bound_outputs}, feeds, run_options)
                     raise
                 if checked:
-                    self._check_outputs(seg, io, plan, bound_outputs, values)
+                    self._binder.check_outputs(seg, io, plan, bound_outputs, values)
                     if plan is not None and self._stable:
                         plan.bindings[seg.index] = io
                 else:  # the caller's own outputs are where it bound them
@@ -303,24 +288,13 @@ class SegmentRunner:
         self._meter.charge_since(mark)
         if plan is None:
             if make_plan:
-                self._make_plan(sig, feeds, values, direct=set(bound_outputs) | (set(feeds) if bound_outputs else set()))
+                direct = set(bound_outputs) | (set(feeds) if bound_outputs else set())
+                self._make_plan(sig, feeds, values, direct=direct)
         else:
             plan.runs += 1
             if self.capture.enabled and any(r.captured for r in self.runs):
                 self.graph_steps += 1
         return values
-
-    @staticmethod
-    def _check_outputs(seg: Segment, io, plan: Optional[_Plan], bound_outputs, values) -> None:
-        """ORT's outputs into `values`, each checked to be where it was bound."""
-        for name, v in zip(seg.outputs, io.get_outputs()):
-            fixed = bound_outputs[name].data_ptr() if name in bound_outputs else None
-            if fixed is None and plan is not None and name in plan.buffers:
-                fixed = plan.buffers[name].ptr
-            written = fixed is not None and nbytes_of(v.shape(), numpy_dtype(v.data_type())) > 0
-            if written and v.data_ptr() != fixed:
-                raise StateError(f"ORT wrote {name!r} outside the buffer bound for it")
-            values[name] = v
 
     def _pass_through(self, values, feeds) -> None:
         """Graph outputs that no node produces: a graph input, a weight or a small
@@ -339,145 +313,27 @@ class SegmentRunner:
             elif name in self._constants:
                 values[name] = as_ortvalue(self._constants[name].copy())
 
-    def _bind(self, io, seg: Segment, plan: Optional[_Plan], values, feeds, bound_outputs) -> None:
-        device_name = "cuda" if self.device.is_cuda else "cpu"
-        for name in seg.inputs:
-            if plan is not None and name in plan.buffers:
-                io.bind_ortvalue_input(name, plan.buffers[name].value)
-            else:
-                io.bind_ortvalue_input(name, values[name] if name in values else feeds[name])
-        if not self._stable:
-            self._bind_weights(io, seg)
-        for name in seg.outputs:
-            if name in bound_outputs:
-                io.bind_ortvalue_output(name, bound_outputs[name])
-            elif plan is not None and name in plan.buffers:
-                io.bind_ortvalue_output(name, plan.buffers[name].value)
-            else:
-                io.bind_output(name, device_name, self._device_id)
-
-    def _raise_as_ort_run(self, e: RuntimeError, run, plan: Optional[_Plan], values, feeds, run_options) -> None:
-        """ORT's IOBinding run reports a failure inside the model as a RuntimeError whose
-        message has lost the status code, where its run() raises the typed error (Fail,
-        InvalidArgument, ...). The segment runs once more through run_with_ort_values on
-        the same inputs, and what it raises is raised as both (ModelRunError). Only where
-        such a run is the same run: nothing captured, and the weights where the failed run
-        read them (in the session, or inputs at their slots' addresses); elsewhere ORT's
-        RuntimeError stands."""
-        if type(e) is not RuntimeError or not str(e).startswith("Error in execution: ") or run.captured:
-            return
-        inputs = {n: plan.buffers[n].value if plan is not None and n in plan.buffers
-                  else values[n] if n in values else feeds[n] for n in run.seg.inputs}
-        if not self._stable:
-            for name in run.seg.weights:
-                slot, info = self.residency.slots[name], self.residency.info[name]
-                if not shareable(info.dtype):
-                    return
-                inputs[name] = ortvalue_at(slot.va, info.shape, info.dtype, self.device.is_cuda, self._device_id)
-        try:
-            run.session.run_with_ort_values(list(run.seg.outputs), inputs, run_options)
-        except Exception as typed:  # noqa: BLE001 - ORT's own types
-            raise with_ort_type(ModelRunError, typed)(str(typed)) from e
-
-    def _bind_weights(self, io, seg: Segment) -> None:
-        """Without stable addresses the weights are inputs, bound where their slots are now."""
-        device_name = "cuda" if self.device.is_cuda else "cpu"
-        for name in seg.weights:
-            slot, info = self.residency.slots[name], self.residency.info[name]
-            io.bind_input(name, device_name, self._device_id, info.dtype, list(info.shape), slot.va)
-
-    def _graph_run_options(self, plan: Optional[_Plan], user: Optional[ort.RunOptions]) -> Optional[ort.RunOptions]:
-        """Run options for captured segments: the plan's gpu_graph_id, or -1 (neither
-        capture nor replay) while a signature has no fixed buffers yet."""
-        if not self.capture.enabled:
-            return user
-        if plan is not None and user is None:
-            if plan.run_options is None:  # made once: a step's own cost counts in decode
-                plan.run_options = self._graph_run_options(plan, ort.RunOptions())
-            return plan.run_options
-        ro = ort.RunOptions()
-        if user is not None:
-            for attr in ("log_severity_level", "log_verbosity_level", "logid", "only_execute_path_to_fetches"):
-                setattr(ro, attr, getattr(user, attr))
-        ro.add_run_config_entry("gpu_graph_id", str(plan.graph_id if plan is not None else -1))
-        return ro
-
     def _all_bound(self, feeds, outputs) -> bool:
         seg = self.runs[0].seg
         return all(n in feeds for n in seg.inputs) and all(n in outputs for n in seg.outputs)
 
-    def _new_plan(self, sig) -> Optional[_Plan]:
-        """An empty plan under a fresh graph id (None when the capture cap is reached)."""
-        capturing = self.capture.enabled
-        if sig in self._dynamic or (capturing and len(self._plans) >= MAX_SIGNATURES):
-            return None
-        plan = _Plan(self._next_graph_id if capturing else -1)
-        if capturing:
-            self._next_graph_id += 1
-        self._plans[sig] = plan
-        return plan
-
     def _make_plan(self, sig, feeds, values, direct=frozenset()) -> None:
-        """Fixed buffers for these input shapes, so later steps bind the same addresses.
-        Under capture a plan lives as long as the session (its captured graphs point at
-        it), so at most MAX_SIGNATURES shapes are captured; others run uncaptured."""
-        capturing = self.capture.enabled
-        if sig in self._dynamic or (capturing and len(self._plans) >= MAX_SIGNATURES):
-            return
-        plan = _Plan(self._next_graph_id if capturing else -1)
-        scratch = self.device.scratch
+        """Fixed buffers for these input shapes (see Plans.make): every segment input and
+        output but `direct`, the caller's own buffers, bound where they are."""
         needed = set()
         for run in self.runs:
             needed.update(run.seg.inputs)
             needed.update(run.seg.outputs)
-        needed -= set(direct)  # the caller's own buffers, bound where they are
-        while True:
-            try:
-                for name in sorted(needed):
-                    v = values[name] if name in values else feeds[name]
-                    shape = list(v.shape())
-                    dtype = numpy_dtype(v.data_type())
-                    ptr = scratch.allocate(max(1, nbytes_of(shape, dtype)))
-                    plan.buffers[name] = FixedBuffer.on(self.device, ptr, shape, dtype)
-                break
-            except BudgetExceeded:
-                # The step has run; its plan only speeds the next ones. The scratch
-                # budget goes to the shapes seen last: older plans give theirs back (not
-                # under capture, where graphs hold them), else this shape runs without.
-                self._free_plan(plan)
-                if capturing or not self._plans:
-                    return
-                self._free_plan(self._plans.popitem(last=False)[1])
-            except BaseException:
-                self._free_plan(plan)
-                raise
-        if capturing:
-            self._next_graph_id += 1
-        self._plans[sig] = plan
-        while len(self._plans) > MAX_SIGNATURES:
-            _, old = self._plans.popitem(last=False)
-            self._free_plan(old)
+        needed -= set(direct)
+        self._plans.make(sig, needed, feeds, values, self.capture.enabled)
 
     def drop_plans(self, sigs) -> None:
         """Forgets the plans of buffers about to be freed; their graph ids are never used again."""
-        for sig in sigs:
-            plan = self._plans.pop(sig, None)
-            if plan is not None:
-                self._free_plan(plan)
-
-    def _free_plan(self, plan: _Plan) -> None:
-        if self.device.scratch is None:
-            return
-        plan.bindings.clear()
-        for buf in plan.buffers.values():
-            self.device.scratch.deallocate(buf.ptr)
-        plan.buffers.clear()
+        self._plans.drop(sigs)
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
         """Drops the ORT sessions first (they may still free scratch), then the plans."""
         self.runs = []
         self._initializer_values = []
-        for plan in self._plans.values():
-            self._free_plan(plan)
         self._plans.clear()

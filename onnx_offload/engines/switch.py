@@ -33,7 +33,8 @@ from ..memory import (Counters, ResidencyManager, StepMemoryShort, ZonePlan, des
 from .graph_capture import GraphCaptureDecision
 from .ort_sessions import SessionFactory
 from .runner import SegmentRunner
-from .streaming import StreamEngine, StreamingUnavailable, plan_stream
+from .stream_plan import StreamingUnavailable, plan_stream
+from .streaming import StreamEngine
 
 
 @dataclasses.dataclass
