@@ -13,7 +13,6 @@ crashes (a signal, or an exit without a result) and hangs (no exit in time).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from typing import Callable, Dict, Optional
 
 from ..stats import table
 from . import reliability_hostile, reliability_stress, reliability_trust
-from .reliability_rig import result
+from .reliability_rig import package_parent, result
 
 COLUMNS = ("attempts", "clear_errors", "crashes", "wrong_outputs", "leaks", "hangs")
 
@@ -38,10 +37,7 @@ def run_scenario(child: str, args=(), timeout: float = 60) -> dict:
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "onnx_offload.tools.reliability", child, *args]
     try:
-        # `-m` puts the working folder first on the path: run where this very package lies, so
-        # that the child imports it (and not a source tree the parent was started in).
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=here)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=package_parent())
     except subprocess.TimeoutExpired:
         return dict(result(1), crashes=0, hangs=1, seconds=round(time.perf_counter() - t0, 2))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

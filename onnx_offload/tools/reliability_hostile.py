@@ -25,7 +25,7 @@ from typing import Callable, List
 
 import numpy as np
 
-from .reliability_rig import result
+from .reliability_rig import package_parent, result
 
 CPU = ["CPUExecutionProvider"]
 
@@ -146,9 +146,8 @@ def hostile_models() -> dict:
             "m = mlp_stack(layers=3, hidden=256, batch=4).SerializeToString()\n"
             "with OffloadSession(m, providers=['CPUExecutionProvider'], offload=True, weight_bytes=300000) as s:\n"
             "    s.run(None, {'x': np.ones((4, 256), np.float32)})\nprint('ran')\n")
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    t.right(lambda: "ran" in subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=here,
-                                            timeout=60).stdout)
+    t.right(lambda: "ran" in subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                            cwd=package_parent(), timeout=60).stdout)
     return t.result()
 
 

@@ -13,6 +13,13 @@ import numpy as np
 RTOL, ATOL = 1e-5, 1e-6
 
 
+def package_parent() -> str:
+    """The folder that holds this onnx_offload package: a child started there (``-m`` or
+    ``-c`` put the working folder first on the path) imports this very package, not a source
+    tree or an installed copy the parent's folder would give it."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 @functools.lru_cache(maxsize=None)
 def mlp_model() -> Tuple[bytes, int]:
     """The bench's 8-layer MLP, serialized, and its weight bytes."""

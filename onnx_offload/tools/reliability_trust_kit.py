@@ -24,6 +24,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
+from .reliability_rig import package_parent
+
 CPU = ["CPUExecutionProvider"]
 SECRET = 1234.5  # what the files a session must never read hold, as float32
 SECOND_USER = 999  # the attacker, where the bench runs as root (os.setuid)
@@ -322,14 +324,10 @@ OffloadSession(sys.argv[1], providers=["CPUExecutionProvider"], cache_dir=sys.ar
 """
 
 
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def start_and_kill(path: str, cache: str, sig: int, delay: float, timeout: float = 60) -> bool:
     """Starts a session in a child and sends it `sig` `delay` seconds after its partial
     folder appears in `cache`; False when the child finished before that."""
-    child = subprocess.Popen([sys.executable, "-c", START, path, cache], cwd=_package_root(),
+    child = subprocess.Popen([sys.executable, "-c", START, path, cache], cwd=package_parent(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     try:
