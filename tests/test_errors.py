@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnx_offload import BudgetExceeded, CorruptModel, OffloadConfig, OffloadSession
-from onnx_offload.tools import cli
+from onnx_offload.tools import cli, cli_bench
 from onnx_offload.config import parse_vram_limit
 from onnx_offload.models import mlp_stack, save
 
@@ -176,7 +176,7 @@ def test_bench_out_on_a_path_that_cannot_be_a_folder(tmp_path, capsys):
 def test_bench_out_without_permission(capsys, monkeypatch):
     def denied(path, *a, **kw):
         raise PermissionError(13, "Permission denied", path)
-    monkeypatch.setattr(cli.os, "makedirs", denied)
+    monkeypatch.setattr(cli_bench.os, "makedirs", denied)
     rc = cli.main(["bench", "arena", "--cpu", "--out", "/proc/forbidden"])
     one_line_error(capsys, rc, "PermissionError", "/proc/forbidden")
 

@@ -672,7 +672,7 @@ def test_external_data_outside_the_models_folder_is_refused_as_ort_refuses_it(ca
     the working folder) once links are resolved, with its Fail: so does the session, by
     path and as bytes, the cache off and on, and it never reads the file."""
     import shutil
-    from onnx_offload.tools import reliability_trust as trust
+    from onnx_offload.tools import reliability_trust_kit as trust
     base = trust.world()
     home = base
     try:
@@ -697,7 +697,7 @@ def test_weights_are_read_from_the_files_the_cache_key_fingerprinted(tmp_path, m
     weights: the session runs the version it looked up, whole (the weight optimization
     folded from its entry, the one it left as it was from the file it fingerprinted)."""
     from onnx_offload.memory import host_store
-    from onnx_offload.tools.reliability_trust import replace_with_copy, versions
+    from onnx_offload.tools.reliability_trust_kit import replace_with_copy, versions
     path, data, v2, feeds, want = versions(str(tmp_path))
     cache = str(tmp_path / "cache")
     np.testing.assert_allclose(_versions_run(path, cache, feeds), want[0], rtol=1e-5, atol=1e-5)
@@ -720,7 +720,7 @@ def test_no_entry_is_published_from_files_that_changed_during_the_optimization_p
     import shutil
     from onnx_offload import OffloadWarning
     from onnx_offload.loading import optimize as optimize_module
-    from onnx_offload.tools.reliability_trust import replace_with_copy, versions
+    from onnx_offload.tools.reliability_trust_kit import replace_with_copy, versions
     path, data, v2, feeds, want = versions(str(tmp_path))
     v1 = str(tmp_path / "v1.data")
     shutil.copyfile(data, v1)

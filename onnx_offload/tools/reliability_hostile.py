@@ -10,7 +10,7 @@ that the session must answer right or refuse by name.
   the budget (a deadlock is a hang, caught by the parent's timeout).
 
 Each is a child of ``python -m onnx_offload.tools.reliability`` returning the counts of
-``reliability._result``: a wrong answer, a refusal of a valid call, or an error of the
+``reliability_rig.result``: a wrong answer, a refusal of a valid call, or an error of the
 wrong type is a wrong output; a file descriptor or memfd left behind is a leak. They use
 only the public API, so they run against any version of the package.
 """
@@ -24,6 +24,8 @@ import threading
 from typing import Callable, List
 
 import numpy as np
+
+from .reliability_rig import package_parent, result
 
 CPU = ["CPUExecutionProvider"]
 
@@ -53,8 +55,7 @@ class _Tally:
             self.wrong += 1
 
     def result(self) -> dict:
-        from .reliability import _result
-        return _result(self.attempts, self.clear, self.wrong, self.leaks)
+        return result(self.attempts, self.clear, self.wrong, self.leaks)
 
 
 def _decoder_folder(config: dict = None) -> str:
@@ -145,9 +146,8 @@ def hostile_models() -> dict:
             "m = mlp_stack(layers=3, hidden=256, batch=4).SerializeToString()\n"
             "with OffloadSession(m, providers=['CPUExecutionProvider'], offload=True, weight_bytes=300000) as s:\n"
             "    s.run(None, {'x': np.ones((4, 256), np.float32)})\nprint('ran')\n")
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    t.right(lambda: "ran" in subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=here,
-                                            timeout=60).stdout)
+    t.right(lambda: "ran" in subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                            cwd=package_parent(), timeout=60).stdout)
     return t.result()
 
 
@@ -192,8 +192,7 @@ def hostile_stats(seconds: str = "10") -> dict:
         done.set()
         poller.join()
     final = s.close()
-    from .reliability import _result
-    return _result(rounds, 0, differ + len(errors), int(final.committed != 0), polls=polls[0])
+    return result(rounds, 0, differ + len(errors), int(final.committed != 0), polls=polls[0])
 
 
 CHILDREN: List[Callable[..., dict]] = [hostile_calls, hostile_models, hostile_stats]

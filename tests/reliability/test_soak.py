@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from onnx_offload.tools.reliability import Churn, soak_sizes
+from onnx_offload.tools.reliability_rig import Churn, soak_sizes
 
 CYCLES = 10_000
 

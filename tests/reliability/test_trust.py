@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from onnx_offload import OffloadWarning
-from onnx_offload.tools import reliability_trust as trust
-from onnx_offload.loading.optimize import OPTIMIZED, OPTIMIZED_DATA
 from onnx_offload.loading.fingerprints import MANIFEST
+from onnx_offload.loading.optimize import OPTIMIZED, OPTIMIZED_DATA
+from onnx_offload.tools import reliability_trust_kit as trust
+from onnx_offload.tools.reliability_trust import SCENARIOS
 
 SECOND_USER, NO_SECOND_USER = trust.attacker()
 second_user = pytest.mark.skipif(SECOND_USER is None, reason=NO_SECOND_USER)
@@ -417,7 +418,7 @@ def test_the_partial_folder_of_a_start_killed_by_sigkill_goes_with_the_next_star
 
 # ---------------------------------------------------------------- the bench's rows
 
-@pytest.mark.parametrize("label,scenario,args,timeout", trust.SCENARIOS, ids=[s[0] for s in trust.SCENARIOS])
+@pytest.mark.parametrize("label,scenario,args,timeout", SCENARIOS, ids=[s[0] for s in SCENARIOS])
 def test_the_trust_scenarios_of_the_bench_hold(label, scenario, args, timeout):
     from onnx_offload.tools.reliability import run_scenario
     r = run_scenario(scenario, args, timeout)

@@ -1,0 +1,155 @@
+"""The commands about the package itself rather than a user's model: `demo` (a small model
+under a budget below its weights, against plain ORT), `bench` (the benchmarks and the
+reliability bench) and `cache` (the optimized models kept between runs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from ..config import ENV_CACHE_DIR
+from .cli_args import device_kind, positive_int, provider
+
+
+def _median_ms(fn, runs: int = 5) -> float:
+    fn()  # the first run of a session sets it up
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def cmd_demo(args) -> int:
+    import onnxruntime as ort
+
+    from ..models import mlp_stack, save, weight_bytes
+    from ..session import OffloadSession
+    kind = device_kind(args)
+    model = mlp_stack(layers=16, hidden=1024, batch=4)
+    weights = weight_bytes(model)
+    budget = weights // 4
+    where = "the GPU (CUDA VMM)" if kind == "cuda" else "the CPU (the host backend plays the GPU)"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save(model, os.path.join(tmp, "demo.onnx"))
+        x = np.random.default_rng(0).standard_normal((4, 1024)).astype(np.float32)
+        print(f"demo: a 16-layer MLP with {weights / 2**20:.0f} MiB of weights, run within a {budget / 2**20:.0f} "
+              f"MiB budget on {where}")
+        plain = ort.InferenceSession(path, providers=[provider(kind)])
+        want = plain.run(None, {"x": x})[0]
+        plain_ms = _median_ms(lambda: plain.run(None, {"x": x}))
+        plain = None  # its memory goes back before the OffloadSession takes any
+        # The demo's model is made anew each run: a cache entry of it would never be used.
+        with OffloadSession(path, providers=[provider(kind)], offload=True, vmm=True, vram_limit=budget,
+                            cache_dir="off") as s:
+            got = s.run(None, {"x": x})[0]
+            ms = _median_ms(lambda: s.run(None, {"x": x}))
+            st = s.stats()
+            streamed = st.last_step.htod_bytes
+            if args.stats:
+                print(st)
+    err = float(np.max(np.abs(got - want)))
+    ok = err <= 1e-3 and st.peak_committed <= budget
+    print(f"  plain ORT, every weight in memory: {plain_ms:8.2f} ms per step")
+    print(f"  onnx-offload, weights streamed:    {ms:8.2f} ms per step ({st.segments} segments; "
+          f"{streamed / 2**20:.0f} MiB of weights copied in per step)")
+    print(f"  memory committed at its peak:      {st.peak_committed / 2**20:8.2f} MiB of the "
+          f"{budget / 2**20:.0f} MiB budget")
+    print(f"  outputs against plain ORT:           max difference {err:.3g}")
+    if not ok:
+        print("demo FAILED: " + ("the outputs differ from plain ORT's" if err > 1e-3 else "the budget was exceeded"),
+              file=sys.stderr)
+        return 1
+    print("demo passed: the model ran within a quarter of its weights' memory and gave plain ORT's outputs"
+          + ("" if args.stats else " (--stats prints the session's counters)"))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.what == "reliability":
+        from . import reliability
+        res = reliability.run_all()
+        print(reliability.print_table(res))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        return 0
+    from . import bench
+    kind = device_kind(args)
+    out = os.path.abspath(args.out)  # the benchmarks' child processes start in another folder
+    os.makedirs(out, exist_ok=True)
+    if args.what == "arena":
+        res = bench.bench_arena(kind)
+        text = bench.print_arena(res)
+    elif args.what == "decode":
+        from .bench_decode import bench_decode, print_decode
+        res = bench_decode(kind, out)
+        text = print_decode(res)
+    elif args.what == "compare":
+        from .bench_compare import bench_compare, print_compare
+        res = bench_compare(kind, out, int4=args.int4)
+        text = print_compare(res)
+    elif args.what == "cards":
+        from .bench_cards import BATCHES, PROMPTS, bench_cards, print_cards
+        from ..config import parse_bytes
+
+        def listed(text, parse, default):
+            return default if not text else [parse(t.strip()) for t in text.split(",") if t.strip()]
+        res = bench_cards(kind, out, cards=listed(args.cards, lambda t: parse_bytes(t, "--cards"), None),
+                          prompts=listed(args.prompts, positive_int, PROMPTS),
+                          batches=listed(args.batches, positive_int, BATCHES))
+        text = print_cards(res)
+    elif args.what == "int4":
+        from .bench_int4 import bench_int4, print_int4
+        res = bench_int4(kind, out)
+        text = print_int4(res)
+    elif args.what == "session":
+        res = bench.bench_session(kind, out)
+        text = bench.print_session(res)
+    else:
+        res = bench.bench_offload(kind, out, weight_gb=args.weight_gb if kind == "cuda" else min(args.weight_gb, 0.05))
+        text = bench.print_offload(res)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from ..config import OffloadConfig, parse_cache_dir
+    from ..loading import cache_entries, clear_cache
+    from ..stats import fmt_bytes, table
+    # Only the cache's own flag and variable: the others configure sessions, not the cache.
+    folder = args.cache_dir if args.cache_dir is not None else os.environ.get(ENV_CACHE_DIR)
+    cache = OffloadConfig() if folder is None else OffloadConfig(cache_dir=parse_cache_dir(folder, ENV_CACHE_DIR
+                                                                                           if args.cache_dir is None
+                                                                                           else "--cache-dir"))
+    cache = cache.cache_path
+    if cache is None:
+        print(f"the cache is off ({ENV_CACHE_DIR} or --cache-dir): there is nothing to show or clear")
+        return 0
+    if args.action == "clear":
+        cleared = clear_cache(cache)
+        kept = f"; kept {cleared.busy} that sessions are reading now" if cleared.busy else ""
+        also = "".join(f", {n} {what}" for n, what in ((cleared.links, "symbolic links"),
+                                                        (cleared.partials, "partial folders of passes that are over"))
+                       if n)
+        print(f"removed {cleared.removed} optimized models ({fmt_bytes(cleared.freed)}){also} from {cache}{kept}")
+        return 0
+    entries = cache_entries(cache)
+    print(f"{cache}: {len(entries)} optimized models, {fmt_bytes(sum(e.nbytes for e in entries))} "
+          f"(weights that optimization left unchanged are read from the models' own files, not kept here)")
+    if entries:
+        rows = [(e.model or "(not recorded)", fmt_bytes(e.nbytes),
+                 time.strftime("%Y-%m-%d %H:%M", time.localtime(e.made)), os.path.basename(e.path)[:12])
+                for e in entries]
+        print(table(rows, ("made from", "size", "made", "entry")))
+    return 0

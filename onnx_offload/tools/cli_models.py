@@ -1,0 +1,121 @@
+"""The commands that run the user's model: `run` (steps on given or random feeds, with the
+offload counters, step times and the residency timeline) and `generate` (tokens from a
+decoder, streamed as they come).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from .cli_args import (check_config_flags, check_feeds, config_kwargs, device_kind, load_feeds, load_tokenizer,
+                       make_feeds, parse_prompt_ids, provider)
+
+
+def cmd_run(args) -> int:
+    from ..session import OffloadSession
+    check_config_flags(args)  # everything the arguments allow is checked before any weight loads
+    feeds = load_feeds(args.inputs) if args.inputs else None
+    kind = device_kind(args)
+    kw = config_kwargs(args)
+    kw["record_timeline"] = bool(args.timeline)
+    with OffloadSession(args.model, providers=[provider(kind)], **kw) as s:
+        if feeds is not None:
+            check_feeds(feeds, s.get_inputs())
+        elif s._decoder_spec is not None and not isinstance(s._decoder_spec, Exception):
+            # Random feeds with every free dimension 1 are no step of a decoder (a past of
+            # one position beside a mask of one): ORT fails in its attention.
+            raise ValueError(f"{args.model} is a decoder with a KV cache: generate tokens with 'onnx-offload "
+                             f"generate {args.model} --prompt-ids 1,2,3', or give the feeds of a step with --inputs "
+                             f"FEEDS.npz")
+        else:
+            feeds = make_feeds(s.get_inputs())
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            s.run(None, feeds)
+            times.append((time.perf_counter() - t0) * 1e3)
+        print(s.stats())
+        if args.profile:
+            print(f"\nstep time: median {statistics.median(times):.2f} ms, first {times[0]:.2f} ms, "
+                  f"min {min(times):.2f} ms over {len(times)} steps")
+            print("segments: " + ", ".join(f"{i}:{len(seg.weights)}w" for i, seg in enumerate(s.segments)))
+        if args.timeline:
+            print(f"residency timeline: {s.timeline_png(args.timeline)}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from ..session import OffloadSession
+    check_config_flags(args)
+    if not os.path.exists(args.model):
+        raise FileNotFoundError(f"{args.model!r}: no such model file or folder")
+    from ..generation import SAMPLING_DEFAULTS, Sampling
+    if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
+        args.do_sample, args.temperature = False, None
+    given = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    # Checked before any weight loads; what is not given is the model's, read once it loads.
+    Sampling(**{k: SAMPLING_DEFAULTS[k] if v is None else v for k, v in given.items()})
+    eos = None
+    if args.eos_token_id is not None:
+        try:
+            eos = [int(t) for t in args.eos_token_id.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--eos-token-id {args.eos_token_id!r}: expected integers separated by commas") from None
+    tok = None
+    if args.prompt is not None:
+        tok = load_tokenizer(args.model)
+        ids = np.array([tok.encode(args.prompt).ids], np.int64)
+        if ids.shape[1] == 0:
+            raise ValueError("--prompt encodes to no tokens")
+    else:
+        ids = parse_prompt_ids(args.prompt_ids)
+    kind = device_kind(args)
+    with OffloadSession(args.model, providers=[provider(kind)],
+                        **config_kwargs(args)) as s:
+        spec = s.decoder_spec  # an unsupported model fails here, before any step
+        t0 = time.perf_counter()
+        new, first = [], None
+        shown = ""
+        # One row's tokens print as they come (the text, with --prompt; else the ids);
+        # a batch's rows print at the end. Ctrl-C keeps what came.
+        stream = tok is None and len(ids) == 1
+        if stream:
+            print("tokens: ", end="", flush=True)
+        try:
+            for step in s.generate_iter(ids, args.max_new_tokens, do_sample=args.do_sample,
+                                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                        seed=args.seed, eos_token_id=eos):
+                if first is None:
+                    first = time.perf_counter() - t0
+                new.append(step)
+                if tok is not None:
+                    text = tok.decode([int(t[0]) for t in new])
+                    print(text[len(shown):], end="", flush=True)
+                    shown = text
+                elif stream:
+                    print(("," if len(new) > 1 else "") + str(int(step[0])), end="", flush=True)
+        except KeyboardInterrupt:
+            print()
+            if not stream:
+                for row in (np.stack(new, axis=1) if new else np.zeros((len(ids), 0), np.int64)):
+                    print("tokens: " + ",".join(str(int(t)) for t in row))
+            print(f"onnx-offload: interrupted after {len(new)} new tokens", file=sys.stderr)
+            return 130
+        elapsed = time.perf_counter() - t0
+        if tok is not None or stream:
+            print()
+        tokens = np.stack(new, axis=1) if new else np.zeros((len(ids), 0), np.int64)
+        if not stream:
+            for row in tokens:
+                print("tokens: " + ",".join(str(int(t)) for t in row))
+        decode = elapsed - (first or 0)
+        n = tokens.shape[1]
+        rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+        print(f"{n} new tokens x batch {len(ids)} in {elapsed:.3f} s: prompt {1e3 * (first or 0):.1f} ms, "
+              f"{rate:.1f} tokens/s after it ({spec.layout} layout, {len(s.segments)} segment(s), "
+              f"graphs {'on' if s.graph_capture.enabled else 'off'})")
+    return 0
