@@ -23,13 +23,10 @@ import onnxruntime as ort
 
 from .arguments import read_arguments
 from .dropin import InferenceSessionMembers
-from .engines import (CONTROL_FLOW_OPS, OffloadIOBinding, StreamingUnavailable, as_arrays, choose_engine,
-                      resolve_graph_capture_enabled, shareable, structural_safety)
-from .engines.switch import Engines, RunInputs
-from .errors import OffloadWarning, StateError
-from .generation import GenerationMembers, UnsupportedModel
-from .generation.kept import release
-from .generation.needs import first_needs
+from .engines import (CONTROL_FLOW_OPS, Engines, OffloadIOBinding, RunInputs, StreamingUnavailable, as_arrays,
+                      choose_engine, resolve_graph_capture_enabled, shareable, structural_safety)
+from .errors import OffloadWarning, StateError, UnsupportedModel
+from .generation import GenerationMembers, first_needs, release_kept
 from .interrupts import deferred_interrupts
 from .loading import (CUDA_EP, LoadRequest, copy_options, make_workdir, point_weights_at_placeholder, prepare,
                       remove_workdir, unseen, weights_as_inputs)
@@ -153,7 +150,7 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
                         [o.name for o in self._graph_outputs], self._feed_inputs, self._graph_inputs, inputs,
                         record_timeline, self._workdir)
         self._engines = Engines(dev, self._store, self._meter, cfg, self._options, self._cuda_options, run, plan,
-                                self._notes, lambda: release(self), self.close)
+                                self._notes, lambda: release_kept(self), self.close)
         try:
             self._engines.graph_possible = choose_engine(cfg, self._on_cuda, True, stable, capture, growing) == "graph"
         except StreamingUnavailable:
@@ -246,7 +243,7 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
         return self._final_ledger
 
     def _teardown(self) -> None:
-        release(self)
+        release_kept(self)
         if self._prepared is not None:
             self._prepared.release()
         if self._device is not None and not self._device.closed:

@@ -2,10 +2,10 @@
 export layout, sampling, and the generation's steps at fixed shapes and addresses.
 """
 
-from ..errors import UnsupportedModel
-from ..loading import SAMPLING_DEFAULTS, decoder_spec, rotary_rows
-from .kv_cache import bucket_for, describe_zones
-from .loop import DEFAULT_CONTEXT, chunk_rows, generate_tokens, kv_peak
-from .sampling import Sampling, check_generate_args
-from .steps import Generation
+from ..loading import SAMPLING_DEFAULTS
+from .kept import release_kept
 from .members import GenerationMembers
+from .needs import first_needs
+from .sampling import Sampling
+
+__all__ = ["GenerationMembers", "SAMPLING_DEFAULTS", "Sampling", "first_needs", "release_kept"]

@@ -24,7 +24,7 @@ def new_generation(session, spec, batch: int, prompt: int, total: int) -> Genera
     try:
         with session._step():
             if session._parked is not None and not session._parked.fits(spec, batch, prompt, total):
-                release(session)
+                release_kept(session)
             if session._engines.graph_possible:  # a new plan gives the kept ones back
                 dev = session.device
                 kv, scratch = generation_needs(spec, session.config, session._activations, dev.granularity,
@@ -51,11 +51,11 @@ def park(session, gen: Generation) -> None:
             gen.close()
             return
         if session._parked is not gen:
-            release(session)
+            release_kept(session)
             session._parked = gen
 
 
-def release(session) -> bool:
+def release_kept(session) -> bool:
     """Gives the kept generation's buffers back; whether there were any. The caller holds
     the session's lock."""
     gen, session._parked = session._parked, None

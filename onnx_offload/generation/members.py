@@ -15,7 +15,7 @@ from ..errors import UnsupportedModel
 from ..loading import SAMPLING_DEFAULTS
 from .loop import generate_tokens
 from .sampling import Sampling, check_generate_args
-from .kept import new_generation, park, release
+from .kept import new_generation, park, release_kept
 
 
 class GenerationMembers:
@@ -73,4 +73,4 @@ class GenerationMembers:
         generation for the next one of the same batch and length (which then replays the
         graphs captured on them). The session does so itself when memory runs short."""
         with self._step():
-            release(self)
+            release_kept(self)

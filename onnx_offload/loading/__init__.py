@@ -6,18 +6,21 @@ read as a weights table; the segmenter splits it where the weights must stream.
 ``pipeline.prepare`` is the one entry point. Nothing here touches device memory.
 """
 
-from .cache import (cache_entries, cache_folder, clear_cache, make_partial, open_entry, remove_set_aside, set_aside,
-                    sweep_partials)
-from .files import Files, SaveFailed, external_data_folder, materialize, model_file, opened
-from .fingerprints import HeldFiles, MANIFEST, cache_key, hold_made, write_manifest
-from .optimize import OPTIMIZED, OPTIMIZED_DATA, optimization_level, optimize_once
-from .ort_options import (CPU_EP, CUDA_EP, choose_providers, copy_options, normalize_providers, options_key,
-                          set_config, unseen)
-from .segmenter import (Segment, check_bindable, dims, elem_name, onnx_type_string, plan_segments, segment_weights,
-                        split, value_types)
-from .weights import (WeightInfo, keep_in_model, load_optimized, point_weights_at_placeholder, read_weights,
-                      save_model, share_unchanged, weights_as_inputs, write_optimized)
-from .workdir import disown, make_workdir, remove_workdir
-from .decoder import SAMPLING_DEFAULTS, DecoderSpec, decoder_spec, rotary_rows
+from .cache import cache_entries, clear_cache
+from .decoder import DecoderSpec, SAMPLING_DEFAULTS, decoder_spec, rotary_rows
+from .files import Files, model_file, opened
+from .fingerprints import MANIFEST
+from .optimize import OPTIMIZED, OPTIMIZED_DATA
+from .ort_options import CPU_EP, CUDA_EP, choose_providers, copy_options, normalize_providers, set_config, unseen
+from .pipeline import LoadRequest, ModelMeta, prepare
+from .segmenter import Segment, check_bindable, elem_name, plan_segments, segment_weights, split, value_types
 from .values import IOInfo, numpy_dtype
-from .pipeline import LoadRequest, ModelMeta, PreparedModel, prepare
+from .weights import WeightInfo, point_weights_at_placeholder, save_model, weights_as_inputs
+from .workdir import make_workdir, remove_workdir
+
+__all__ = ["CPU_EP", "CUDA_EP", "DecoderSpec", "Files", "IOInfo", "LoadRequest", "MANIFEST", "ModelMeta", "OPTIMIZED",
+           "OPTIMIZED_DATA", "SAMPLING_DEFAULTS", "Segment", "WeightInfo", "cache_entries", "check_bindable",
+           "choose_providers", "clear_cache", "copy_options", "decoder_spec", "elem_name", "make_workdir",
+           "model_file", "normalize_providers", "numpy_dtype", "opened", "plan_segments",
+           "point_weights_at_placeholder", "prepare", "remove_workdir", "rotary_rows", "save_model", "segment_weights",
+           "set_config", "split", "unseen", "value_types", "weights_as_inputs"]

@@ -9,7 +9,11 @@ from .budget import ZonePlan, base_zones, describe_zones, plan_budget, smallest_
 from .device import Device, cuda_available
 from .host_store import HostStore, read_bytes
 from .ort_memory import OrtMemoryMeter, SLACK
-from .residency import Counters, ResidencyManager, segment_costs
-from .slots import slot_kind
-from .step_memory import StepMemoryShort, activation_shape, device_out_of_memory, is_out_of_memory, step_scratch
 from .planning import plan_inputs, plan_or_explain
+from .residency import Counters, ResidencyManager
+from .step_memory import StepMemoryShort, activation_shape, device_out_of_memory, is_out_of_memory, step_scratch
+
+__all__ = ["Counters", "Device", "HostStore", "OrtMemoryMeter", "ResidencyManager", "SLACK", "StepMemoryShort",
+           "ZonePlan", "activation_shape", "base_zones", "cuda_available", "describe_zones", "device_out_of_memory",
+           "is_out_of_memory", "plan_budget", "plan_inputs", "plan_or_explain", "read_bytes", "smallest_budget",
+           "step_scratch"]
