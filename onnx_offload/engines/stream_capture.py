@@ -18,8 +18,7 @@ import onnxruntime as ort
 
 from .._core import round_up
 from ..errors import OffloadError
-from ..memory import SLACK
-from ..memory import StepMemoryShort, is_out_of_memory
+from ..memory import SLACK, StepMemoryShort, is_out_of_memory
 from .ortvalues import FixedBuffer, nbytes_of, numpy_dtype
 from .stream_plan import StreamingUnavailable, leading_copies, plan_copies, ring_by_reads
 from .stream_ring import Ring

@@ -225,6 +225,11 @@ class StreamEngine(Engine):
         return self.session
 
     @property
+    def address(self) -> Dict[str, int]:
+        """Each streamed weight's address, fixed for the engine's life (its ring's)."""
+        return self._ring.address
+
+    @property
     def plan_count(self) -> int:
         return len(self._graphs)
 

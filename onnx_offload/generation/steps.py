@@ -219,7 +219,7 @@ class Generation(PromptSteps):
             self.mask = None
             self.spec = dataclasses.replace(self.spec, layout="exact")
             if isinstance(s._runner, StreamEngine) and s.config.engine != "graph":
-                s._run_in_segments(s._segments_from[0])
+                s._engines.run_in_segments(s._engines.plan)
             result = self._decode_exact(tokens, cur)
         except (RuntimeError, ValueError) as other:  # the other layout fails too: ORT's error stands
             raise error from other

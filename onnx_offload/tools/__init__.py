@@ -1,3 +1,3 @@
 """The tools around the package: the command line, the benchmarks and the reliability
-harness. Nothing in the package imports them.
+harness. No layer imports them; ``python -m onnx_offload`` runs the command line.
 """

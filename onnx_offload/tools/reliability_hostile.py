@@ -7,7 +7,9 @@ that the session must answer right or refuse by name.
 - ``hostile_models``: an initializer named twice, a big-endian input, an fp16 Gemm chain
   split before its first weight, a session under ``ulimit -v``;
 - ``hostile_stats``: ``stats()`` from another thread while ``generate()`` makes room in
-  the budget (a deadlock is a hang, caught by the parent's timeout).
+  the budget (a deadlock is a hang, caught by the parent's timeout);
+- ``hostile_members``: ``get_inputs()`` and ``get_outputs()`` from another thread while
+  ``generate()`` moves the weights from resident to segments.
 
 Each is a child of ``python -m onnx_offload.tools.reliability`` returning the counts of
 ``reliability_rig.result``: a wrong answer, a refusal of a valid call, or an error of the
@@ -195,11 +197,68 @@ def hostile_stats(seconds: str = "10") -> dict:
     return result(rounds, 0, differ + len(errors), int(final.committed != 0), polls=polls[0])
 
 
-CHILDREN: List[Callable[..., dict]] = [hostile_calls, hostile_models, hostile_stats]
+def hostile_members(rounds: str = "6") -> dict:
+    """generate() moves a session from resident weights to segments (its KV cache outgrew
+    the budget) while another thread asks get_inputs() and get_outputs() without the
+    session's lock, as ORT's members take none. Each round is a new session, so each
+    makes the move once; the asking thread must see the runner in force or wait for the
+    new one, never a closed session. An error, a wrong list or a round that did not move
+    is a wrong output."""
+    import re
+    import warnings
+
+    from ..errors import BudgetExceeded
+    from ..models.decoder import decoder_lm
+    from ..session import OffloadSession
+    model = decoder_lm("gqa", max_length=256).SerializeToString()
+
+    def make(**kw):
+        return OffloadSession(model, providers=CPU, host_granularity=4096, **kw)
+    try:
+        make(offload=False, vram_limit=4096)
+        return result(1, 0, 1, 0, errors=["a budget of 4096 bytes ran every weight resident"])
+    except BudgetExceeded as e:
+        least = int(re.search(r"is [^(]+\((\d+) bytes\)", str(e)).group(1))
+    ids = np.random.default_rng(0).integers(0, 97, (2, 6))
+    errors: List[str] = []
+    asked, moved, leaks = [0], 0, 0
+    for _ in range(int(rounds)):
+        s = make(offload=True, vmm=True, vram_limit=least)
+        done = threading.Event()
+
+        def ask():
+            while not done.is_set():
+                try:
+                    names = [i.name for i in s.get_inputs()] + [o.name for o in s.get_outputs()]
+                except Exception as e:  # noqa: BLE001 - counted below
+                    errors.append(f"{type(e).__name__}: {e}")
+                    return
+                if "input_ids" not in names or "logits" not in names:
+                    errors.append(f"members listed {names}")
+                    return
+                asked[0] += 1
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the move's warning is the generate tests'
+                s.generate(ids, 24)
+        finally:
+            done.set()
+            asker.join()
+        moved += len(s.segments) > 1
+        leaks += int(s.close().committed != 0)
+    return result(int(rounds), 0, len(errors) + int(rounds) - moved, leaks, errors=errors[:5], asked=asked[0],
+                  moved=moved)
+
+
+CHILDREN: List[Callable[..., dict]] = [hostile_calls, hostile_models, hostile_stats, hostile_members]
 
 SCENARIOS = [
     ("hostile: calls", "hostile_calls", (), 90),
     ("hostile: models", "hostile_models", (), 90),
     ("hostile: stats() while generate() makes room", "hostile_stats", ("10",), 60),
+    ("hostile: get_inputs() while generate() moves to segments", "hostile_members", ("6",), 120),
 ]
 

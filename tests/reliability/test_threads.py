@@ -1,6 +1,7 @@
 """Eight threads share one session: every output is right, and close() leaves nothing.
 A thread that reads stats() while generate() makes room in the budget neither blocks nor
-is blocked.
+is blocked, and one that asks get_inputs() while generate() moves the weights to
+segments sees the session open.
 
 Runs in a child process: a race may crash or deadlock it."""
 import os
@@ -122,6 +123,24 @@ def test_stats_from_another_thread_while_generate_makes_room(child):
     assert res["differ"] == [], "greedy generation gave other tokens while stats() was read"
     assert res["committed"] == 0
 
+
+def child_members_while_the_runner_switches() -> dict:
+    from onnx_offload.tools.reliability_hostile import hostile_members
+    return hostile_members(str(ROUNDS))
+
+
+ROUNDS = 6
+
+
+def test_members_without_a_lock_wait_out_a_move_to_segments(child):
+    """get_inputs() and get_outputs() from another thread while generate() moves the
+    weights from resident to segments: the runner in force, or the new one, never a
+    closed session (the bench's scenario, run here in a child of its own)."""
+    res = child(__file__, "members-while-the-runner-switches", timeout=120).data
+    assert res["notes"]["moved"] == ROUNDS, "generate() did not move the weights to segments"
+    assert res["notes"]["asked"] > 0
+    assert res["notes"]["errors"] == [], res["notes"]["errors"]
+    assert res["wrong_outputs"] == 0 and res["leaks"] == 0
 
 if __name__ == "__main__":
     import conftest as h  # this folder's: the script's folder leads sys.path

@@ -9,6 +9,7 @@ its own (a file size limit, a mount namespace with a full disk) runs as a child 
 this file."""
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -126,6 +127,24 @@ def test_a_cache_below_a_folder_others_can_write_is_used_only_below_a_sticky_one
             assert_not_served(zero_output(path, cache), w)
         assert not os.path.isdir(cache) or not os.listdir(cache)
 
+
+@second_user
+@pytest.mark.parametrize("where", ["cache", "above"])
+def test_a_cache_folder_another_user_owns_or_owns_a_folder_above_is_not_used(tmp_path, where):
+    """The cache folder, or a folder above it, owned by uid 999 and writable by nobody
+    else: that user could still change what the session reads, so the cache is not used,
+    with a warning, and the session runs from its own folder."""
+    w = trust.weight(5)
+    path = trust.add_model(str(tmp_path), w)
+    above = tmp_path / "above"
+    above.mkdir(mode=0o755)
+    cache = above / "cache"
+    cache.mkdir(mode=0o700)
+    os.chown(cache if where == "cache" else above, SECOND_USER, SECOND_USER)
+    expect = ("" if where == "cache" else "a folder above it, ") + f"is owned by uid {SECOND_USER}"
+    with pytest.warns(OffloadWarning, match=re.escape(expect)):
+        assert_not_served(zero_output(path, str(cache)), w)
+    assert os.listdir(cache) == []
 
 def test_entries_moved_to_another_models_key_are_not_served(tmp_path):
     """Two entries of this user's, each moved under the other model's key: every file is as
