@@ -41,31 +41,41 @@ def _normal(rng, shape, scale, dtype):
 PARALLEL_DRAWS = 1 << 30
 
 
-def _weights(rng, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed=0):
-    """Every weight, in one fixed draw order. Linear weights are [in, out] with std
-    1/sqrt(in), so activations stay near unit scale (no fp16 overflow); norm gammas are 1 +
-    small noise; embeddings have std 1 so that the token keeps weight in the residual."""
+def _lin(n_in, n_out):
+    """A linear weight [in, out] and its std, 1/sqrt(in)."""
+    return (n_in, n_out), 1.0 / math.sqrt(n_in)
+
+
+def _dense_mlp(hidden, intermediate):
+    """The per-layer weight spec of the SiLU-gated MLP, in draw order."""
+    return lambda p: {p + "gate_proj": _lin(hidden, intermediate), p + "up_proj": _lin(hidden, intermediate),
+                      p + "down_proj": _lin(intermediate, hidden)}
+
+
+def _weight_spec(layers, hidden, heads, kv_heads, vocab, mlp):
+    """{name: (shape, std)} of every weight, in draw order; `mlp(prefix)` gives a layer's
+    MLP entries (drawn after its attention and norms). A std of None marks a norm's gamma."""
     hd = hidden // heads
     gamma = ((hidden,), None)
-
-    def lin(n_in, n_out):
-        return (n_in, n_out), 1.0 / math.sqrt(n_in)
-
     spec = {"embed_tokens": ((vocab, hidden), 1.0)}
     for i in range(layers):
         p = f"layers.{i}."
         spec[p + "input_layernorm"] = gamma
-        spec[p + "q_proj"] = lin(hidden, heads * hd)
-        spec[p + "k_proj"] = lin(hidden, kv_heads * hd)
-        spec[p + "v_proj"] = lin(hidden, kv_heads * hd)
-        spec[p + "o_proj"] = lin(heads * hd, hidden)
+        spec[p + "q_proj"] = _lin(hidden, heads * hd)
+        spec[p + "k_proj"] = _lin(hidden, kv_heads * hd)
+        spec[p + "v_proj"] = _lin(hidden, kv_heads * hd)
+        spec[p + "o_proj"] = _lin(heads * hd, hidden)
         spec[p + "post_attention_layernorm"] = gamma
-        spec[p + "gate_proj"] = lin(hidden, intermediate)
-        spec[p + "up_proj"] = lin(hidden, intermediate)
-        spec[p + "down_proj"] = lin(intermediate, hidden)
+        spec.update(mlp(p))
     spec["norm"] = gamma
-    spec["lm_head"] = lin(hidden, vocab)
+    spec["lm_head"] = _lin(hidden, vocab)
+    return spec
 
+
+def _draw(rng, spec, dtype, seed=0):
+    """Draws every weight of `spec` in its order. Linear weights have std 1/sqrt(in), so
+    activations stay near unit scale (no fp16 overflow); norm gammas are 1 + small noise;
+    embeddings have std 1 so that the token keeps weight in the residual."""
     def draw(r, shape, scale):
         if scale is None:  # a norm's gamma
             return (1.0 + 0.05 * r.standard_normal(shape, dtype=np.float32)).astype(dtype)
@@ -77,6 +87,12 @@ def _weights(rng, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, s
         futures = {name: pool.submit(draw, np.random.default_rng([seed, i]), *v)
                    for i, (name, v) in enumerate(spec.items())}
         return {name: f.result() for name, f in futures.items()}
+
+
+def _weights(rng, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed=0):
+    """Every weight of the dense decoder, in one fixed draw order."""
+    return _draw(rng, _weight_spec(layers, hidden, heads, kv_heads, vocab, _dense_mlp(hidden, intermediate)),
+                 dtype, seed)
 
 
 class _Graph:
@@ -105,8 +121,9 @@ def _mlp(g, h, p):
     return g("MatMul", [g("Mul", [silu, g("MatMul", [h, p + "up_proj"])]), p + "down_proj"])
 
 
-def _gqa_graph(g, layers, heads, kv_heads, eps):
-    """The model builder's graph: the residual runs through SkipSimplifiedLayerNormalization."""
+def _gqa_graph(g, layers, heads, kv_heads, eps, mlp=_mlp):
+    """The model builder's graph: the residual runs through SkipSimplifiedLayerNormalization.
+    `mlp(g, h, prefix)` builds each layer's feed-forward part (a mixture of experts in moe.py)."""
     g.const("one", 1)
     g.const("axes_1", [1])
     mask_sum = g("ReduceSum", ["attention_mask", "axes_1"], keepdims=0)
@@ -133,7 +150,7 @@ def _gqa_graph(g, layers, heads, kv_heads, eps):
                  [g.name("attn"), f"present.{i}.key", f"present.{i}.value"], MS,
                  num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0)[0]
         h, residual = skip_norm(g("MatMul", [attn, p + "o_proj"]), residual, p + "post_attention_layernorm")
-        x = _mlp(g, h, p)
+        x = mlp(g, h, p)
     h = g("SkipSimplifiedLayerNormalization", [x, residual, "norm"], domain=MS, epsilon=eps)
     g("MatMul", [h, "lm_head"], ["logits"])
 
@@ -237,20 +254,30 @@ def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: in
     dtype = np.dtype(dtype)
     elem, hd = helper.np_dtype_to_tensor_dtype(dtype), hidden // heads
     weights = _weights(np.random.default_rng(seed), layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed)
-    inv_freq = 1.0 / rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
-    freqs = np.outer(np.arange(max_length, dtype=np.float64), inv_freq)  # [max_length, hd/2]
-    if layout == "standard":  # tables [max_length, hd] for rotate_half
-        freqs = np.concatenate([freqs, freqs], axis=-1)
-    table = "cache" if layout == "gqa" else "table"
-    weights[f"cos_{table}"] = np.cos(freqs).astype(dtype)
-    weights[f"sin_{table}"] = np.sin(freqs).astype(dtype)
+    weights.update(_rope_tables(layout, hd, max_length, rope_theta, dtype))
 
     g = _Graph()
     if layout == "gqa":
         _gqa_graph(g, layers, heads, kv_heads, eps)
     else:
         _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids, sliding_window)
+    return _assemble(g, weights, layout, f"decoder_lm_{layout}", layers, kv_heads, hd, vocab, elem, position_ids)
 
+
+def _rope_tables(layout, hd, max_length, rope_theta, dtype):
+    """The rotary cos/sin tables: [max_length, hd/2] for GroupQueryAttention (gqa), or
+    [max_length, hd] for rotate_half (standard)."""
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    freqs = np.outer(np.arange(max_length, dtype=np.float64), inv_freq)  # [max_length, hd/2]
+    if layout == "standard":  # tables [max_length, hd] for rotate_half
+        freqs = np.concatenate([freqs, freqs], axis=-1)
+    table = "cache" if layout == "gqa" else "table"
+    return {f"cos_{table}": np.cos(freqs).astype(dtype), f"sin_{table}": np.sin(freqs).astype(dtype)}
+
+
+def _assemble(g, weights, layout, name, layers, kv_heads, hd, vocab, elem, position_ids=True):
+    """The model of graph `g` with the decoder's inputs and outputs; `weights` are moved
+    into it (the dict is emptied)."""
     i64, kv = TensorProto.INT64, ["batch_size", kv_heads, "past_sequence_length", hd]
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch_size", "sequence_length"]),
               helper.make_tensor_value_info("attention_mask", i64, ["batch_size", "total_sequence_length"])]
@@ -262,7 +289,7 @@ def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: in
             inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{part}", elem, kv))
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{part}", elem,
                                                          ["batch_size", kv_heads, "total_sequence_length", hd]))
-    model = build_model(g.nodes, inputs, outputs, g.consts, f"decoder_lm_{layout}")
+    model = build_model(g.nodes, inputs, outputs, g.consts, name)
     if layout == "gqa":
         model.opset_import.append(helper.make_opsetid(MS, 1))
     # Initializers go straight into the model, one at a time, so that a large model is held
