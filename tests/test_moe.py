@@ -1,6 +1,7 @@
 """Mixture-of-experts decoders (models/moe.py) on the CPU host backend: they run in plain ORT,
 generate() gives plain ORT's greedy tokens all resident and streamed, and each layer's stacked
-experts are one weight of the session."""
+experts are one weight of the session; ORT's CPU MoE kernel reads only the routed experts'
+weights."""
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -85,3 +86,60 @@ def test_each_stack_of_experts_is_one_weight_of_the_session(preset):
     assert held == set(big)
     stacks = {n for n in big if ".moe.fc" in n and not n.endswith("_bias")}
     assert len(stacks) == 4  # fc1 and fc2 of each of the 2 layers
+
+
+# A child that runs one MoE node with its stacked experts in mmap'd memory, every expert
+# but `mapped` PROT_NONE: a read of any other expert's weights kills it with SIGSEGV.
+READS = r"""
+import ctypes, mmap, sys
+import numpy as np, onnxruntime as ort
+from onnx import TensorProto, helper
+E, H, I, T = 8, 256, 512, int(sys.argv[1])
+mapped = [int(e) for e in sys.argv[2].split(",")]
+per1, per2 = 2 * I * H * 4, H * I * 4
+buf = mmap.mmap(-1, E * (per1 + per2))
+arr = np.frombuffer(buf, dtype=np.float32)
+fc1, fc2 = arr[:E * 2 * I * H].reshape(E, 2 * I, H), arr[E * 2 * I * H:].reshape(E, H, I)
+rng = np.random.default_rng(0)
+fc1[:], fc2[:] = rng.standard_normal(fc1.shape) * 0.05, rng.standard_normal(fc2.shape) * 0.05
+logits = np.full((T, E), -10.0, np.float32)
+logits[:, [1, 5]] = [2.0, 1.0]  # every token routes to experts 1 and 5
+x = rng.standard_normal((T, H)).astype(np.float32)
+node = helper.make_node("MoE", ["x", "router", "fc1", "", "fc2"], ["y"], domain="com.microsoft", k=2,
+                        activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=1)
+values = [("x", [T, H]), ("router", [T, E]), ("fc1", list(fc1.shape)), ("fc2", list(fc2.shape))]
+g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in values],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, H])])
+m = helper.make_model(g, ir_version=10, opset_imports=[helper.make_opsetid("", 17),
+                                                      helper.make_opsetid("com.microsoft", 1)])
+s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+feeds = {"x": x, "router": logits, "fc1": fc1, "fc2": fc2}
+want = s.run(None, feeds)[0]
+base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+for e in set(range(E)) - set(mapped):
+    for off, n in ((e * per1, per1), (E * per1 + e * per2, per2)):
+        assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(base + off), ctypes.c_size_t(n), 0) == 0
+io = s.io_binding()  # bound in place: the kernel reads the mmap'd memory itself
+for n, a in feeds.items():
+    io.bind_cpu_input(n, a)
+io.bind_output("y")
+s.run_with_iobinding(io)
+print(np.array_equal(io.copy_outputs_to_cpu()[0], want))
+"""
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_ort_s_cpu_moe_kernel_reads_only_the_routed_experts(tokens):
+    """What streaming only the routed experts rests on, on the CPU: ORT's MoE kernel reads
+    the weights of the experts the router picked and no others. With every other expert's
+    pages unreadable the step runs and gives the same output; with a routed expert's
+    pages unreadable too, it faults (the check can fail)."""
+    import subprocess
+    import sys
+
+    def run(mapped):
+        return subprocess.run([sys.executable, "-c", READS, str(tokens), mapped], capture_output=True, text=True,
+                              timeout=120)
+    routed = run("1,5")
+    assert routed.returncode == 0 and routed.stdout.strip() == "True", routed.stderr[-2000:]
+    assert run("5").returncode == -11  # expert 1 unreadable: SIGSEGV
