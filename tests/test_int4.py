@@ -44,3 +44,17 @@ def test_streamed_weights_are_read_from_their_slots(model):
         assert len(s.segments) > 1
         np.testing.assert_array_equal(s.generate(ids, 16), reference_greedy(model, ids, 16, prepack=False))
         assert s.stats().counters.page_ins > 0
+
+
+def test_a_bench_row_runs_in_a_process_of_its_own(model, tmp_path):
+    """The benchmarks run each row in a fresh Python (bench_decode.in_process_of_its_own),
+    which finds the row's function by the tools module's name."""
+    import onnx
+
+    from onnx_offload.tools.bench_decode import in_process_of_its_own
+    path = str(tmp_path / "model.onnx")
+    onnx.save(model, path)
+    ids = np.random.default_rng(1).integers(0, 1024, (1, 5))
+    row = in_process_of_its_own("bench_int4", "resident_row", path=path, ids=ids.tolist(), new=6, kind="cpu")
+    assert row["segments"] == 1 and row["ms_per_token"] > 0
+    np.testing.assert_array_equal(np.concatenate([ids, row["tokens"]], 1), reference_greedy(model, ids, 6))

@@ -131,31 +131,32 @@ def prepare(path_or_bytes, request: LoadRequest, progress) -> PreparedModel:
             notes.append(f"{len(inside)} initializers of types ORT cannot take in place (such as {inside[0]!r}) "
                          f"stay inside the model: ORT owns their memory")
         weights = read_weights(model, folder)
-    except BaseException:
+        own = [w for w in weights if w.path != os.path.join(folder, OPTIMIZED_DATA)]
+        if own:
+            notes.append(f"{len(own)} weights ({fmt_bytes(sum(w.nbytes for w in own))}) are read from the model's own "
+                         f"data files: optimization left them unchanged, so the cache holds no copy")
+        inits = {t.name for t in model.graph.initializer}
+        # The inputs a caller feeds (never the weights); as ORT's Python layer, one of
+        # optional type may be left out.
+        feed = [v.name for v in model.graph.input if v.name not in inits]
+        required = [v.name for v in model.graph.input if v.name in feed and not v.type.HasField("optional_type")]
+        graph_inputs = [IOInfo(v) for v in model.graph.input]
+        graph_outputs = [IOInfo(v) for v in model.graph.output]
+        op_types = {n.op_type for n in model.graph.node}
+        model_dir = os.path.dirname(os.path.abspath(os.fspath(path_or_bytes))) if from_file else None
+        feeding = set(feed)
+        decoder = _decoder([i for i in graph_inputs if i.name in feeding], graph_outputs, op_types, model_dir, model,
+                           notes)
+        return PreparedModel(
+            model=model, folder=folder, weights=weights, held=held, entry_lock=entry_lock,
+            name=os.path.basename(os.fspath(path_or_bytes)) if from_file else "model (bytes)", model_dir=model_dir,
+            meta=meta, overridable=overridable, feed_inputs=feed, required_inputs=required, graph_inputs=graph_inputs,
+            graph_outputs=graph_outputs, op_types=op_types, decoder=decoder)
+    except BaseException:  # a failure or Ctrl-C anywhere before the model is handed over loses nothing
         if entry_lock is not None:
             os.close(entry_lock)
         held.close()
         raise
-    own = [w for w in weights if w.path != os.path.join(folder, OPTIMIZED_DATA)]
-    if own:
-        notes.append(f"{len(own)} weights ({fmt_bytes(sum(w.nbytes for w in own))}) are read from the model's own "
-                     f"data files: optimization left them unchanged, so the cache holds no copy")
-    inits = {t.name for t in model.graph.initializer}
-    # The inputs a caller feeds (never the weights); as ORT's Python layer, one of
-    # optional type may be left out.
-    feed = [v.name for v in model.graph.input if v.name not in inits]
-    required = [v.name for v in model.graph.input if v.name in feed and not v.type.HasField("optional_type")]
-    graph_inputs = [IOInfo(v) for v in model.graph.input]
-    graph_outputs = [IOInfo(v) for v in model.graph.output]
-    op_types = {n.op_type for n in model.graph.node}
-    model_dir = os.path.dirname(os.path.abspath(os.fspath(path_or_bytes))) if from_file else None
-    fed = set(feed)
-    decoder = _decoder([i for i in graph_inputs if i.name in fed], graph_outputs, op_types, model_dir, model, notes)
-    return PreparedModel(
-        model=model, folder=folder, weights=weights, held=held, entry_lock=entry_lock,
-        name=os.path.basename(os.fspath(path_or_bytes)) if from_file else "model (bytes)", model_dir=model_dir,
-        meta=meta, overridable=overridable, feed_inputs=feed, required_inputs=required, graph_inputs=graph_inputs,
-        graph_outputs=graph_outputs, op_types=op_types, decoder=decoder)
 
 
 def _decoder(inputs, outputs, op_types, model_dir, model, notes):

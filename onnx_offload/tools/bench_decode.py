@@ -224,10 +224,11 @@ def bench_decode(kind: str, out_dir: str, prompt: int = 128, new: int = 128,
 
 
 def in_process_of_its_own(module: str, fn: str, **kw) -> Dict:
-    """Runs `fn(**kw)` of onnx_offload.`module` in a fresh Python; returns its result."""
+    """Runs `fn(**kw)` of the tools' `module` (bench_decode, bench_int4, ...) in a fresh
+    Python; returns its result."""
     # Run from a neutral folder: the source tree's package (without its built core)
     # must not shadow the installed one.
-    proc = subprocess.run([sys.executable, "-m", f"onnx_offload.{module}", fn, json.dumps(kw)],
+    proc = subprocess.run([sys.executable, "-m", f"{__package__}.{module}", fn, json.dumps(kw)],
                           capture_output=True, text=True, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         raise RuntimeError(f"bench: {module}.{fn} failed:\n{proc.stderr[-3000:]}")
