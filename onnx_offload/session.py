@@ -139,8 +139,8 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
                                notes=self._notes)
         readers = collections.Counter(i for node in model.graph.node for i in node.input if i in names)
         shared = [n for n, c in readers.items() if c > 1]
-        decoder = None if isinstance(spec, Exception) else spec
-        self._activations = activation_shape(model, names, decoder and decoder.vocab, decoder and decoder.logits_dtype)
+        vocab, logits = (None, None) if isinstance(spec, Exception) else (spec.vocab, spec.logits_dtype)
+        self._activations = activation_shape(model, names, vocab, logits)
         self._store = HostStore(dev.backend, self._weights)
         with progress.phase("reading weights", sum(w.nbytes for w in self._weights), "B") as update:
             self._store.fill_from_file(p.data_file, self._weights, update, p.held)

@@ -31,6 +31,7 @@ from ..loading import Segment, WeightInfo, check_bindable, split, value_types
 from ..memory import (Counters, ResidencyManager, StepMemoryShort, ZonePlan, describe_zones, device_out_of_memory,
                       is_out_of_memory)
 from .graph_capture import GraphCaptureDecision
+from .replan import engine_short, kv_short
 from .ort_sessions import SessionFactory
 from .runner import SegmentRunner
 from .stream_plan import StreamingUnavailable, plan_stream
@@ -290,7 +291,6 @@ class Engines:
           not measured); elsewhere, or a third time, BudgetExceeded naming the zones;
         - the streaming engine cannot build a step's graph (and the engine was not asked
           for by name): the weights move to segments, and the session says so."""
-        from .replan import engine_short
         attempt = -1
         while True:
             attempt += 1
@@ -337,7 +337,6 @@ class Engines:
     def kv_short(self, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
                  device_full: bool = False) -> Optional[str]:
         """See replan.kv_short."""
-        from .replan import kv_short
         return kv_short(self, nbytes, kv_peak, io_peak, boundary, device_full)
 
     def close(self) -> None:
