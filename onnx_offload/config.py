@@ -36,6 +36,11 @@ ENV_CACHE_DIR = "ONNX_OFFLOAD_CACHE_DIR"
 # a graph with the page-ins in it; CUDA only); "segments", one ORT session per segment,
 # each paged in before it runs; "auto", the graph where it can run, else segments.
 ENGINES = ("auto", "graph", "segments")
+ENV_EXPERTS = "ONNX_OFFLOAD_EXPERTS"
+# How a mixture-of-experts model's experts stream: "routed", only those its router picks
+# for the step; "dense", every expert every step; "auto", routed where the kernels are
+# known to read only the routed experts (the CPU execution provider), else dense.
+EXPERTS = ("auto", "routed", "dense")
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -192,6 +197,13 @@ def parse_engine(value: str, name: str = ENV_ENGINE) -> str:
     return text
 
 
+def parse_experts(value: str, name: str = ENV_EXPERTS) -> str:
+    text = str(value).strip().lower()
+    if text not in EXPERTS:
+        raise ValueError(f"{name}={value!r} is not valid: expected one of {', '.join(EXPERTS)}")
+    return text
+
+
 def env_is_set(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether the variable holds a value (an empty one counts as unset)."""
     value = (os.environ if env is None else env).get(name)
@@ -207,6 +219,7 @@ _ENV_FIELDS = (
     (ENV_CUDA_GRAPH, "cuda_graph", parse_flag),
     (ENV_ENGINE, "engine", parse_engine),
     (ENV_CACHE_DIR, "cache_dir", parse_cache_dir),
+    (ENV_EXPERTS, "experts", parse_experts),
 )
 
 
@@ -235,6 +248,7 @@ class OffloadConfig:
     # reads: a folder, "auto" (the user cache directory) or "off".
     cache_dir: Optional[str] = "auto"
     engine: str = "auto"  # one of ENGINES
+    experts: str = "auto"  # one of EXPERTS
     # generate() feeds a prompt longer than this in chunks of at most this many tokens, so
     # the memory a prompt step needs is bounded whatever the prompt's length.
     prefill_chunk: int = 512
@@ -261,6 +275,7 @@ class OffloadConfig:
         self.vram_limit = parse_vram_limit(self.vram_limit, "vram_limit", smallest_budget(self.host_granularity))
         self.policy = parse_policy(self.policy, "policy")
         self.engine = parse_engine(self.engine, "engine")
+        self.experts = parse_experts(self.experts, "experts")
         self.cache_dir = parse_cache_dir("off" if self.cache_dir is None else self.cache_dir, "cache_dir")
         if self.weight_bytes is not None:
             self.weight_bytes = parse_bytes(self.weight_bytes, "weight_bytes")

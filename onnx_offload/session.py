@@ -29,7 +29,7 @@ from .errors import OffloadWarning, StateError, UnsupportedModel
 from .generation import GenerationMembers, first_needs, release_kept
 from .interrupts import deferred_interrupts
 from .loading import (CUDA_EP, LoadRequest, copy_options, make_workdir, point_weights_at_placeholder, prepare,
-                      remove_workdir, unseen, weights_as_inputs)
+                      remove_workdir, routing_for, unseen, weights_as_inputs)
 from .memory import Device, HostStore, OrtMemoryMeter, activation_shape, cuda_available, plan_inputs, plan_or_explain
 from .progress import LoadProgress
 from .stats import ReportingMembers
@@ -117,9 +117,12 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
         self._graph_inputs, self._graph_outputs = p.graph_inputs, p.graph_outputs
         names = {w.name for w in self._weights}
         self._stable = stable = (not cfg.offload) or cfg.vmm
-        inputs, groups_by_target = plan_inputs(model, self._weights, stable, dev)
+        routing, dense_why = routing_for(model, self._weights, cfg.experts, self._on_cuda, stable and cfg.offload)
+        inputs, groups_by_target = plan_inputs(model, self._weights, stable, dev, routing.cuts if routing else ())
         plan = plan_or_explain(cfg, inputs)
         dev.apply(plan)
+        if plan.streaming and dense_why:
+            self._notes.append(dense_why)
         if stable:
             point_weights_at_placeholder(model, names)
         else:
@@ -136,7 +139,7 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
             decoder=not isinstance(spec, Exception) and not p.op_types & CONTROL_FLOW_OPS)
         growing = not isinstance(spec, Exception) and spec.layout == "exact"
         engine = choose_engine(cfg, self._on_cuda, plan.streaming, stable, capture, growing_steps=growing,
-                               notes=self._notes)
+                               notes=self._notes, routed=routing is not None)
         readers = collections.Counter(i for node in model.graph.node for i in node.input if i in names)
         shared = [n for n, c in readers.items() if c > 1]
         vocab, logits = (None, None) if isinstance(spec, Exception) else (spec.vocab, spec.logits_dtype)
@@ -148,11 +151,12 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
         self._meter = OrtMemoryMeter(dev)
         run = RunInputs(model, self._weights, names, groups_by_target, shared, stable, capture,
                         [o.name for o in self._graph_outputs], self._feed_inputs, self._graph_inputs, inputs,
-                        record_timeline, self._workdir)
+                        record_timeline, self._workdir, routing)
         self._engines = Engines(dev, self._store, self._meter, cfg, self._options, self._cuda_options, run, plan,
                                 self._notes, lambda: release_kept(self), self.close)
         try:
-            self._engines.graph_possible = choose_engine(cfg, self._on_cuda, True, stable, capture, growing) == "graph"
+            self._engines.graph_possible = choose_engine(cfg, self._on_cuda, True, stable, capture, growing,
+                                                         routed=routing is not None) == "graph"
         except StreamingUnavailable:
             pass
         needs = first_needs(spec, cfg, plan.zones["scratch"].reserve, self._activations, dev.granularity,

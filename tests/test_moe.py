@@ -77,43 +77,56 @@ def test_each_stack_of_experts_is_one_weight_of_the_session(preset):
                if int(np.prod(t.dims)) * 4 >= min_bytes}  # float32
         held = {w for seg in s.segments for w in seg.weights}
         stats = s.stats()
-    # Today the session streams whole initializers: every initializer of min_weight_bytes or
-    # more is one weight in one slot, so a layer's fc1 (and fc2) stack of all its experts
-    # pages in whole whenever the MoE node runs, whichever experts the router picked.
-    # Route-aware streaming would keep one slot per stack but page its experts in as slices
-    # ([e] of [experts, ...]), counted per expert: only the routed misses move.
+    # Every initializer of min_weight_bytes or more is one weight of the session, a layer's
+    # fc1 (and fc2) stack of all its experts too; streamed by route, its residency gives
+    # each expert a slot of its own (test_moe_routed.py).
     assert stats.weights == len(big) and stats.weight_bytes == sum(big.values())
     assert held == set(big)
     stacks = {n for n in big if ".moe.fc" in n and not n.endswith("_bias")}
     assert len(stacks) == 4  # fc1 and fc2 of each of the 2 layers
 
 
-# A child that runs one MoE node with its stacked experts in mmap'd memory, every expert
-# but `mapped` PROT_NONE: a read of any other expert's weights kills it with SIGSEGV.
+# A child that runs one MoE (or QMoE, 4-bit) node with its stacked experts in mmap'd memory,
+# every expert but `mapped` PROT_NONE: a read of any other expert's weights kills it with SIGSEGV.
 READS = r"""
 import ctypes, mmap, sys
 import numpy as np, onnxruntime as ort
 from onnx import TensorProto, helper
 E, H, I, T = 8, 256, 512, int(sys.argv[1])
 mapped = [int(e) for e in sys.argv[2].split(",")]
-per1, per2 = 2 * I * H * 4, H * I * 4
-buf = mmap.mmap(-1, E * (per1 + per2))
-arr = np.frombuffer(buf, dtype=np.float32)
-fc1, fc2 = arr[:E * 2 * I * H].reshape(E, 2 * I, H), arr[E * 2 * I * H:].reshape(E, H, I)
+op = sys.argv[3]
 rng = np.random.default_rng(0)
-fc1[:], fc2[:] = rng.standard_normal(fc1.shape) * 0.05, rng.standard_normal(fc2.shape) * 0.05
+w1 = (rng.standard_normal((E, 2 * I, H)) * 0.05).astype(np.float32)
+w2 = (rng.standard_normal((E, H, I)) * 0.05).astype(np.float32)
+extra, inputs = {}, ["x", "router", "fc1", "", "fc2"]
+if op == "QMoE":
+    from onnx_offload.models.moe import quantize_experts
+    (w1, s1), (w2, s2) = quantize_experts(w1), quantize_experts(w2)
+    extra = {"s1": s1, "s2": s2}
+    inputs = ["x", "router", "fc1", "s1", "", "fc2", "s2"]
+dt = np.uint8 if op == "QMoE" else np.float32
+per1, per2 = w1[0].size * w1.itemsize, w2[0].size * w2.itemsize
+buf = mmap.mmap(-1, E * (per1 + per2))
+fc1 = np.frombuffer(buf, dtype=dt, count=w1.size).reshape(w1.shape)
+fc2 = np.frombuffer(buf, dtype=dt, count=w2.size, offset=E * per1).reshape(w2.shape)
+fc1[:], fc2[:] = w1, w2
 logits = np.full((T, E), -10.0, np.float32)
 logits[:, [1, 5]] = [2.0, 1.0]  # every token routes to experts 1 and 5
 x = rng.standard_normal((T, H)).astype(np.float32)
-node = helper.make_node("MoE", ["x", "router", "fc1", "", "fc2"], ["y"], domain="com.microsoft", k=2,
-                        activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=1)
-values = [("x", [T, H]), ("router", [T, E]), ("fc1", list(fc1.shape)), ("fc2", list(fc2.shape))]
-g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in values],
+attrs = dict(expert_weight_bits=4) if op == "QMoE" else {}
+node = helper.make_node(op, inputs, ["y"], domain="com.microsoft", k=2, activation_type="swiglu", swiglu_fusion=1,
+                        normalize_routing_weights=1, **attrs)
+elem = TensorProto.UINT8 if op == "QMoE" else TensorProto.FLOAT
+values = [("x", [T, H], TensorProto.FLOAT), ("router", [T, E], TensorProto.FLOAT), ("fc1", list(fc1.shape), elem),
+          ("fc2", list(fc2.shape), elem)] + [(n, list(a.shape), TensorProto.FLOAT) for n, a in extra.items()]
+g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, s) for n, s, t in values],
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, H])])
 m = helper.make_model(g, ir_version=10, opset_imports=[helper.make_opsetid("", 17),
                                                       helper.make_opsetid("com.microsoft", 1)])
-s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-feeds = {"x": x, "router": logits, "fc1": fc1, "fc2": fc2}
+so = ort.SessionOptions()
+so.add_session_config_entry("session.disable_prepacking", "1")  # as a streamed session's: the kernel reads the slots
+s = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+feeds = dict({"x": x, "router": logits, "fc1": fc1, "fc2": fc2}, **extra)
 want = s.run(None, feeds)[0]
 base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
 for e in set(range(E)) - set(mapped):
@@ -128,8 +141,9 @@ print(np.array_equal(io.copy_outputs_to_cpu()[0], want))
 """
 
 
+@pytest.mark.parametrize("op", ["MoE", "QMoE"])
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_ort_s_cpu_moe_kernel_reads_only_the_routed_experts(tokens):
+def test_ort_s_cpu_moe_kernel_reads_only_the_routed_experts(tokens, op):
     """What streaming only the routed experts rests on, on the CPU: ORT's MoE kernel reads
     the weights of the experts the router picked and no others. With every other expert's
     pages unreadable the step runs and gives the same output; with a routed expert's
@@ -138,7 +152,7 @@ def test_ort_s_cpu_moe_kernel_reads_only_the_routed_experts(tokens):
     import sys
 
     def run(mapped):
-        return subprocess.run([sys.executable, "-c", READS, str(tokens), mapped], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-c", READS, str(tokens), mapped, op], capture_output=True, text=True,
                               timeout=120)
     routed = run("1,5")
     assert routed.returncode == 0 and routed.stdout.strip() == "True", routed.stderr[-2000:]

@@ -35,6 +35,7 @@ from ..memory import Counters
 from .base import Engine
 from .graph_capture import GraphCaptureDecision
 from .ortvalues import as_ortvalue, copy_into, ortvalue_at, signature
+from .routing import Router
 from .segment_plans import Binder, Plan, Plans, graph_run_options
 
 # ORT takes its memory (arena growth, workspaces, capture) on the first steps: the
@@ -55,7 +56,7 @@ class SegmentRunner(Engine):
 
     def __init__(self, device, residency, factory, meter, segments: List[Segment], workdir: str,
                  graph_outputs: List[str], *, streaming: bool, stable: bool, capture: GraphCaptureDecision,
-                 device_id: int, constants: Optional[Dict[str, np.ndarray]] = None):
+                 device_id: int, constants: Optional[Dict[str, np.ndarray]] = None, routing=None):
         self.device = device
         self.residency = residency
         self._factory = factory
@@ -68,6 +69,7 @@ class SegmentRunner(Engine):
         self.capture = capture
         self._device_id = device_id
         self.runs: List[_SegmentRun] = []
+        self._router = Router(routing if streaming else None, segments, residency)
         self._initializer_values: List[ort.OrtValue] = []
         self._plans = Plans(device)
         self._binder = Binder(device, residency, device_id, stable)
@@ -110,7 +112,7 @@ class SegmentRunner(Engine):
                         ready.synchronize()
                 for name in seg.weights:
                     info = res.info[name]
-                    value = ortvalue_at(res.slots[name].va, info.shape, info.dtype, self.device.is_cuda,
+                    value = ortvalue_at(res.address(name), info.shape, info.dtype, self.device.is_cuda,
                                         self._device_id)
                     so.add_initializer(name, value)
                     self._initializer_values.append(value)
@@ -239,7 +241,10 @@ class SegmentRunner(Engine):
             for run in self.runs:
                 seg = run.seg
                 # Unsplit, every weight is resident and pinned for the session's life.
-                ready = res.acquire(seg.index) if self.streaming else None
+                routed = self._router.picks(seg.index, values, feeds)
+                ready = None
+                if self.streaming:
+                    ready = res.acquire(seg.index, routed) if routed else res.acquire(seg.index)
                 if ready is not None:
                     if dev.is_cuda:
                         # ORT runs the segment on the compute stream: a stream wait orders

@@ -54,10 +54,11 @@ class StreamingUnavailable(OffloadError):
 
 
 def choose_engine(config, on_cuda: bool, streaming: bool, stable: bool, capture: GraphCaptureDecision,
-                  growing_steps: bool = False, notes: Optional[List[str]] = None) -> str:
+                  growing_steps: bool = False, notes: Optional[List[str]] = None, routed: bool = False) -> str:
     """"graph" (the streaming engine) or "segments", for the configuration's `engine`.
-    `growing_steps`: a decoder whose decode steps change shape every step. Why streamed
-    weights on the CUDA EP run in segments instead is appended to `notes`."""
+    `growing_steps`: a decoder whose decode steps change shape every step; `routed`: its
+    experts stream by route. Why streamed weights on the CUDA EP run in segments instead
+    is appended to `notes`."""
     if config.engine == "segments" or not streaming:
         return "segments"
     why = None
@@ -72,6 +73,8 @@ def choose_engine(config, on_cuda: bool, streaming: bool, stable: bool, capture:
     elif growing_steps:
         why = ("this decoder's past is fed at its exact length, so each decode step has new shapes, and the "
                "engine would capture a graph for every one")
+    elif routed:
+        why = "its experts stream by route (experts='routed'): the router's picks are read between segments"
     if why is None:
         return "graph"
     if config.engine == "graph":

@@ -27,7 +27,7 @@ import onnx
 from .._core import round_up
 from ..config import fmt_bytes
 from ..errors import BudgetExceeded, CudaDriverError, OffloadError, OffloadWarning, with_ort_type
-from ..loading import Segment, WeightInfo, check_bindable, split, value_types
+from ..loading import Routing, Segment, WeightInfo, check_bindable, split, value_types
 from ..memory import (Counters, ResidencyManager, StepMemoryShort, ZonePlan, describe_zones, device_out_of_memory,
                       is_out_of_memory)
 from .graph_capture import GraphCaptureDecision
@@ -55,6 +55,7 @@ class RunInputs:
     plan_inputs: dict  # the device's memory and the weights' costs, as plan_budget takes them
     record_timeline: bool
     workdir: str
+    routing: Optional[Routing] = None  # the MoE nodes whose experts stream by route, when weights stream
 
 
 class Engines:
@@ -174,8 +175,10 @@ class Engines:
         self.needs = None  # the streaming engine's reserves no longer apply
         if segments is None:
             segments = self.split(plan)
+        routing = run.routing if plan.streaming else None
         self.residency = ResidencyManager(dev, self.store, run.weights, [s.weights for s in segments], cfg.policy,
-                                          vmm=run.stable, record_timeline=run.record_timeline)
+                                          vmm=run.stable, record_timeline=run.record_timeline,
+                                          experts=routing.stacks if routing is not None else None)
         if not plan.streaming:
             self.residency.make_all_resident()
         # Graph outputs that are initializers too small to be weights: no segment holds them.
@@ -184,7 +187,8 @@ class Engines:
                      and t.data_location != onnx.TensorProto.EXTERNAL}
         self.runner = SegmentRunner(dev, self.residency, self.segment_factory, self.meter, segments,
                                     run.workdir, run.outputs, streaming=plan.streaming, stable=run.stable,
-                                    capture=run.capture, device_id=cfg.device_id, constants=constants)
+                                    capture=run.capture, device_id=cfg.device_id, constants=constants,
+                                    routing=routing)
 
     def make_segments(self, plan, segments: Optional[List[Segment]] = None) -> None:
         self.plan = plan

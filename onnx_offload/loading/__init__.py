@@ -8,6 +8,7 @@ read as a weights table; the segmenter splits it where the weights must stream.
 
 from .cache import cache_entries, clear_cache
 from .decoder import DecoderSpec, SAMPLING_DEFAULTS, decoder_spec, rotary_rows
+from .experts import MoENode, Routing, find_routing, routed_experts, routing_for
 from .files import Files, model_file, opened
 from .fingerprints import MANIFEST
 from .optimize import OPTIMIZED, OPTIMIZED_DATA
@@ -18,9 +19,10 @@ from .values import IOInfo, numpy_dtype
 from .weights import WeightInfo, point_weights_at_placeholder, save_model, weights_as_inputs
 from .workdir import make_workdir, remove_workdir
 
-__all__ = ["CPU_EP", "CUDA_EP", "DecoderSpec", "Files", "IOInfo", "LoadRequest", "MANIFEST", "ModelMeta", "OPTIMIZED",
-           "OPTIMIZED_DATA", "SAMPLING_DEFAULTS", "Segment", "WeightInfo", "cache_entries", "check_bindable",
-           "choose_providers", "clear_cache", "copy_options", "decoder_spec", "elem_name", "make_workdir",
-           "model_file", "normalize_providers", "numpy_dtype", "opened", "plan_segments",
-           "point_weights_at_placeholder", "prepare", "remove_workdir", "rotary_rows", "save_model", "segment_weights",
-           "set_config", "split", "unseen", "value_types", "weights_as_inputs"]
+__all__ = ["CPU_EP", "CUDA_EP", "DecoderSpec", "Files", "IOInfo", "LoadRequest", "MANIFEST", "MoENode", "ModelMeta",
+           "OPTIMIZED", "OPTIMIZED_DATA", "Routing", "SAMPLING_DEFAULTS", "Segment", "WeightInfo", "cache_entries",
+           "check_bindable", "choose_providers", "clear_cache", "copy_options", "decoder_spec", "elem_name",
+           "find_routing", "make_workdir", "model_file", "normalize_providers", "numpy_dtype", "opened",
+           "plan_segments", "point_weights_at_placeholder", "prepare", "remove_workdir", "rotary_rows",
+           "routed_experts", "routing_for", "save_model", "segment_weights", "set_config", "split", "unseen",
+           "value_types", "weights_as_inputs"]

@@ -15,7 +15,7 @@ through device memory and back inside a step, which a captured graph cannot hold
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import AbstractSet, Callable, Dict, List, Optional, Sequence
 
 import onnx
 from onnx import helper
@@ -58,8 +58,10 @@ class Segment:
 
 
 def plan_segments(model: onnx.ModelProto, weight_cost: Callable[[Sequence[str]], int],
-                  is_weight: Callable[[str], bool], target: int) -> List[List[int]]:
-    """Groups consecutive nodes so that each group's weights cost at most `target`.
+                  is_weight: Callable[[str], bool], target: int, cuts: AbstractSet[int] = frozenset()
+                  ) -> List[List[int]]:
+    """Groups consecutive nodes so that each group's weights cost at most `target`, and
+    so that each node of `cuts` starts a group.
 
     `weight_cost(names)` is the committed cost of a set of weights. A node whose own
     weights exceed the target gets a segment to itself. Nodes before the first weight
@@ -74,7 +76,7 @@ def plan_segments(model: onnx.ModelProto, weight_cost: Callable[[Sequence[str]],
     for i, node in enumerate(model.graph.node):
         mine = [n for n in dict.fromkeys(node_inputs(node)) if is_weight(n)]
         new = [n for n in mine if n not in seen]
-        if current_weights and new and weight_cost(current_weights + new) > target:
+        if current_weights and ((new and weight_cost(current_weights + new) > target) or i in cuts):
             groups.append(current)
             current, current_weights, seen = [], [], set()
             new = mine

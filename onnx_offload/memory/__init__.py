@@ -10,7 +10,8 @@ from .device import Device, cuda_available
 from .host_store import HostStore, read_bytes
 from .ort_memory import OrtMemoryMeter, SLACK
 from .planning import plan_inputs, plan_or_explain
-from .residency import Counters, ResidencyManager
+from .counters import Counters
+from .residency import ResidencyManager
 from .step_memory import StepMemoryShort, activation_shape, device_out_of_memory, is_out_of_memory, step_scratch
 
 __all__ = ["Counters", "Device", "HostStore", "OrtMemoryMeter", "ResidencyManager", "SLACK", "StepMemoryShort",

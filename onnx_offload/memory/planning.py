@@ -19,9 +19,10 @@ from .residency import segment_costs
 from .slots import slot_kind
 
 
-def plan_inputs(model, weights, stable: bool, device) -> tuple:
+def plan_inputs(model, weights, stable: bool, device, cuts=frozenset()) -> tuple:
     """(the keyword arguments of plan_budget, the node groups planned for each segment
-    target): the second names what the split of a streaming plan cuts."""
+    target): the second names what the split of a streaming plan cuts. Each node of
+    `cuts` starts a segment."""
     names = {w.name for w in weights}
     sizes = {w.name: w.nbytes for w in weights}
     first_use = {w.name: w.first_use for w in weights}
@@ -33,7 +34,7 @@ def plan_inputs(model, weights, stable: bool, device) -> tuple:
         return kind.packed_cost([sizes[n] for n in ns], g)
 
     def segments_for(target):
-        groups = plan_segments(model, cost, names.__contains__, target)
+        groups = plan_segments(model, cost, names.__contains__, target, cuts)
         groups_by_target[target] = groups
         return [segment_weights(model, grp, names.__contains__) for grp in groups]
 

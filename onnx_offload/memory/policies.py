@@ -62,8 +62,8 @@ class Policy:
     def on_evict(self, name: str) -> None:
         self._recent.pop(name, None)
 
-    def victim(self, exclude: set) -> Optional[str]:
-        """The next weight to evict from the weights zone to make room for a miss."""
+    def victim(self, exclude: set, incoming: Optional[str] = None) -> Optional[str]:
+        """The next weight to evict from the weights zone to make room for the miss `incoming`."""
         return next((n for n in self._recent if n not in exclude), None)
 
     def reclaim_victim(self, exclude: set) -> Optional[str]:
@@ -78,7 +78,7 @@ class LRUPolicy(Policy):
 class MRUPolicy(Policy):
     name = "mru"
 
-    def victim(self, exclude):
+    def victim(self, exclude, incoming=None):
         return next((n for n in reversed(self._recent) if n not in exclude), None)
 
 
@@ -97,7 +97,7 @@ class StablePolicy(Policy):
     def admit(self, name):
         return name in self.resident_set
 
-    def victim(self, exclude):
+    def victim(self, exclude, incoming=None):
         return None
 
 

@@ -15,50 +15,14 @@ Which misses are admitted and which weights give way is the policy's choice
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Dict, List, Optional, Sequence
 
 from .._core import round_up
 from ..loading import WeightInfo
+from .counters import Counters
+from .experts import ExpertPolicy, carve_experts
 from .policies import PolicyInputs, make_policy
 from .slots import slot_kind
-
-
-@dataclasses.dataclass
-class Counters:
-    """Offload counters. `page_ins + hits == accesses` always holds."""
-
-    steps: int = 0
-    accesses: int = 0
-    hits: int = 0
-    page_ins: int = 0
-    access_bytes: int = 0
-    hit_bytes: int = 0
-    bypassed: int = 0
-    bypassed_bytes: int = 0
-    evictions: int = 0
-    htod_bytes: int = 0
-    htod_ms: float = 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.accesses if self.accesses else 0.0
-
-    @property
-    def byte_hit_rate(self) -> float:
-        return self.hit_bytes / self.access_bytes if self.access_bytes else 0.0
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["hit_rate"] = self.hit_rate
-        d["byte_hit_rate"] = self.byte_hit_rate
-        return d
-
-    def minus(self, other: "Counters") -> "Counters":
-        return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
-
-    def plus(self, **more) -> "Counters":
-        return dataclasses.replace(self, **{k: getattr(self, k) + v for k, v in more.items()})
 
 
 def packs(segments: Sequence[Sequence[str]], first_use: Dict[str, int]) -> List[List[str]]:
@@ -97,29 +61,47 @@ class ResidencyManager:
     """Slots, the policy and the counters for one device and one model's weights."""
 
     def __init__(self, device, store, weights: Sequence[WeightInfo], segments: Sequence[Sequence[str]],
-                 policy: str, vmm: bool, record_timeline: bool = False):
+                 policy: str, vmm: bool, record_timeline: bool = False, experts: Optional[Dict[str, int]] = None):
+        """`experts`: stacked initializers that stream by expert, with their expert
+        counts (see ``experts.py``); each expert is a slot of its own, and the segments,
+        packs and policy see the experts' slots in the stack's place."""
         self.device = device
         self.store = store
         self.kind = slot_kind(vmm)
         self.granularity = device.granularity
-        self.segments = [list(s) for s in segments]
         self.info = {w.name: w for w in weights}
         # Pack order: each weight lives in the pack of the first segment that reads it.
         # Packs follow each other at byte granularity: the granule on a boundary between
         # two segments is refcounted, committed once and freed when neither holds it.
-        self.packs = packs(self.segments, {n: w.first_use for n, w in self.info.items()})
-        self.order = [n for p in self.packs for n in p]
+        stack_packs = packs([list(s) for s in segments], {n: w.first_use for n, w in self.info.items()})
         self.slots: Dict[str, object] = {}
-        for n in self.order:
+        self.parts: Dict[str, List[str]] = {}  # a stack that streams by expert -> its experts' slots
+        for n in (n for p in stack_packs for n in p):
             nbytes = self.info[n].nbytes
+            carved = (carve_experts(self.kind, device.arena, n, nbytes, experts[n], store.ptr(n))
+                      if experts and n in experts and self.kind.stable_addresses else None)
+            if carved is not None:
+                self.slots.update(carved)
+                self.parts[n] = list(carved)
+                continue
             slot = self.kind.make(device.arena, n, nbytes)
             slot.set_source(store.ptr(n), nbytes)
             self.slots[n] = slot
+        self.stack_of = {e: n for n, parts in self.parts.items() for e in parts}
+
+        def expand(names):
+            return [p for n in names for p in self.parts.get(n, (n,))]
+
+        self.segments = [expand(s) for s in segments]
+        self.packs = [expand(p) for p in stack_packs]
+        self.order = [n for p in self.packs for n in p]
         self.counters = Counters()
         self.timeline: Optional[List[bytes]] = [] if record_timeline else None
         # With the timeline: every zone's committed bytes at each of its columns.
         self.zone_timeline: Optional[List[Dict[str, int]]] = [] if record_timeline else None
         self.policy = make_policy(policy)
+        if self.stack_of:
+            self.policy = ExpertPolicy(self.policy, set(self.stack_of))
         self.policy.prepare(PolicyInputs(
             order=tuple(self.order), sizes={n: s.length for n, s in self.slots.items()}, segments=self.segments,
             packs=self.packs, new_cost=self.cost_model, allowance=self.allowance, granularity=self.granularity))
@@ -131,6 +113,10 @@ class ResidencyManager:
         self._pinned_for_life = False
         self._resident_bytes: Optional[int] = None  # all weights' bytes, counted once
         device.ledger.set_reclaimer("weights", self._reclaim)
+
+    def address(self, name: str) -> int:
+        """A weight's stable address; a stack streamed by expert starts at its first expert's."""
+        return self.slots[self.parts[name][0] if name in self.parts else name].va
 
     # ------------------------------------------------------------------ sizing
     @property
@@ -144,7 +130,14 @@ class ResidencyManager:
         return self.kind.group_cost(self.device.arena, [self.slots[n] for n in names])
 
     def _page_in(self, names: Sequence[str], zone: str):
-        return self.kind.page_in([self.slots[n] for n in names], zone, self.device.copy_stream)
+        """One commit for the weights, one per expert: a physical handle is given back only
+        whole, so an expert sharing one with its neighbours would keep their pages. The
+        copies share a stream: the last event covers them all."""
+        ready = None
+        for group in [[n for n in names if n not in self.stack_of]] + [[n] for n in names if n in self.stack_of]:
+            if group:
+                ready = self.kind.page_in([self.slots[n] for n in group], zone, self.device.copy_stream)
+        return ready
 
     def _evict(self, names: Sequence[str]) -> None:
         self.kind.evict([self.slots[n] for n in names])
@@ -162,18 +155,22 @@ class ResidencyManager:
         self.counters.evictions += 1
 
     # ------------------------------------------------------------------ the guarantee
-    def acquire(self, k: int):
+    def acquire(self, k: int, routed: Optional[Dict[str, Sequence[int]]] = None):
         """Makes every weight of segment k resident and pinned. Returns the event after
-        which the copies are done (None when everything hit).
+        which the copies are done (None when everything hit). `routed`: for a stack that
+        streams by expert, the experts the step reads; its others are left as they are.
 
         The segment is pending from the first line: an exception anywhere after it (a
         KeyboardInterrupt that a signal's handler raises between any two lines, even
         between a pin() and the line after it) leaves release() or settle() what to undo."""
         names = self.segments[k]
+        if routed:
+            picked = {self.parts[stack][e] for stack, experts in routed.items() for e in experts}
+            names = [n for n in names if self.stack_of.get(n) not in routed or n in picked]
         torn, self._torn = self._torn, True
         bypass: List[str] = []
         admitted: List[str] = []
-        pending = self._pending[k] = [None, None, bypass]
+        pending = self._pending[k] = [None, None, bypass, names]
         try:
             misses = []
             for n in names:
@@ -190,7 +187,7 @@ class ResidencyManager:
                     continue
                 # Recomputed after each eviction: a victim may have shared a granule with the group.
                 while (need := self._group_cost(admitted + [n])) > ledger.headroom("weights"):
-                    victim = self.policy.victim(current)
+                    victim = self.policy.victim(current, n)
                     if victim is None:
                         break
                     self._evict_resident(victim)
@@ -219,11 +216,14 @@ class ResidencyManager:
             raise
         paged = set(admitted + bypass)
         nbytes = {n: self.slots[n].length for n in names}
+        experts = [n for n in names if n in self.stack_of]
         # One store: the counters never show half a segment.
         self.counters = self.counters.plus(
             accesses=len(names), hits=len(names) - len(paged), page_ins=len(paged), bypassed=len(bypass),
             access_bytes=sum(nbytes.values()), hit_bytes=sum(nbytes[n] for n in names if n not in paged),
-            bypassed_bytes=sum(nbytes[n] for n in bypass), htod_bytes=sum(nbytes[n] for n in paged))
+            bypassed_bytes=sum(nbytes[n] for n in bypass), htod_bytes=sum(nbytes[n] for n in paged),
+            expert_accesses=len(experts), expert_hits=sum(n not in paged for n in experts),
+            expert_htod_bytes=sum(nbytes[n] for n in experts if n in paged))
         if self.timeline is not None:
             self._record()
         self._torn = torn
@@ -235,8 +235,7 @@ class ResidencyManager:
         (an interrupt lands between any two lines) is finished by settle(). A segment
         names each weight once, and no other pins its weights while it is pending, so
         every pinned weight of it is unpinned once."""
-        names = self.segments[k]
-        start, ready, bypass = self._pending[k]
+        start, ready, bypass, names = self._pending[k]
         for n in names:
             slot = self.slots[n]
             if reader_event is not None and slot.state != "evicted":

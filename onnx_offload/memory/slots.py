@@ -12,7 +12,7 @@ and ``length``. The residency manager picks a kind once and never asks which.
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 from .. import _core
 from ..errors import StateError
@@ -118,8 +118,8 @@ class SlotKind:
     stable_addresses = True
     alignment = _core.DEFAULT_ALIGNMENT  # of each slot's address in the arena
 
-    def make(self, arena, key: str, length: int):
-        return _core.WeightSlot(arena, key, length, self.alignment, "weights")
+    def make(self, arena, key: str, length: int, alignment: Optional[int] = None):
+        return _core.WeightSlot(arena, key, length, alignment or self.alignment, "weights")
 
     def page_in(self, slots, zone: str, stream):
         return _core.WeightSlot.page_in(slots, zone, stream)
@@ -153,7 +153,7 @@ class SlotKind:
 class PlainKind(SlotKind):
     stable_addresses = False
 
-    def make(self, arena, key: str, length: int):
+    def make(self, arena, key: str, length: int, alignment: Optional[int] = None):
         return PlainSlot(arena, key, length)
 
     def page_in(self, slots, zone: str, stream):

@@ -62,10 +62,13 @@ def _moe_spec(hidden, experts, intermediate, biases):
 def moe_lm(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, experts: int = 8, top_k: int = 2,
            expert_intermediate: int = 64, vocab: int = 97, max_length: int = 128, dtype=np.float32, seed: int = 0,
            eps: float = 1e-5, rope_theta: float = 10000.0, swiglu_alpha: float = 1.0, swiglu_beta: float = 0.0,
-           swiglu_limit: Optional[float] = None, biases: bool = False) -> onnx.ModelProto:
+           swiglu_limit: Optional[float] = None, biases: bool = False, quant: Optional[str] = None
+           ) -> onnx.ModelProto:
     """A decoder whose MLPs are mixtures of `experts` SwiGLU experts, `top_k` of them per
     token, in onnxruntime-genai's layout (inputs, outputs and KV cache as decoder_lm("gqa")).
-    `biases`: the router and the experts have biases (gpt-oss). See gpt_oss(), qwen3_moe()."""
+    `biases`: the router and the experts have biases (gpt-oss). `quant="int4"`: the experts
+    as the builder's int4 models hold them, a ``com.microsoft.QMoE`` node (see quantize_experts).
+    See gpt_oss(), qwen3_moe()."""
     if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
         raise ValueError("hidden must split into heads of even size, and heads into kv_heads groups")
     if not 0 < top_k <= experts:
@@ -76,6 +79,13 @@ def moe_lm(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
     spec = _weight_spec(layers, hidden, heads, kv_heads, vocab, mixture_spec)
     weights = _draw(np.random.default_rng(seed), spec, dtype, seed)
     weights.update(_rope_tables("gqa", hd, max_length, rope_theta, dtype))
+    if quant not in (None, "int4"):
+        raise ValueError(f"quant must be None or 'int4', not {quant!r}")
+    if quant:
+        for i in range(layers):
+            for fc in ("fc1", "fc2"):
+                name = f"layers.{i}.moe.{fc}"
+                weights[name], weights[name + "_scales"] = quantize_experts(weights[name])
 
     attrs = dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=float(swiglu_alpha),
                  activation_beta=float(swiglu_beta), normalize_routing_weights=1)
@@ -88,6 +98,9 @@ def moe_lm(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
             logits = g("Add", [logits, p + "moe.router_bias"])
         rows = g("Reshape", [logits, "moe_router_rows"])  # router_probs is one row per token
         bias = (lambda n: p + n) if biases else (lambda n: "")
+        if quant:
+            return g("QMoE", [h, rows, p + "moe.fc1", p + "moe.fc1_scales", bias("moe.fc1_bias"), p + "moe.fc2",
+                              p + "moe.fc2_scales", bias("moe.fc2_bias")], domain=MS, expert_weight_bits=4, **attrs)
         return g("MoE", [h, rows, p + "moe.fc1", bias("moe.fc1_bias"), p + "moe.fc2", bias("moe.fc2_bias")],
                  domain=MS, **attrs)
 
@@ -95,6 +108,17 @@ def moe_lm(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
     g.const("moe_router_rows", [-1, experts])
     _gqa_graph(g, layers, heads, kv_heads, eps, mixture)
     return _assemble(g, weights, "gqa", "moe_lm", layers, kv_heads, hd, vocab, elem)
+
+
+def quantize_experts(w: np.ndarray) -> tuple:
+    """Stacked expert weights [experts, out, in] as QMoE's 4-bit layout: (uint8 [experts, out,
+    in / 2], two values a byte, the even column in the low nibble; a scale per output row,
+    [experts, out], in the weights' dtype). A value is (q - 8) * scale, q in 0..15."""
+    scale = np.abs(w.astype(np.float32)).max(axis=2) / 7.0
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(w.astype(np.float32) / scale[..., None]), -8, 7).astype(np.int16) + 8
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    return packed, scale.astype(w.dtype)
 
 
 def gpt_oss(**kw) -> onnx.ModelProto:
@@ -114,5 +138,5 @@ def expert_share(model: onnx.ModelProto) -> float:
     for t in model.graph.initializer:
         n = len(t.raw_data) if t.HasField("raw_data") else numpy_helper.to_array(t).nbytes
         total += n
-        experts += n if ".moe.fc" in t.name else 0
+        experts += n if ".moe.fc" in t.name else 0  # the stacks, their biases and scales
     return experts / total

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import (ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_OFFLOAD, ENV_POLICY, ENV_VMM,
-                      ENV_VRAM_LIMIT, POLICIES)
+from ..config import (ENGINES, ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_ENGINE, ENV_EXPERTS, ENV_OFFLOAD,
+                      ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT, EXPERTS, POLICIES)
 from ..errors import OffloadError
 from .cli_args import as_flags, count, positive_float, positive_int, temperature
 from .cli_bench import cmd_bench, cmd_cache, cmd_demo
@@ -39,6 +39,11 @@ def _config_flags(p) -> None:
     p.add_argument("--scratch-bytes", help="bytes set aside for a step's memory, ORT's included (default: planned "
                                            "from the model's widths and the prompt chunk)")
     p.add_argument("--prefill-chunk", type=positive_int, help="the most prompt tokens one step feeds (default 512)")
+    p.add_argument("--engine", choices=ENGINES, help=f"how streamed weights run: graph (CUDA), segments, or auto "
+                                                     f"(overrides {ENV_ENGINE}; default auto)")
+    p.add_argument("--experts", choices=EXPERTS,
+                   help=f"a mixture-of-experts model's experts: routed (only those the router picks page in), dense, "
+                        f"or auto, routed on the CPU (overrides {ENV_EXPERTS}; default auto)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
 
 
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
                    help=f"the cache folder (overrides {ENV_CACHE_DIR}; default: the user cache directory)")
     c.set_defaults(fn=cmd_cache)
     b = sub.add_parser("bench", help="benchmarks: arena page-in costs, session overhead, offloaded step time")
-    b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "cards", "int4",
+    b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "cards", "int4", "moe",
                                      "reliability"))
     b.add_argument("--cards", help="bench cards: card sizes, comma-separated (default 8GiB,12GiB,16GiB,24GiB)")
     b.add_argument("--prompts", help="bench cards: prompt lengths, comma-separated (default 512,4096)")

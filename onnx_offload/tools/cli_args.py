@@ -11,8 +11,8 @@ import re
 
 import numpy as np
 
-from ..config import (ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_OFFLOAD, ENV_POLICY, ENV_VMM,
-                      ENV_VRAM_LIMIT, env_is_set)
+from ..config import (ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_ENGINE, ENV_EXPERTS, ENV_OFFLOAD,
+                      ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT, env_is_set)
 from ..errors import OffloadError
 from ..memory import cuda_available
 
@@ -66,12 +66,15 @@ _CONFIG_FLAGS = (
     ("kv_bytes", "kv_bytes", None, None),
     ("scratch_bytes", "scratch_bytes", None, None),
     ("prefill_chunk", "prefill_chunk", None, None),
+    ("engine", "engine", ENV_ENGINE, None),
+    ("experts", "experts", ENV_EXPERTS, None),
 )
 
 # The configuration's keywords as this command's flags, for the advice an error gives.
 _FLAG_OF = {"vram_limit": "--vram-limit", "weight_bytes": "--weight-bytes", "kv_bytes": "--kv-bytes",
-            "scratch_bytes": "--scratch-bytes", "prefill_chunk": "--prefill-chunk"}
-_KEYWORD = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")=(\w+)")
+            "scratch_bytes": "--scratch-bytes", "prefill_chunk": "--prefill-chunk", "engine": "--engine",
+            "experts": "--experts"}
+_KEYWORD = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")='?(\w+)'?")
 
 
 def as_flags(message: str) -> str:

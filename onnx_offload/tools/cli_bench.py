@@ -110,6 +110,10 @@ def cmd_bench(args) -> int:
         from .bench_int4 import bench_int4, print_int4
         res = bench_int4(kind, out)
         text = print_int4(res)
+    elif args.what == "moe":
+        from .bench_moe import bench_moe, print_moe
+        res = bench_moe(kind, out)
+        text = print_moe(res)
     elif args.what == "session":
         res = bench.bench_session(kind, out)
         text = bench.print_session(res)

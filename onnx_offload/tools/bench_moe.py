@@ -1,0 +1,153 @@
+"""``onnx-offload bench moe``: a gpt-oss-shaped mixture-of-experts decoder (a router and
+one ``com.microsoft.MoE`` node per layer, top 4 of 32 experts, onnxruntime-genai's
+layout) decoding at batch 1 under weight budgets of 10, 25 and 50% of its weights.
+
+Rows, each in a process of its own (see ``bench_decode``):
+- route-aware streaming (``experts="routed"``): only the experts the router picks page in;
+- dense streaming of the same model (``experts="dense"``): every expert, every token;
+- plain ORT with every weight resident: the anchor.
+
+Columns: ms/token (the median of the decode steps after the first three); the bytes
+streamed per token (the residency's page-ins over those steps); the dense bound
+``(1 - f) * W / H2D``; the routed bound ``max(anchor, (non-resident dense weights +
+k/E x non-resident experts) / H2D)``, with the resident sets the session held at the end;
+the ratio to each; the experts' hit rate over the decode steps; whether the tokens are
+the anchor's. H2D is the pinned bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Dict, List
+
+import numpy as np
+
+from ..config import GiB, MiB
+from ..stats import fmt_bytes, table
+from .bench import pinned_h2d
+from .bench_decode import WARMUP, in_process_of_its_own
+
+FRACTIONS = (0.10, 0.25, 0.50)
+
+
+def _shape(kind: str) -> dict:
+    """gpt-oss-20b's proportions (32 experts, top 4, expert width = hidden) at a size the
+    device runs: ~1.7 GiB of fp16 weights on CUDA, ~50 MiB of fp32 on the CPU."""
+    base = dict(heads=16, kv_heads=4, experts=32, top_k=4, vocab=8000, max_length=512, swiglu_alpha=1.702,
+                swiglu_beta=1.0, swiglu_limit=7.0, biases=True, eps=1e-5, rope_theta=150000.0)
+    if kind == "cuda":
+        return dict(base, layers=12, hidden=1024, expert_intermediate=1024, dtype="float16")
+    return dict(base, layers=4, hidden=256, heads=8, kv_heads=2, expert_intermediate=192, vocab=2000,
+                dtype="float32")
+
+
+def build_model(kind: str, out_dir: str) -> tuple:
+    """The benchmark's model in out_dir, made once; (its path, its shape)."""
+    from ..models import genai_config, moe_lm, save_decoder
+    shape = _shape(kind)
+    folder = os.path.join(out_dir, f"moe_model_{kind}")
+    marker, path = os.path.join(folder, "shape.json"), os.path.join(folder, "model.onnx")
+    if not (os.path.exists(marker) and json.load(open(marker)) == shape and os.path.exists(path)):
+        model = moe_lm(dtype=np.dtype(shape["dtype"]), **{k: v for k, v in shape.items() if k != "dtype"})
+        cfg = genai_config(shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"], shape["vocab"],
+                           shape["max_length"], eos_token_id=-1)  # no EOS: every token is decoded
+        save_decoder(model, folder, config=cfg)
+        with open(marker, "w") as f:
+            json.dump(shape, f)
+    return path, shape
+
+
+def streamed_row(path: str, ids: np.ndarray, new: int, kind: str, fraction: float, weights: int,
+                 experts: str) -> Dict:
+    """generate() at a weights allowance of `fraction` of the weights, the experts streamed
+    as `experts` says; the counters over the decode steps after the warm-up."""
+    from ..session import OffloadSession
+    provider = "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
+    kw = dict(offload=True, vmm=True, weight_bytes=int(weights * fraction), experts=experts, cache_dir="off")
+    if kind == "cuda":
+        kw["engine"] = "segments" if experts == "routed" else "auto"
+    else:
+        kw["host_granularity"] = 64 << 10  # granules in proportion to the small CPU model
+    with OffloadSession(path, providers=[provider], **kw) as s:
+        s.generate(ids, 4)  # ORT's first runs of each shape
+        stamps, tokens, c0 = [], [], None
+        for step, tok in enumerate(s.generate_iter(ids, new)):
+            stamps.append(time.perf_counter())
+            tokens.append(tok)
+            if step == WARMUP:
+                c0 = s.stats().counters
+        c1 = s.stats().counters
+        d = c1.minus(c0)
+        res = s._engines.residency
+        resident = {n for n, slot in res.slots.items() if slot.state != "evicted" and slot.charged_zone == "weights"}
+        expert_bytes = sum(slot.length for n, slot in res.slots.items() if n in res.stack_of)
+        expert_resident = sum(res.slots[n].length for n in resident if n in res.stack_of)
+        dense_resident = sum(res.slots[n].length for n in resident if n not in res.stack_of)
+        if experts == "dense":  # the stacks are weights like the others: find them by name
+            expert_bytes = sum(w.nbytes for w in res.info.values() if ".moe.fc" in w.name)
+            expert_resident = sum(res.slots[n].length for n in resident if ".moe.fc" in n)
+            dense_resident -= expert_resident
+        return dict(experts=experts, fraction=fraction, segments=len(s.segments), engine=s.engine,
+                    ms_per_token=float(np.median(np.diff(stamps)[WARMUP:] * 1e3)),
+                    bytes_per_token=d.htod_bytes / max(1, d.steps),
+                    expert_hit_rate=d.expert_hit_rate, expert_bytes=expert_bytes, expert_resident=expert_resident,
+                    dense_resident=dense_resident, tokens=np.stack(tokens, 1))
+
+
+def bench_moe(kind: str, out_dir: str, prompt: int = 16, new: int = 48) -> Dict:
+    os.makedirs(out_dir, exist_ok=True)
+    t = time.perf_counter()
+    path, shape = build_model(kind, out_dir)
+    print(f"  model ready in {time.perf_counter() - t:.1f} s", flush=True)
+    weights = os.path.getsize(path + ".data")
+    bw = pinned_h2d(kind, GiB if kind == "cuda" else 128 * MiB)
+    ids = np.random.default_rng(0).integers(0, shape["vocab"], (1, prompt))
+    anchor = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new,
+                                   kind=kind)
+    print(f"  anchor: {anchor['ms_per_token']:.2f} ms/token; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)
+    share = shape["top_k"] / shape["experts"]
+    rows: List[Dict] = []
+    for f in FRACTIONS:
+        for experts in ("routed", "dense"):
+            r = in_process_of_its_own("bench_moe", "streamed_row", path=path, ids=ids.tolist(), new=new, kind=kind,
+                                      fraction=f, weights=weights, experts=experts)
+            dense_streamed = weights - r["expert_bytes"] - r["dense_resident"]
+            routed_bytes = dense_streamed + share * (r["expert_bytes"] - r["expert_resident"])
+            r.update(dense_bound_ms=(1 - f) * weights / bw * 1e3,
+                     routed_bound_ms=max(anchor["ms_per_token"], routed_bytes / bw * 1e3),
+                     tokens_equal=bool(np.array_equal(r["tokens"], anchor["tokens"])))
+            r["vs_dense_bound"] = r["ms_per_token"] / r["dense_bound_ms"]
+            r["vs_routed_bound"] = r["ms_per_token"] / r["routed_bound_ms"]
+            del r["tokens"]
+            rows.append(r)
+            print(f"  {experts} at {f:.0%}: {r['ms_per_token']:.2f} ms/token, {fmt_bytes(r['bytes_per_token'])} a "
+                  f"token", flush=True)
+    by = {(r["experts"], r["fraction"]): r for r in rows}
+    speedup = {f: by["dense", f]["ms_per_token"] / by["routed", f]["ms_per_token"] for f in FRACTIONS}
+    return dict(kind=kind, shape=shape, weights=weights, h2d_gbps=bw / 1e9, anchor_ms=anchor["ms_per_token"],
+                rows=rows, speedup=speedup)
+
+
+def print_moe(res: Dict) -> str:
+    s = res["shape"]
+    head = (f"bench moe ({res['kind']}): a gpt-oss-shaped decoder, {s['layers']} layers, {s['experts']} experts, "
+            f"top {s['top_k']}, {fmt_bytes(res['weights'])} of weights; batch 1; pinned H2D "
+            f"{res['h2d_gbps']:.1f} GB/s (this run); anchor (plain ORT, all resident) "
+            f"{res['anchor_ms']:.2f} ms/token\n")
+    rows = [("plain ORT, all resident", "-", f"{res['anchor_ms']:.2f}", "-", "-", "-", "-", "-", "-", "-", "yes")]
+    for r in res["rows"]:
+        rows.append((f"{r['experts']} ({r['engine']})", f"{r['fraction']:.0%}", f"{r['ms_per_token']:.2f}",
+                     fmt_bytes(r["bytes_per_token"]), f"{r['dense_bound_ms']:.2f}", f"{r['routed_bound_ms']:.2f}",
+                     f"{r['vs_dense_bound']:.2f}x", f"{r['vs_routed_bound']:.2f}x",
+                     f"{r['expert_hit_rate']:.1%}" if r["experts"] == "routed" else "-",
+                     f"{res['speedup'][r['fraction']]:.2f}x" if r["experts"] == "routed" else "-",
+                     "yes" if r["tokens_equal"] else "NO"))
+    return head + table(rows, ("row", "budget", "ms/token", "streamed/token", "dense bound", "routed bound",
+                               "vs dense bound", "vs routed bound", "expert hits", "vs dense", "tokens = anchor"))
+
+
+if __name__ == "__main__":
+    import sys
+    from .bench_decode import _main
+    _main(sys.argv[1], sys.argv[2], sys.modules[__name__])

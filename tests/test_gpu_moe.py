@@ -1,0 +1,81 @@
+"""Mixture-of-experts decoders on CUDA. ORT's CUDA MoE kernel, run by a session that streams
+the experts by route (experts="routed", in segments), finds every expert the router did not
+pick unmapped behind its stable address: a read of one would be an illegal address, so
+each run is a process of its own, and the tokens must equal plain ORT's all resident.
+By default ("auto") a CUDA session streams the experts whole and says so."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from onnx_offload import OffloadSession
+from onnx_offload.models import gpt_oss, weight_bytes
+
+from conftest import reference_greedy
+
+pytestmark = pytest.mark.gpu
+CUDA = "CUDAExecutionProvider"
+
+# Experts of whole granules (fc1 4 MiB, fc2 2 MiB in fp16): an expert's pages are its own.
+SHAPE = dict(layers=2, hidden=1024, heads=16, kv_heads=4, experts=8, top_k=2, expert_intermediate=1024, vocab=4000,
+             max_length=128, dtype=np.float16)
+
+CHILD = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from conftest import reference_greedy
+from onnx_offload import OffloadSession
+from onnx_offload.models import gpt_oss, weight_bytes
+from test_gpu_moe import SHAPE
+model = gpt_oss(**SHAPE)
+ids = np.random.default_rng(0).integers(0, SHAPE["vocab"], (int(sys.argv[3]), 8))
+want = reference_greedy(model, ids, 16, providers=["CUDAExecutionProvider"])
+with OffloadSession(model.SerializeToString(), providers=["CUDAExecutionProvider"], offload=True, vmm=True,
+                    weight_bytes=int(weight_bytes(model) * float(sys.argv[1])), experts="routed",
+                    engine="segments") as s:
+    got = s.generate(ids, 16)
+    c, last = s.stats().counters, s.stats().last_step
+    out = dict(equal=bool(np.array_equal(got, want)), engine=s.engine, expert_accesses=c.expert_accesses,
+               last_expert_accesses=last.expert_accesses, expert_hits=c.expert_hits)
+    final = s.close()
+out["committed_after_close"] = final.committed
+print(json.dumps(out))
+"""
+
+
+def _child(fraction: float, batch: int) -> dict:
+    import json
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(fraction), here, str(batch)], capture_output=True,
+                          text=True, timeout=600, cwd=here)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.25])
+def test_the_cuda_moe_kernel_reads_only_the_routed_experts_and_tokens_equal_plain_ort(fraction):
+    out = _child(fraction, 1)
+    assert out["engine"] == "segments"
+    assert out["equal"], out
+    assert out["last_expert_accesses"] == 2 * 2 * 2  # k experts of fc1 and fc2, in 2 layers
+    assert out["committed_after_close"] == 0
+
+
+def test_a_batch_of_rows_routes_the_union_of_their_experts():
+    out = _child(0.25, 3)
+    assert out["equal"], out
+    assert 8 <= out["last_expert_accesses"] <= 2 * 2 * 8
+
+
+def test_by_default_a_cuda_session_streams_the_experts_whole_and_says_how_to_route_them():
+    model = gpt_oss(**SHAPE)
+    ids = np.random.default_rng(1).integers(0, SHAPE["vocab"], (1, 8))
+    want = reference_greedy(model, ids, 8, providers=[CUDA])
+    with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True,
+                        weight_bytes=int(weight_bytes(model) * 0.25)) as s:
+        np.testing.assert_array_equal(s.generate(ids, 8), want)
+        assert s.stats().counters.expert_accesses == 0
+        assert any("experts='routed'" in n for n in s.stats().notes)

@@ -1,0 +1,254 @@
+"""Mixture-of-experts decoders streamed by route on the CPU host backend: each expert of a
+stacked initializer has a slot of its own, a step pages in only the experts its router
+picked (the others' pages unreadable while the MoE node runs), the hottest experts stay
+resident as the budget allows, and the tokens are plain ORT's."""
+import threading
+
+import numpy as np
+import pytest
+
+from onnx_offload import OffloadSession
+from onnx_offload.loading import find_routing, routed_experts
+from onnx_offload.memory import ResidencyManager
+from onnx_offload.models import gpt_oss, qwen3_moe, weight_bytes
+from onnx_offload.stats import invariant_violations
+
+from conftest import reference_greedy
+
+CPU = ["CPUExecutionProvider"]
+PRESETS = {"gpt-oss": gpt_oss, "qwen3-moe": qwen3_moe}
+_MODELS = {}
+
+
+def model_of(preset, layers=2):
+    if (preset, layers) not in _MODELS:
+        _MODELS[preset, layers] = PRESETS[preset](max_length=64, layers=layers)
+    return _MODELS[preset, layers]
+
+
+def session(model, fraction, **kw):
+    kw.setdefault("host_granularity", 4096)
+    return OffloadSession(model.SerializeToString(), providers=CPU, offload=True, vmm=True,
+                          weight_bytes=int(weight_bytes(model) * fraction), **kw)
+
+
+def prompt(batch=1, length=6, seed=0):
+    return np.random.default_rng(seed).integers(0, 97, (batch, length))
+
+
+class MappedAtRun:
+    """Records, for each acquire of a segment with routed stacks, which experts of each
+    stack are mapped (any state but evicted) when the segment runs."""
+
+    def __init__(self, monkeypatch):
+        self.seen = []
+        original = ResidencyManager.acquire
+
+        def acquire(res, k, routed=None):
+            ready = original(res, k, routed)
+            if routed:
+                self.seen.append({stack: sorted(e for e, n in enumerate(res.parts[stack])
+                                                if res.slots[n].state != "evicted") for stack in routed})
+            return ready
+        monkeypatch.setattr(ResidencyManager, "acquire", acquire)
+
+
+def test_routed_experts_are_the_top_k_with_ties_and_all_for_a_row_not_finite():
+    logits = np.array([[0.1, 3.0, 2.0, -1.0], [5.0, 0.0, 0.0, 4.0]], np.float32)
+    assert routed_experts(logits, 2, 4) == [0, 1, 2, 3]
+    assert routed_experts(logits[:1], 2, 4) == [1, 2]
+    assert routed_experts(np.array([[1.0, 1.0, 1.0, 0.0]], np.float16), 1, 4) == [0, 1, 2]  # a tie: all of it
+    assert routed_experts(np.array([[np.nan, 0, 0, 0]], np.float32), 1, 4) == [0, 1, 2, 3]
+    assert routed_experts(np.zeros((0, 4), np.float32), 1, 4) == []
+    assert routed_experts(np.zeros((2, 8), np.float32) + np.arange(8), 1, 4) == [0, 1, 2, 3]  # another width: all
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_find_routing_names_the_stacks_of_every_moe_node(preset):
+    model = model_of(preset)
+    from onnx_offload.loading.weights import WeightInfo
+    weights = [WeightInfo(t.name, np.dtype(np.float32), tuple(t.dims), int(np.prod(t.dims)) * 4, 0, 0)
+               for t in model.graph.initializer if int(np.prod(t.dims)) * 4 >= 4096]
+    routing = find_routing(model, weights)
+    assert len(routing.nodes) == 2
+    for node in routing.nodes:
+        assert model.graph.node[node.index].op_type == "MoE"
+        assert {s.rsplit(".", 1)[-1] for s in node.stacks} == {"fc1", "fc2"}  # the biases are under 4 KiB an expert
+        assert (node.experts, node.k) == ((8, 2) if preset == "gpt-oss" else (16, 4))
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_tokens_equal_plain_ort_and_a_decode_step_maps_only_routed_experts(preset, fraction, monkeypatch):
+    model = model_of(preset)
+    want = reference_greedy(model, prompt(), 12)
+    mapped = MappedAtRun(monkeypatch)
+    with session(model, fraction) as s:
+        np.testing.assert_array_equal(s.generate(prompt(), 12), want)
+        c, last = s.stats().counters, s.stats().last_step
+        k, experts = (2, 8) if preset == "gpt-oss" else (4, 16)
+        # A decode step reads k experts of each of the 4 stacks (fc1, fc2 of 2 layers), no more.
+        assert last.expert_accesses == 4 * k
+        assert 0 < c.expert_accesses and c.expert_hits <= c.expert_accesses
+        assert c.expert_htod_bytes <= c.htod_bytes
+    decode = mapped.seen[-4:]  # the last step's two MoE segments, twice over (the last two steps)
+    if fraction == 0.1:  # no expert stays resident: what is mapped at the run is what was routed
+        assert all(len(es) == k for step in decode for es in step.values())
+    assert all(len(es) < experts for step in decode for es in step.values())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_int4_experts_qmoe_stream_by_route_with_plain_ort_s_tokens(preset, monkeypatch):
+    """The builder's int4 MoE models hold their experts in QMoE nodes (4-bit stacks and
+    their scales): the same routing, and the CPU kernel reads only the routed rows."""
+    model = PRESETS[preset](max_length=64, hidden=128, heads=8, expert_intermediate=128, quant="int4")
+    assert [n.op_type for n in model.graph.node].count("QMoE") == 2
+    want = reference_greedy(model, prompt(), 10)
+    mapped = MappedAtRun(monkeypatch)
+    with session(model, 0.2) as s:
+        np.testing.assert_array_equal(s.generate(prompt(), 10), want)
+        k = 2 if preset == "gpt-oss" else 4
+        assert s.stats().last_step.expert_accesses == 4 * k
+    experts = 8 if preset == "gpt-oss" else 16
+    assert all(len(es) < experts for step in mapped.seen[-2:] for es in step.values())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_routed_streams_fewer_bytes_a_decode_step_than_dense(preset):
+    model = model_of(preset)
+    per_step = {}
+    for experts in ("routed", "dense"):
+        with session(model, 0.25, experts=experts) as s:
+            tokens = s.generate(prompt(), 8)
+            per_step[experts] = s.stats().last_step.htod_bytes
+            if experts == "dense":
+                assert s.stats().counters.expert_accesses == 0
+        per_step[experts, "tokens"] = tokens
+    np.testing.assert_array_equal(per_step["routed", "tokens"], per_step["dense", "tokens"])
+    assert per_step["routed"] < per_step["dense"] / 2
+
+
+def test_hot_experts_stay_resident_as_the_budget_allows():
+    model = model_of("qwen3-moe", layers=4)
+    rates = []
+    for fraction in (0.25, 0.5, 0.75):
+        with session(model, fraction) as s:
+            s.generate(prompt(), 24)
+            rates.append(s.stats().counters.expert_hit_rate)
+            assert s.stats().last_step.htod_bytes <= s.stats().counters.htod_bytes
+    assert rates[0] < rates[1] < rates[2]  # more budget, more experts kept
+    assert rates[2] > 0.7
+
+
+def test_an_expert_holds_only_its_own_pages():
+    """An expert paged in shares no physical handle with its neighbours (a handle is given
+    back only whole), so experts evicted give their pages back and the room goes to others:
+    the weights zone's mapped bytes stay within a granule a resident weight of its content."""
+    model = model_of("gpt-oss", layers=4)
+    with session(model, 0.5, host_granularity=16 << 10) as s:
+        s.generate(prompt(), 16)
+        arena, res = s.stats().arena, s._engines.residency
+        resident = [n for n, slot in res.slots.items() if slot.state != "evicted"]
+        assert any(n in res.stack_of for n in resident)
+        slack = arena.mapped_by_zone["weights"] - arena.content_by_zone["weights"]
+        assert 0 <= slack <= len(resident) * arena.granularity
+
+
+@pytest.mark.parametrize("policy", ["planned", "stable", "lru", "mru"])
+def test_every_policy_gives_plain_ort_s_tokens_and_gives_every_byte_back(policy):
+    model = model_of("gpt-oss")
+    want = reference_greedy(model, prompt(2), 10)
+    s = session(model, 0.25, policy=policy)
+    try:
+        np.testing.assert_array_equal(s.generate(prompt(2), 10), want)
+        stats = s.stats()
+        assert stats.counters.expert_accesses > 0
+        assert invariant_violations(stats.arena) == {}
+        device = s._device
+    finally:
+        s.close()
+    assert device.ledger.committed == 0
+
+
+def test_an_interrupt_while_routing_leaves_a_usable_session(monkeypatch):
+    import onnx_offload.engines.routing as routing
+    model = model_of("gpt-oss")
+    want = reference_greedy(model, prompt(), 10)
+    calls = {"n": 0}
+    original = routing.routed_experts
+
+    def interrupted(*a):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return original(*a)
+    with session(model, 0.25) as s:
+        monkeypatch.setattr(routing, "routed_experts", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            s.generate(prompt(), 10)
+        monkeypatch.setattr(routing, "routed_experts", original)
+        np.testing.assert_array_equal(s.generate(prompt(), 10), want)
+        assert invariant_violations(s.stats().arena) == {}
+
+
+def test_concurrent_runs_give_each_its_own_answer():
+    model = model_of("qwen3-moe")
+    feeds = []
+    import onnxruntime as ort
+    plain = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    for seed in range(4):
+        ids = prompt(1, 5, seed)
+        f = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones_like(ids, dtype=np.int64)}
+        for i in plain.get_inputs():
+            if i.name.startswith("past_key_values"):
+                f[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+        feeds.append(f)
+    if "position_ids" in {i.name for i in plain.get_inputs()}:
+        for f in feeds:
+            f["position_ids"] = np.arange(5, dtype=np.int64)[None]
+    want = [plain.run(["logits"], f)[0] for f in feeds]
+    got = [None] * 4
+    with session(model, 0.25) as s:
+        def run(i):
+            for _ in range(3):
+                got[i] = s.run(["logits"], feeds[i])[0]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_is_read_from_the_environment_and_checked(monkeypatch):
+    model = model_of("gpt-oss")
+    monkeypatch.setenv("ONNX_OFFLOAD_EXPERTS", "dense")
+    with session(model, 0.25) as s:
+        s.generate(prompt(), 3)
+        assert s.stats().counters.expert_accesses == 0
+    monkeypatch.setenv("ONNX_OFFLOAD_EXPERTS", "sometimes")
+    with pytest.raises(ValueError, match="ONNX_OFFLOAD_EXPERTS='sometimes' is not valid"):
+        session(model, 0.25)
+    with pytest.raises(ValueError, match="experts='all' is not valid"):
+        session(model, 0.25, experts="all")
+
+
+def test_a_budget_below_a_stack_of_experts_is_a_typed_error_whose_advice_runs():
+    """The session's advice (the smallest budget for the model), then generate()'s (for
+    its cache too), taken as given: the second runs, streamed by route."""
+    import re
+    from onnx_offload.errors import BudgetExceeded
+    model = model_of("gpt-oss")
+    want = reference_greedy(model, prompt(), 6)
+    kw = dict(host_granularity=4096, providers=CPU, offload=True, vmm=True, vram_limit=256 << 10)
+    for attempt in range(3):
+        try:
+            with OffloadSession(model.SerializeToString(), **kw) as s:
+                np.testing.assert_array_equal(s.generate(prompt(), 6), want)
+                assert s.stats().counters.expert_accesses > 0
+            break
+        except BudgetExceeded as e:
+            advice = str(e).rsplit("pass ", 1)[1]
+            kw.update({k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", advice)})
+    assert attempt > 0  # the first budget was short
