@@ -92,8 +92,9 @@ class OffloadStats:
             ("htod", f"{fmt_bytes(c.htod_bytes)} in {c.htod_ms:.2f} ms ({fmt_bytes(c.htod_bytes_per_step)} a step)"),
         ]
         if c.expert_accesses:
-            rows.append(("experts (routed) hits", f"{c.expert_hits} of {c.expert_accesses} ({c.expert_hit_rate:.2%}), "
-                                                  f"{fmt_bytes(c.expert_htod_bytes)} paged in"))
+            rows.append(("routed experts: hits / misses", f"{c.expert_hits} / {c.expert_misses} "
+                                                          f"({c.expert_hit_rate:.2%} hit), "
+                                                          f"{fmt_bytes(c.expert_htod_bytes)} paged in"))
         rows += [
             ("vram_alloc / vram_free", f"{self.vram_alloc_ms:.2f} ms / {self.vram_free_ms:.2f} ms"),
             ("driver creates / releases", f"{self.driver.creates} / {self.driver.releases}"),

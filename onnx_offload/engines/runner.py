@@ -76,7 +76,7 @@ class SegmentRunner(Engine):
         self.steps = 0
         self.graph_steps = 0  # steps run under a plan's gpu_graph_id: captured once, then replayed
         self.last_step = Counters()  # the counters of the last segmented step
-        self.notes: List[str] = []
+        self.notes: List[str] = list(self._router.notes)
         for seg in segments:
             self.runs.append(self._create(seg))
         self._produced = {o for r in self.runs for o in r.seg.outputs}  # every segment output

@@ -3,16 +3,16 @@
 ORT's ``com.microsoft`` ``MoE`` and ``QMoE`` nodes hold every expert of a layer in stacked
 initializers, expert e at [e] of each (``fc1_experts_weights`` [E, ...], its scales and
 biases, ``fc2``, ``fc3``), and read input 1, ``router_probs`` ([tokens, E]), to pick
-``k`` experts per token: the top k of its softmax, which are the top k of the row itself.
-A token's step reads only the picked experts' rows of each stack (ORT's CPU kernel,
-which ``tests/test_moe.py`` checks with every other expert's pages unreadable).
+``k`` experts per token: the top k of its float32 softmax. A token's step reads only the
+picked experts' rows of each stack (ORT's CPU kernels, which ``tests/test_moe.py`` checks
+with every other expert's pages unreadable).
 
 ``find_routing`` finds the stacks that can stream by expert: a stack whose leading
 dimension is the node's expert count and whose expert rows are at least ROUTED_MIN_BYTES
 (smaller ones, a bias, cost less than the bookkeeping; they stream or stay whole).
-``routed_experts`` gives the experts a router's logits pick: a superset when rows tie
-at the k-th value, and every expert when a row is not finite, so that no expert ORT
-may read is left out.
+``routed_experts`` gives the experts a router's logits pick: a superset, which takes in
+every expert whose probability the kernels may round to a tie with the k-th, so that no
+expert ORT may read is left out.
 """
 from __future__ import annotations
 
@@ -22,10 +22,16 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import onnx
 
+from .graphs import node_inputs
 from .weights import WeightInfo
 
 MOE_OPS = frozenset({"MoE", "QMoE"})
 ROUTED_MIN_BYTES = 4096  # an expert's rows of a stack, at least, to stream by expert
+# Probabilities this close (relatively) to a row's k-th count as tied with it: the kernels'
+# float32 softmax rounds (exp, the division, fast-math exp on CUDA) within a few ulps, and
+# an expert they rank in that the host ranked out would be read unmapped.
+TIE_TOLERANCE = 1e-5
+UNDERFLOW = 1e-30  # a k-th probability below this: the row's zeros (underflowed) tie
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +71,7 @@ def find_routing(model: onnx.ModelProto, weights: Sequence[WeightInfo]) -> Optio
     info = {w.name: w for w in weights}
     readers: Dict[str, int] = {}
     for node in model.graph.node:
-        for i in node.input:
+        for i in node_inputs(node):  # a subgraph's reads of outer values count too
             readers[i] = readers.get(i, 0) + 1
     nodes: List[MoENode] = []
     for index, node in enumerate(model.graph.node):
@@ -93,10 +99,14 @@ def find_routing(model: onnx.ModelProto, weights: Sequence[WeightInfo]) -> Optio
 
 
 def routed_experts(logits: np.ndarray, k: int, experts: int) -> List[int]:
-    """The experts that rows of router logits ([..., experts]) pick, top `k` per row:
-    every expert tied with a row's k-th value is in, and a row with a value that is not
-    finite picks all, as do logits of another width or type (ORT checks them when it runs).
-    ORT's sparse mixer (k = 2) picks the top two too: its threshold changes only the weights."""
+    """The experts that rows of router logits ([..., experts]) pick, top `k` per row, as
+    the kernels pick them: by float32 softmax, exp(x - max) / sum, a tie going by index.
+    Every expert whose probability is within TIE_TOLERANCE (or a few ulps of the row's
+    largest logit, for the rounding of x - max) of the row's k-th is in, and when the k-th
+    underflows (a row of very distant logits: the zeros tie) every expert is. A row that
+    is not finite picks all, as do logits of another width or type (ORT checks them when
+    it runs). ORT's sparse mixer (k = 2) picks the top two too: its threshold changes
+    only the weights."""
     x = np.asarray(logits)
     if x.size == 0:
         return []
@@ -105,8 +115,13 @@ def routed_experts(logits: np.ndarray, k: int, experts: int) -> List[int]:
     x = x.reshape(-1, experts).astype(np.float32)
     if not np.isfinite(x).all():
         return list(range(experts))
-    kth = np.partition(x, experts - k, axis=1)[:, experts - k:experts - k + 1]
-    return np.flatnonzero((x >= kth).any(axis=0)).tolist()
+    top = x.max(axis=1, keepdims=True)
+    with np.errstate(under="ignore"):
+        p = np.exp(x - top)  # the row's sum divides every value alike
+    kth = np.partition(p, experts - k, axis=1)[:, experts - k:experts - k + 1]
+    rel = np.maximum(TIE_TOLERANCE, 8 * np.finfo(np.float32).eps * np.abs(top))
+    threshold = np.where(kth < UNDERFLOW, -1.0, kth * (1 - rel))
+    return np.flatnonzero((p >= threshold).any(axis=0)).tolist()
 
 
 def routing_for(model: onnx.ModelProto, weights: Sequence[WeightInfo], mode: str, on_cuda: bool,
@@ -115,9 +130,12 @@ def routing_for(model: onnx.ModelProto, weights: Sequence[WeightInfo], mode: str
     stream whole, or ""), for the configuration's `experts`: "routed" wherever weights
     stream behind stable addresses; "auto" on the CPU execution provider, where the
     kernels are known to read only the routed experts; "dense" never."""
-    if mode == "dense" or not stable:
+    if mode == "dense":
         return None, ""
     routing = find_routing(model, weights)
+    if not stable:
+        return None, ("the experts stream whole: routing them needs stable addresses (vmm=True)"
+                      if routing is not None and mode == "routed" else "")
     if routing is not None and mode == "auto" and on_cuda:
         return None, ("the experts stream whole on CUDA: experts='routed' pages in only the experts the router "
                       "picks, in segments (engine='segments')")

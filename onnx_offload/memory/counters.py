@@ -35,6 +35,11 @@ class Counters:
         return self.hit_bytes / self.access_bytes if self.access_bytes else 0.0
 
     @property
+    def expert_misses(self) -> int:
+        """Routed experts paged in (to stay, or streamed through the transient zone)."""
+        return self.expert_accesses - self.expert_hits
+
+    @property
     def expert_hit_rate(self) -> float:
         return self.expert_hits / self.expert_accesses if self.expert_accesses else 0.0
 
@@ -46,6 +51,7 @@ class Counters:
         d = dataclasses.asdict(self)
         d["hit_rate"] = self.hit_rate
         d["byte_hit_rate"] = self.byte_hit_rate
+        d["expert_misses"] = self.expert_misses
         d["expert_hit_rate"] = self.expert_hit_rate
         d["htod_bytes_per_step"] = self.htod_bytes_per_step
         return d

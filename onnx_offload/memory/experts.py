@@ -68,6 +68,10 @@ class ExpertPolicy(Policy):
             segments=[[n for n in s if n in keep] for s in inputs.segments],
             packs=[[n for n in p if n in keep] for p in inputs.packs]))
 
+    def reset_counts(self) -> None:
+        self.counts = dict.fromkeys(self.counts, 0)
+        self._accesses = 0
+
     def _count(self, name: str) -> None:
         self.counts[name] += 1
         self._accesses += 1

@@ -48,6 +48,9 @@ class Policy:
     def prepare(self, inputs: PolicyInputs) -> None:
         pass
 
+    def reset_counts(self) -> None:
+        """Forgets what the accesses so far say of the weights' heat (those of construction)."""
+
     def admit(self, name: str) -> bool:
         return True
 

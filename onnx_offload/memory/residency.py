@@ -304,6 +304,7 @@ class ResidencyManager:
 
     def reset_counters(self) -> None:
         self.counters = Counters()
+        self.policy.reset_counts()
 
     def _reclaim(self, nbytes: int) -> int:
         """Lends weights-zone budget to a higher-priority zone."""
