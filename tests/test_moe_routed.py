@@ -332,3 +332,21 @@ def test_a_budget_below_a_stack_of_experts_is_a_typed_error_whose_advice_runs():
             advice = str(e).rsplit("pass ", 1)[1]
             kw.update({k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", advice)})
     assert attempt > 0  # the first budget was short
+
+
+def test_the_bench_moe_rows_run_in_processes_of_their_own(tmp_path):
+    """`bench moe`'s rows, routed and dense, on a small gpt-oss-shaped model: the same
+    tokens, plain ORT's, and fewer bytes a token routed."""
+    from onnx_offload.models import save_decoder
+    from onnx_offload.tools.bench_decode import in_process_of_its_own
+    model = model_of("gpt-oss", layers=4)
+    path = save_decoder(model, str(tmp_path / "moe"))
+    ids = prompt(1, 6, seed=2)
+    rows = {e: in_process_of_its_own("bench_moe", "streamed_row", path=path, ids=ids.tolist(), new=12, kind="cpu",
+                                     fraction=0.25, weights=weight_bytes(model), experts=e)
+            for e in ("routed", "dense")}
+    want = reference_greedy(model, ids, 12)[:, ids.shape[1]:]
+    for r in rows.values():
+        np.testing.assert_array_equal(r["tokens"], want)
+    assert 0 < rows["routed"]["bytes_per_token"] < rows["dense"]["bytes_per_token"]
+    assert rows["routed"]["expert_bytes"] > rows["routed"]["expert_resident"] >= 0
