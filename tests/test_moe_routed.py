@@ -271,6 +271,39 @@ def test_an_interrupt_while_routing_leaves_a_usable_session(monkeypatch):
         assert invariant_violations(s.stats().arena) == {}
 
 
+@pytest.mark.parametrize("where", ["memory.residency.ResidencyManager._page_in", "memory.experts.ExpertPolicy.victim",
+                                   "memory.experts.ExpertPolicy._count", "memory.residency.ResidencyManager.release"])
+@pytest.mark.parametrize("nth", [1, 4, 9])
+def test_an_interrupt_inside_the_experts_bookkeeping_leaves_a_usable_session(where, nth, monkeypatch):
+    """A KeyboardInterrupt at the nth call of a step's expert paging, eviction choice, pick
+    count or release: the next generation gives plain ORT's tokens, nothing stays pinned or
+    in the transient zone, and every byte is given back at close."""
+    import importlib
+    module, cls, fn = where.rsplit(".", 2)
+    owner = getattr(importlib.import_module("onnx_offload." + module), cls)
+    original, calls = getattr(owner, fn), {"n": 0}
+
+    def interrupted(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise KeyboardInterrupt
+        return original(*a, **kw)
+    model = model_of("qwen3-moe")
+    want = reference_greedy(model, prompt(), 8)
+    s = session(model, 0.3)
+    try:
+        monkeypatch.setattr(owner, fn, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            s.generate(prompt(), 8)
+        monkeypatch.setattr(owner, fn, original)
+        np.testing.assert_array_equal(s.generate(prompt(), 8), want)
+        assert s.device.ledger.snapshot().zones["transient"].committed.current == 0
+        assert invariant_violations(s.stats().arena) == {}
+    finally:
+        final = s.close()
+    assert final.committed == 0
+
+
 def test_concurrent_runs_give_each_its_own_answer():
     model = model_of("qwen3-moe")
     feeds = []
