@@ -150,10 +150,13 @@ def test_ort_s_cpu_moe_kernel_reads_only_the_routed_experts(tokens, op):
     pages unreadable too, it faults (the check can fail)."""
     import subprocess
     import sys
+    import tempfile
 
     def run(mapped):
+        # From another folder: `python -c` looks in its working folder first, and the
+        # source tree's package has no built core.
         return subprocess.run([sys.executable, "-c", READS, str(tokens), mapped, op], capture_output=True, text=True,
-                              timeout=120)
+                              timeout=120, cwd=tempfile.gettempdir())
     routed = run("1,5")
     assert routed.returncode == 0 and routed.stdout.strip() == "True", routed.stderr[-2000:]
     assert run("5").returncode == -11  # expert 1 unreadable: SIGSEGV
