@@ -29,6 +29,7 @@ from .bench import pinned_h2d
 from .bench_decode import WARMUP, in_process_of_its_own
 
 FRACTIONS = (0.10, 0.25, 0.50)
+STACKS = (".moe.fc1", ".moe.fc2")  # the experts' stacked weights, as models/moe.py names them
 
 
 def _shape(kind: str) -> dict:
@@ -79,15 +80,16 @@ def streamed_row(path: str, ids: np.ndarray, new: int, kind: str, fraction: floa
                 c0 = s.stats().counters
         c1 = s.stats().counters
         d = c1.minus(c0)
+        # The experts' stacks by name (the generator's); resident: what the weights zone holds
+        # at the end (the streaming engine's residency holds only its resident weights).
         res = s._engines.residency
         resident = {n for n, slot in res.slots.items() if slot.state != "evicted" and slot.charged_zone == "weights"}
-        expert_bytes = sum(slot.length for n, slot in res.slots.items() if n in res.stack_of)
-        expert_resident = sum(res.slots[n].length for n in resident if n in res.stack_of)
-        dense_resident = sum(res.slots[n].length for n in resident if n not in res.stack_of)
-        if experts == "dense":  # the stacks are weights like the others: find them by name
-            expert_bytes = sum(w.nbytes for w in res.info.values() if ".moe.fc" in w.name)
-            expert_resident = sum(res.slots[n].length for n in resident if ".moe.fc" in n)
-            dense_resident -= expert_resident
+
+        def is_expert(name):
+            return res.stack_of.get(name, name).endswith(STACKS)
+        expert_bytes = sum(w.nbytes for w in s._weights if w.name.endswith(STACKS))
+        expert_resident = sum(res.slots[n].length for n in resident if is_expert(n))
+        dense_resident = sum(res.slots[n].length for n in resident if not is_expert(n))
         return dict(experts=experts, fraction=fraction, segments=len(s.segments), engine=s.engine,
                     ms_per_token=float(np.median(np.diff(stamps)[WARMUP:] * 1e3)),
                     bytes_per_token=d.htod_bytes / max(1, d.steps),
