@@ -32,6 +32,13 @@ def session(model, fraction, **kw):
                           **kw)
 
 
+def weights_table(model):
+    """The weights table of a float32 model as the session reads it: every initializer of 4 KiB or more."""
+    from onnx_offload.loading import WeightInfo
+    return [WeightInfo(t.name, np.dtype(np.float32), tuple(t.dims), int(np.prod(t.dims)) * 4, 0, 0)
+            for t in model.graph.initializer if int(np.prod(t.dims)) * 4 >= 4096]
+
+
 def prompt(batch=1, length=6, seed=0):
     return np.random.default_rng(seed).integers(0, 97, (batch, length))
 
@@ -120,9 +127,7 @@ def test_logits_near_a_tie_page_in_every_expert_the_kernel_may_pick(experts):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_find_routing_names_the_stacks_of_every_moe_node(preset):
     model = model_of(preset)
-    from onnx_offload.loading.weights import WeightInfo
-    weights = [WeightInfo(t.name, np.dtype(np.float32), tuple(t.dims), int(np.prod(t.dims)) * 4, 0, 0)
-               for t in model.graph.initializer if int(np.prod(t.dims)) * 4 >= 4096]
+    weights = weights_table(model)
     routing = find_routing(model, weights)
     assert len(routing.nodes) == 2
     for node in routing.nodes:
@@ -134,11 +139,9 @@ def test_find_routing_names_the_stacks_of_every_moe_node(preset):
 def test_a_stack_a_subgraph_also_reads_streams_whole():
     """An If whose branch reads fc1 reads all of it: that stack is not routed."""
     from onnx import TensorProto, helper
-    from onnx_offload.loading.weights import WeightInfo
     model = model_of("gpt-oss")
     stack = next(n for n in model.graph.node if n.op_type == "MoE").input[2]
-    weights = [WeightInfo(t.name, np.dtype(np.float32), tuple(t.dims), int(np.prod(t.dims)) * 4, 0, 0)
-               for t in model.graph.initializer if int(np.prod(t.dims)) * 4 >= 4096]
+    weights = weights_table(model)
     assert stack in find_routing(model, weights).stacks
     branch = helper.make_graph([helper.make_node("ReduceSum", [stack], ["s"], keepdims=0)], "b", [],
                                [helper.make_tensor_value_info("s", TensorProto.FLOAT, [])])
