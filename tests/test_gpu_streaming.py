@@ -156,3 +156,24 @@ def test_an_output_listed_twice_is_returned_twice_by_the_engine():
             assert len(got) == len(want)
             np.testing.assert_array_equal(got[0], got[1])
             np.testing.assert_allclose(got[0].astype(np.float32), want[0].astype(np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+def test_int4_weights_stream_with_their_scales_and_give_plain_ort_s_tokens(fraction):
+    # Each MatMulNBits reads its packed weight and its scales: they stream as one unit,
+    # one copy per run, and the graph's tokens are plain ORT's.
+    from onnx_offload.models import int4
+    m = int4(model())
+    ids = np.random.default_rng(5).integers(0, 8000, (1, 12))
+    want = reference_greedy(m, ids, 24, providers=[CUDA])
+    with OffloadSession(m.SerializeToString(), providers=[CUDA], vram_limit="2GiB", offload=True, vmm=True,
+                        weight_bytes=int(weight_bytes(m) * fraction)) as s:
+        assert s.engine == "graph", s.graph_capture
+        units = s._runner.plan.units
+        assert units and all(len(u.names) == 2 for u in units if u.names[0].endswith("_Q4")), \
+            [u.names for u in units]
+        got = np.concatenate([ids] + [t[:, None] for t in s.generate_iter(ids, 24)], axis=1)
+        np.testing.assert_array_equal(got, want)
+        assert s.stats().last_step.page_ins > 0
+        final = s.close()
+    assert final.committed == 0

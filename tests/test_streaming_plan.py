@@ -347,3 +347,83 @@ def test_an_engine_that_fails_half_way_gives_everything_back(monkeypatch, op, af
                        vram_limit="64MiB", weight_bytes=weight_bytes(model) // 2)
     c = made[0].counters()
     assert c.creates == c.releases, c.as_dict()  # the ring's handles and the arena's, all given back
+
+
+def int4_weights():
+    """An int4 TinyLlama-shape decoder as the builder writes it: each MatMulNBits reads
+    its packed weight and its scales (one node, one first use), in the host store's order."""
+    sizes = [("embed", 32000 * 2048 * 2, 0)]
+    node = 1
+    for i in range(22):
+        for proj, (k, n) in (("q", (2048, 2048)), ("k", (2048, 256)), ("v", (2048, 256)), ("o", (2048, 2048)),
+                             ("gate", (2048, 5632)), ("up", (2048, 5632)), ("down", (5632, 2048))):
+            sizes += [(f"l{i}.{proj}.B", n * k // 2, node), (f"l{i}.{proj}.scales", n * k // 32 * 2, node)]
+            node += 1
+    sizes += [("lm_head.B", 32000 * 2048 // 2, node), ("lm_head.scales", 32000 * 2048 // 32 * 2, node)]
+    return [WeightInfo(n, np.dtype(np.uint8), (b,), b, 0, use) for n, b, use in sizes]
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+def test_the_weights_one_node_reads_stay_or_stream_together_as_the_store_lays_them_out(fraction):
+    from onnx_offload.memory.host_store import ALIGN
+    weights = int4_weights()
+    size = {w.name: w.nbytes for w in weights}
+    plan = plan_stream(weights, int(sum(size.values()) * fraction), G, cost(weights), "planned")
+    node = {w.name: w.first_use for w in weights}
+    resident = set(plan.resident)
+    for w in weights:  # a node's weights are all resident or all streamed
+        assert all((v.name in resident) == (w.name in resident) for v in weights if v.first_use == w.first_use)
+    assert plan.units
+    for u in plan.units:
+        assert len({node[n] for n in u.names}) == 1 and len(u.names) == 2  # the packed weight and its scales
+        assert u.offsets[0] == 0 and u.offsets[1] == -(-size[u.names[0]] // ALIGN) * ALIGN
+        assert u.nbytes == u.offsets[1] + size[u.names[1]]
+        assert u.granules == -(-u.nbytes // G)
+    # The ring holds the largest unit, both of its weights at once, and the spare granules.
+    assert plan.ring_bytes == max(u.granules for u in plan.units) * G + RING_SLACK * G
+    assert cost(weights)(plan.resident) + plan.ring_bytes <= int(sum(size.values()) * fraction)
+
+
+def test_a_unit_laid_out_as_the_store_copies_each_run_once():
+    weights = int4_weights()
+    size = {w.name: w.nbytes for w in weights}
+    plan = plan_stream(weights, int(sum(size.values()) * 0.5), G, cost(weights), "planned")
+    units = plan.units
+    readers = [[10 * i + 5, 10 * i + 6] for i in range(len(units))]
+    copied = list(range(len(units)))
+    first_from = {i: readers[i][0] for i in copied}
+    for u, r in zip(units, ring_by_reads(units, plan.ring_bytes // G, copied, readers, first_from)):
+        u.ring = r
+    address, va = {}, 1 << 40
+    for u in units:
+        for n, off in zip(u.names, u.offsets):
+            address[n] = va + off
+        va += (u.granules + 1) * G
+    # Each weight of a unit read by a node of its own (scan hits), so a run's copy waits
+    # for them both; the host store as plan_stream laid the units out.
+    reads = {n: [readers[i][k]] for i, u in enumerate(units) for k, n in enumerate(u.names)}
+    source, at = {}, 1 << 30
+    for u in units:
+        for n, off in zip(u.names, u.offsets):
+            source[n] = at + off
+        at += -(-u.nbytes // 4096) * 4096
+    copies = plan_copies(units, readers, copied, first_from, G, address, size, source, reads)
+    covered = {i: 0 for i in copied}
+    for dst, src, n, after, before in copies:
+        i = next(i for i, u in enumerate(units) if address[u.names[0]] <= dst < address[u.names[0]] + u.granules * G)
+        u = units[i]
+        assert src - source[u.names[0]] == dst - address[u.names[0]]
+        spanned = [k for k, (name, off) in enumerate(zip(u.names, u.offsets))
+                   if off < dst - address[u.names[0]] + n and off + size[name] > dst - address[u.names[0]]]
+        assert before == sorted(readers[i][k] for k in spanned)
+        covered[i] += n
+    assert all(covered[i] == units[i].nbytes for i in copied)  # the gap between the weights included
+    assert len(copies) < sum(len(u.names) for u in units)  # fewer copies than weights
+    # A store laid out otherwise: a copy per weight and run, as before.
+    u = units[0]
+    moved = dict(source, **{u.names[1]: source[u.names[1]] + 4096})
+    apart = [c for c in plan_copies(units, readers, copied, first_from, G, address, size, moved, reads)
+             if address[u.names[0]] <= c[0] < address[u.names[0]] + u.granules * G]
+    assert sum(c[2] for c in apart) == size[u.names[0]] + size[u.names[1]]
+    assert all(any(moved[n] <= src and src + n_ <= moved[n] + size[n] for n in u.names)
+               for _, src, n_, _, _ in apart)

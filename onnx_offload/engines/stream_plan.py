@@ -123,6 +123,42 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
     """Which weights stay resident, and the units and ring of the others, for a weights
     budget of `allowance` committed bytes (the resident weights' packed `cost` plus the ring).
 
+    The weights one node reads first, side by side in first-use order (an int4
+    MatMulNBits's packed weight, its scales and zero points), stay resident or stream
+    together, as one item laid out as in the host store: the kernel waits for all of
+    them, so streaming part of them saves it nothing, and they copy as one."""
+    order = sorted(weights, key=lambda w: (w.first_use, w.name))
+    groups: List[List[WeightInfo]] = []
+    for w in order:
+        # An empty weight has no address range to show its reader: it stays alone (and resident).
+        if groups and w.nbytes and groups[-1][-1].nbytes and groups[-1][-1].first_use == w.first_use:
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    members: Dict[str, List[Tuple[str, int]]] = {}  # item -> (weight, offset in the item)
+    items = []
+    for g in groups:
+        at, placed = 0, []
+        for w in g:
+            at = round_up(at, ALIGNMENT)
+            placed.append((w.name, at))
+            at += w.nbytes
+        members[g[0].name] = placed
+        items.append(dataclasses.replace(g[0], nbytes=at))
+    shared = set(shared)
+    plan = _plan_items(items, allowance, granularity, lambda names: cost([m for n in names for m, _ in members[n]]),
+                       policy, [g[0].name for g in groups if any(w.name in shared for w in g)])
+    for u in plan.units:
+        u.names, u.offsets = [m for n in u.names for m, _ in members[n]], \
+            [off + at for n, off in zip(u.names, u.offsets) for _, at in members[n]]
+    plan.resident = [m for n in plan.resident for m, _ in members[n]]
+    return plan
+
+
+def _plan_items(weights: Sequence[WeightInfo], allowance: int, granularity: int,
+                cost: Callable[[Sequence[str]], int], policy: str, shared: Sequence[str] = ()) -> StreamPlan:
+    """plan_stream over `weights`, each of which may stand for a group of weights.
+
     The ring holds the largest streamed weight (and at least RING_FRACTION of the
     budget). The resident set: first the `shared` weights, read by more than one node
     (a rotary table read by every layer would hold its ring granules for the whole
@@ -189,7 +225,7 @@ def plan_stream(weights: Sequence[WeightInfo], allowance: int, granularity: int,
     if streamed and ring > allowance:
         raise StreamingUnavailable(f"the weights budget of {allowance} bytes cannot hold a ring for the largest "
                                    f"streamed weight ({largest} bytes)")
-    # One weight per unit, from a granule boundary: ORT may read weights in another
+    # One item per unit, from a granule boundary: ORT may read weights in another
     # order than the model lists them, and a unit never shares a granule with another.
     units = [Unit([w.name], [0], w.nbytes, round_up(w.nbytes, granularity) // granularity) for w in streamed]
     keep = set(resident)
@@ -330,6 +366,10 @@ def plan_copies(units: Sequence[Unit], readers: Sequence[Sequence[int]], copied:
     g = granularity
     for i in copied:
         u = units[i]
+        # A unit laid out as its weights lie in the host store copies each run in one
+        # copy, whatever weights the run spans.
+        base = source[u.names[0]]
+        whole = len(u.names) > 1 and all(source[n] - base == off for n, off in zip(u.names, u.offsets))
         runs: List[Tuple[Optional[int], int, int]] = []  # (holder, first granule, end granule)
         for k, gr in enumerate(u.ring):
             h = holder.get(gr)
@@ -344,6 +384,12 @@ def plan_copies(units: Sequence[Unit], readers: Sequence[Sequence[int]], copied:
                 raise StreamingUnavailable(
                     f"the ring is too small for the order this graph reads its weights in: unit {i} "
                     f"({u.names[0]!r}...) would overwrite weights read after it")
+            if whole:
+                a, b = lo * g, min(hi * g, u.nbytes)
+                spanned = [n for n, off in zip(u.names, u.offsets) if off < b and off + nbytes[n] > a]
+                out.append((address[u.names[0]] + a, base + a, b - a, after,
+                            sorted({r for n in spanned for r in reads[n]})))
+                continue
             for n, off in zip(u.names, u.offsets):
                 a, b = max(off, lo * g), min(off + nbytes[n], hi * g)
                 if a < b:

@@ -1,4 +1,6 @@
-"""The host store: every weight in one page-locked buffer, registered once.
+"""The host store: every weight in one page-locked buffer, registered once, laid out in
+the order given (first use) at DEFAULT_ALIGNMENT, as the streaming engine's plan expects
+of the weights one node reads.
 
 It is filled straight from the optimized model's data file with ``preadv``, so the
 weights are never held twice in RAM. Page-ins copy from here.
@@ -12,9 +14,8 @@ from typing import Callable, Dict, Iterable, Optional
 
 import numpy as np
 
+from .._core import DEFAULT_ALIGNMENT as ALIGN
 from ..loading import Files, WeightInfo, opened
-
-ALIGN = 256
 
 
 class HostStore:
