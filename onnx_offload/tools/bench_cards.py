@@ -151,9 +151,10 @@ def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) 
             s = OffloadSession(path, providers=["CPUExecutionProvider"], offload=True, vmm=True, cache_dir=cache,
                                vram_limit=card, host_granularity=64 << 10)
         _generate(s, ids, new)  # captures the graphs
-        made = getattr(s._runner, "captures", 0)
+        made, replayed = getattr(s._runner, "captures", 0), s.stats().graph_steps
         g = _generate(s, ids, new)
         out["captures_second"] = getattr(s._runner, "captures", 0) - made  # graphs the measured one made
+        out["graph_steps"] = s.stats().graph_steps - replayed  # its steps that replayed a graph
         st = s.stats()
         streamed = st.last_step.htod_bytes
         out.update(ms_per_token=float(np.median(g["steps"][WARMUP:])), ttft_ms=g["ttft_ms"],
@@ -230,7 +231,7 @@ def _line(r: Dict) -> str:
             f"{r['ttft_ms']:.0f} ms ({r['ttft_ms'] / r['prefill_bound_ms']:.2f}x), {r['engine']}, resident "
             f"{fmt_bytes(r['resident'])}, peak {fmt_bytes(r['peak']) if 'peak' in r else '-'}, tokens "
             f"{'equal' if r['tokens_equal'] else 'DIFFER'}, graphs made in the measured run "
-            f"{r.get('captures_second', '-')}")
+            f"{r.get('captures_second', '-')}, its steps replayed {r.get('graph_steps', '-')}")
 
 
 def print_cards(res: Dict) -> str:
