@@ -70,6 +70,19 @@ def test_every_decode_step_replays_a_captured_graph(weights):
         np.testing.assert_array_equal(got, want)
 
 
+def test_decode_steps_replay_after_a_batch_s_prompt_in_chunks():
+    # The prompt of 4 rows in chunks runs row by row (8 shapes): with every weight
+    # resident, the segment runner keeps its captured shapes for the decode step.
+    model = model_of("gqa")
+    ids = np.random.default_rng(4).integers(0, 512, (4, 40))
+    with OffloadSession(model.SerializeToString(), providers=[CUDA], vram_limit="2GiB", prefill_chunk=16) as s:
+        assert s.engine == "segments" and s.graph_capture.decode_only, (s.engine, s.graph_capture)
+        for _ in range(2):
+            before = s.stats().graph_steps
+            s.generate(ids, 24)
+            assert s.stats().graph_steps - before == 23  # every decode step, none of the prompt's
+
+
 @pytest.mark.parametrize("layout", ["standard", "exact"])
 def test_left_padded_prompts_generate_as_a_plain_ort_loop(layout):
     model = model_of(layout)

@@ -158,7 +158,7 @@ def test_an_output_listed_twice_is_returned_twice_by_the_engine():
             np.testing.assert_allclose(got[0].astype(np.float32), want[0].astype(np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+@pytest.mark.parametrize("fraction", [0.5, 0.75])  # at 25% its embedding table alone is over the budget
 def test_int4_weights_stream_with_their_scales_and_give_plain_ort_s_tokens(fraction):
     # Each MatMulNBits reads its packed weight and its scales: they stream as one unit,
     # one copy per run, and the graph's tokens are plain ORT's.

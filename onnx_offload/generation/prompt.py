@@ -177,7 +177,10 @@ class PromptSteps:
             outputs["logits"] = clogits.value
             key = ("prefill", self._name, row, n)
             self._keys.add(key)
-            s._run_bound(feeds, outputs, fixed=True, key=key)
+            # As the first step: the streaming engine keeps the graph of the chunks; the
+            # segment runner keeps its few captured shapes (MAX_SIGNATURES) for the
+            # decode steps, which a prompt of 4 rows in chunks (8 shapes) would take.
+            s._run_bound(feeds, outputs, fixed=isinstance(s._runner, StreamEngine), key=key)
             logits = clogits.value
         if self._logits_shape is None:
             self._logits_shape = (self.batch,) + tuple(logits.shape())[1:]
