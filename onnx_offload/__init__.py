@@ -31,6 +31,7 @@ from .errors import (BudgetExceeded, CorruptModel, CudaDriverError, CudaUnavaila
 from .install import conflict as _conflict, installed_versions as _installed_versions
 from .memory import Device, cuda_available
 from .session import OffloadSession
+from .devices import StagedSession, StagedStats
 from .stats import OffloadStats
 
 try:
@@ -52,6 +53,7 @@ _check_ort_install()
 __all__ = [
     "Arena", "BudgetExceeded", "BudgetOwner", "CorruptModel", "CudaDriverError", "CudaUnavailable", "Device",
     "GraphCaptureDecision", "ModelNotFound", "ModelRunError", "OffloadConfig", "OffloadError", "OffloadSession",
-    "OffloadStats", "OffloadWarning", "ScratchAllocator", "StateError", "UnsupportedModel", "WeightSlot", "Zone",
+    "OffloadStats", "OffloadWarning", "ScratchAllocator", "StagedSession", "StagedStats", "StateError", "UnsupportedModel",
+    "WeightSlot", "Zone",
     "cuda_available", "parse_bytes", "resolve_graph_capture_enabled",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import os
 import threading
 import warnings
@@ -43,6 +44,11 @@ def _cuda_status() -> str:
     return "" if ok else why
 
 
+def session_arguments(providers, provider_options, config, config_kwargs):
+    """The arguments of a session as OffloadSession reads them (arguments.read_arguments)."""
+    return read_arguments(providers, provider_options, config, config_kwargs, _cuda_status)
+
+
 # The sessions of this process. A forked child keeps its parent's for good: freeing them
 # there would wait on threads that do not exist in the child (ORT's thread pools, the
 # host backend's stream workers) and hang it, and the child cannot use them anyway
@@ -59,10 +65,37 @@ def _keep_in_child() -> None:
 os.register_at_fork(after_in_child=_keep_in_child)
 
 
-class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMembers):
+class ClosedAtExit:
+    """close() at the end of a with block, and when the session is collected in the
+    process that made it (a finalizer warns, never raises)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True) and getattr(self, "_pid", None) == os.getpid():
+            try:
+                self.close()
+            except Exception as e:  # noqa: BLE001 - never raise from a finalizer
+                warnings.warn(f"closing a session at exit failed: {e}", OffloadWarning)
+
+
+class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, ReportingMembers):
+    def __new__(cls, *args, devices=None, **kwargs):
+        """`devices` naming several devices splits the model across them, a stage per
+        device: the session is then a devices.StagedSession, which takes these arguments."""
+        if devices is not None and cls is OffloadSession:
+            from .devices import StagedSession, check_devices
+            if len(check_devices(devices)) > 1:
+                return StagedSession(*args, devices=devices, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, path_or_bytes, sess_options: Optional[ort.SessionOptions] = None, providers=None,
                  provider_options=None, *, config=None, progress=None, record_timeline: bool = False,
-                 **config_kwargs):
+                 devices=None, **config_kwargs):
         # __init__ run again on a live session replaces it, as InferenceSession.__init__
         # run again drops the ORT session it had: what the first run made (device memory,
         # streams, threads, the session's folder) is closed first, or nothing would ever
@@ -75,6 +108,13 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
         self._parked = None  # the last generation's buffers, kept for the next of its shape (generation.kept)
         # A keyword InferenceSession takes: ORT optimizers the caller turns off.
         self._disabled_optimizers = sorted(config_kwargs.pop("disabled_optimizers", None) or ())
+        if devices is not None:  # one device: its id
+            (device,) = devices
+            if config is not None:
+                config = dataclasses.replace(config, device_id=device)
+            elif config_kwargs.setdefault("device_id", device) != device:
+                raise ValueError(f"devices={list(devices)} and device_id={config_kwargs['device_id']} name "
+                                 f"different devices")
         args = read_arguments(providers, provider_options, config, config_kwargs, _cuda_status)
         self.config, self._on_cuda, self._cuda_options = args.config, args.on_cuda, args.cuda_options
         self._graph_request = args.graph_request
@@ -265,16 +305,3 @@ class OffloadSession(InferenceSessionMembers, GenerationMembers, ReportingMember
             self._store.close()
             self._store = None
         remove_workdir(self._workdir)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        if not getattr(self, "_closed", True) and getattr(self, "_pid", None) == os.getpid():
-            try:
-                self.close()
-            except Exception as e:  # noqa: BLE001 - never raise from a finalizer
-                warnings.warn(f"closing a session at exit failed: {e}", OffloadWarning)

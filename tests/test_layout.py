@@ -20,12 +20,13 @@ RANKS = {
     "engines": 3,
     "generation": 4,
     "front": 5,  # the session, its members, the package's own __init__
+    "devices": 5,  # a model split across devices, each stage a session
     "tools": 6,
     "models": 6,  # the model generators the tools and the tests use
     "entry": 7,  # python -m onnx_offload
 }
 BASE = {"errors", "config", "interrupts", "progress", "install", "_core"}
-LAYERS = {"loading", "memory", "engines", "generation", "tools", "models"}
+LAYERS = {"loading", "memory", "engines", "generation", "devices", "tools", "models"}
 
 
 def read(path: str) -> str:

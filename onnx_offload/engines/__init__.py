@@ -10,8 +10,8 @@ factory of the ORT sessions they run live here too.
 from .base import Engine
 from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
 from .iobinding import OffloadIOBinding
-from .ortvalues import (FixedBuffer, IOInfo, InvalidArgument, as_arrays, check_feeds, check_required, detached,
-                        nbytes_of, numpy_dtype, shareable)
+from .ortvalues import (FixedBuffer, IOInfo, InvalidArgument, as_arrays, as_ortvalue, check_feeds, check_required,
+                        detached, nbytes_of, numpy_dtype, shareable)
 from .runner import SegmentRunner
 from .stream_plan import StreamingUnavailable, choose_engine
 from .streaming import StreamEngine
@@ -19,5 +19,5 @@ from .switch import Engines, RunInputs
 
 __all__ = ["CONTROL_FLOW_OPS", "Engine", "Engines", "FixedBuffer", "GraphCaptureDecision", "IOInfo", "InvalidArgument",
            "OffloadIOBinding", "RunInputs", "SegmentRunner", "StreamEngine", "StreamingUnavailable", "as_arrays",
-           "check_feeds", "check_required", "choose_engine", "detached", "nbytes_of", "numpy_dtype",
+           "as_ortvalue", "check_feeds", "check_required", "choose_engine", "detached", "nbytes_of", "numpy_dtype",
            "resolve_graph_capture_enabled", "shareable", "structural_safety"]

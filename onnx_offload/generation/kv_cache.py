@@ -25,7 +25,7 @@ smallest budget that holds the weights and the cache (``peak_bytes``).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import onnxruntime as ort
@@ -122,13 +122,15 @@ def write(device, *pairs) -> None:
 
 
 class SharedKV:
-    def __init__(self, bufs: DeviceBuffers, layers: int, batch: int, kv_heads: int, length: int, head_size: int,
-                 dtype):
+    def __init__(self, bufs: DeviceBuffers, layers: Union[int, Sequence[int]], batch: int, kv_heads: int,
+                 length: int, head_size: int, dtype):
         self.length = length
         self._device = bufs.device
+        # The layers held: all of the model's, or those of one stage of a split across devices.
+        self.ids = list(range(layers)) if isinstance(layers, int) else list(layers)
         shape = [batch, kv_heads, length, head_size]
-        self.k = [bufs.new(shape, dtype, zero=True, what=f"the KV cache (layer {i} key)") for i in range(layers)]
-        self.v = [bufs.new(shape, dtype, zero=True, what=f"the KV cache (layer {i} value)") for i in range(layers)]
+        self.k = [bufs.new(shape, dtype, zero=True, what=f"the KV cache (layer {i} key)") for i in self.ids]
+        self.v = [bufs.new(shape, dtype, zero=True, what=f"the KV cache (layer {i} value)") for i in self.ids]
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +139,7 @@ class SharedKV:
     def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue],
              row: Optional[int] = None) -> None:
         """Every row's buffers, or row `row`'s alone: a [1, heads, length, head_size] view."""
-        for i, (k, v) in enumerate(zip(self.k, self.v)):
+        for i, k, v in zip(self.ids, self.k, self.v):
             for name, buf in (("key", k), ("value", v)):
                 if row is not None:
                     shape = [1] + list(buf.shape[1:])
@@ -150,11 +152,13 @@ class _GrowingKV:
     with room for `room` positions, replaced by buffers of twice the room as the cache
     grows (the old ones given back once the past is copied over)."""
 
-    def __init__(self, bufs: DeviceBuffers, layers: int, batch: int, kv_heads: int, head_size: int, dtype,
-                 length: int, extra: int = 1):
+    def __init__(self, bufs: DeviceBuffers, layers: Union[int, Sequence[int]], batch: int, kv_heads: int,
+                 head_size: int, dtype, length: int, extra: int = 1):
         self._bufs = bufs
         self.extra = extra  # positions the present holds beyond the past's room (a prompt chunk's)
-        self.layers, self.batch, self.kv_heads, self.head_size = layers, batch, kv_heads, head_size
+        # The layers held: all of the model's, or those of one stage of a split across devices.
+        self.ids = list(range(layers)) if isinstance(layers, int) else list(layers)
+        self.layers, self.batch, self.kv_heads, self.head_size = len(self.ids), batch, kv_heads, head_size
         self.dtype = np.dtype(dtype)
         self.room = 0
         self.past: List[FixedBuffer] = []
@@ -241,11 +245,11 @@ class BucketKV(_GrowingKV):
         """The past, and the present of a step of `new` positions at the front of its buffer."""
         dev = self._bufs.device
         shape = [self.batch, self.kv_heads, self.bucket + new, self.head_size]
-        for i in range(self.layers):
-            feeds[f"past_key_values.{i}.key"] = self.past[2 * i].value
-            feeds[f"past_key_values.{i}.value"] = self.past[2 * i + 1].value
+        for k, i in enumerate(self.ids):
+            feeds[f"past_key_values.{i}.key"] = self.past[2 * k].value
+            feeds[f"past_key_values.{i}.value"] = self.past[2 * k + 1].value
             for j, kv in enumerate(("key", "value")):
-                present = self.present[2 * i + j]
+                present = self.present[2 * k + j]
                 outputs[f"present.{i}.{kv}"] = present.value if new == 1 and self.extra <= 1 else \
                     FixedBuffer.on(dev, present.ptr, shape, self.dtype).value
 
@@ -303,11 +307,16 @@ class ExactKV(_GrowingKV):
         self._grow(length, lambda buf, prev, old: dev.backend.copy_d2d(buf.ptr, prev.ptr, nbytes,
                                                                        dev.compute_stream))
 
+    def past_of(self, layer: int, kv: str) -> ort.OrtValue:
+        """Layer `layer`'s past key or value ('key', 'value') at its length."""
+        k = self.ids.index(layer)
+        return self._view(self.past[2 * k + ("key", "value").index(kv)], self.length)
+
     def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue], new: int = 1) -> None:
-        for i in range(self.layers):
+        for k, i in enumerate(self.ids):
             for j, kv in enumerate(("key", "value")):
-                feeds[f"past_key_values.{i}.{kv}"] = self._view(self.past[2 * i + j], self.length)
-                outputs[f"present.{i}.{kv}"] = self._view(self.present[2 * i + j], self.length + new)
+                feeds[f"past_key_values.{i}.{kv}"] = self._view(self.past[2 * k + j], self.length)
+                outputs[f"present.{i}.{kv}"] = self._view(self.present[2 * k + j], self.length + new)
 
     def advance(self, new: int = 1) -> None:
         """After a step of `new` positions: its present is the next step's past."""

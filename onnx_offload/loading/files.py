@@ -117,7 +117,7 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
             if not os.path.lexists(link):
                 os.makedirs(os.path.dirname(link), exist_ok=True)
                 with saving(workdir, "the external data of the model given as bytes"):
-                    _link_or_copy(os.path.realpath(os.path.join(folder, location)), link)
+                    link_or_copy(os.path.realpath(os.path.join(folder, location)), link)
         return path, model
     path = os.fspath(path_or_bytes)
     if not os.path.exists(path):
@@ -130,7 +130,7 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
     return path, model
 
 
-def _link_or_copy(target: str, link: str) -> None:
+def link_or_copy(target: str, link: str) -> None:
     """A hard link to the regular file `target` (no copy), else a copy of it across file
     systems. `target` is a real path (no symbolic link in it), checked by
     check_external_data; the copy is read from a descriptor checked again."""
@@ -140,8 +140,28 @@ def _link_or_copy(target: str, link: str) -> None:
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise
+    copy_regular(target, link)
+
+
+def copy_regular(target: str, dest: str) -> None:
+    """A copy of the regular file `target` (a real path, checked by check_external_data)
+    at `dest`, read from a descriptor checked again; the kernel copies where it can."""
     fd = open_regular(target, follow=False)
-    with os.fdopen(fd, "rb") as src, open(link, "wb") as dst:
+    with os.fdopen(fd, "rb") as src, open(dest, "wb") as dst:
+        size = os.fstat(src.fileno()).st_size
+        done = 0
+        try:
+            while done < size:
+                n = os.copy_file_range(src.fileno(), dst.fileno(), size - done)
+                if n == 0:
+                    break
+                done += n
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            src.seek(done)
+            dst.seek(done)
+            dst.truncate()
         while chunk := src.read(64 << 20):
             dst.write(chunk)
 

@@ -31,6 +31,12 @@ RECOMPUTED_OPS = frozenset({
     "GreaterOrEqual", "Where", "Not", "And", "Or", "CumSum", "Identity", "Min", "Max", "Reshape", "Expand", "Trilu"})
 
 
+def recomputed_values(model: onnx.ModelProto, is_weight: Callable[[str], bool]) -> AbstractSet[str]:
+    """The values each segment that reads them computes again (see _recomputable): they
+    never cross a boundary."""
+    return set(_recomputable(model.graph, is_weight, {t.name: t for t in model.graph.initializer}))
+
+
 def _recomputable(graph, is_weight: Callable[[str], bool], initializers) -> Dict[str, int]:
     """value -> index of the node that makes it, for values that RECOMPUTED_OPS compute
     from graph inputs and non-weight constants alone."""

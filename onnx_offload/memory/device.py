@@ -32,6 +32,16 @@ def make_backend(kind: str, config: OffloadConfig):
     raise ValueError(f"unknown device kind {kind!r}: expected 'cuda' or 'host'")
 
 
+def weights_allowance(on_cuda: bool, config: OffloadConfig) -> int:
+    """The weight bytes a device keeps resident under `config`, before a model is known:
+    the weights zone's allowance within the budget, less the KV and scratch reserves."""
+    backend = make_backend("cuda" if on_cuda else "host", config)
+    free, total = backend.mem_info()
+    budget, _ = device_budget(config, free, total)
+    zones = base_zones(config, budget, backend.granularity)
+    return max(0, min(zones["weights"].allowance, budget - zones["kv"].reserve - zones["scratch"].reserve))
+
+
 def default_zone_va(kind: str, total: int) -> int:
     """Address space per zone: twice the device's memory, at least 64 GiB. A host backend's
     reservation counts against the process's address-space limit (``ulimit -v``, which

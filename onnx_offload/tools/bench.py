@@ -24,8 +24,8 @@ HANDLE_CLASSES_2MIB = "2 MiB handles"
 HANDLE_CLASSES_SIZED = "size classes"
 
 
-def _backend(kind: str):
-    return _core.make_cuda_backend(0) if kind == "cuda" else _core.make_host_backend(2 * MiB)
+def _backend(kind: str, device: int = 0):
+    return _core.make_cuda_backend(device) if kind == "cuda" else _core.make_host_backend(2 * MiB)
 
 
 class PinnedBuffer:
@@ -65,9 +65,9 @@ def h2d_bandwidth(backend, stream, pinned: PinnedBuffer, nbytes: int, reps: int 
     return nbytes / (statistics.median(ms) / 1e3)
 
 
-def pinned_h2d(kind: str, nbytes: int) -> float:
-    """Pinned H2D bytes/s on a backend of its own, from a pinned buffer of `nbytes`."""
-    backend = _backend(kind)
+def pinned_h2d(kind: str, nbytes: int, device: int = 0) -> float:
+    """Pinned H2D bytes/s to `device` on a backend of its own, from a pinned buffer of `nbytes`."""
+    backend = _backend(kind, device)
     pinned = PinnedBuffer(backend, nbytes)
     try:
         return h2d_bandwidth(backend, backend.create_stream(), pinned, nbytes)

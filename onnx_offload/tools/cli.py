@@ -16,7 +16,7 @@ import sys
 from ..config import (ENGINES, ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_ENGINE, ENV_EXPERTS, ENV_OFFLOAD,
                       ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT, EXPERTS, POLICIES)
 from ..errors import OffloadError
-from .cli_args import as_flags, count, positive_float, positive_int, temperature
+from .cli_args import as_flags, count, device_list, positive_float, positive_int, temperature
 from .cli_bench import cmd_bench, cmd_cache, cmd_demo
 from .cli_models import cmd_generate, cmd_run
 
@@ -45,6 +45,9 @@ def _config_flags(p) -> None:
                    help=f"a mixture-of-experts model's experts: routed (only those the router picks page in), dense, "
                         f"or auto, routed on the CPU (overrides {ENV_EXPERTS}; default auto)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
+    p.add_argument("--devices", type=device_list,
+                   help="split the model across these devices, a stage each (comma-separated ids, such as 0,1); "
+                        "each device gets the budget flags' values (on the CPU each is a host backend of its own)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,6 +117,9 @@ def main(argv=None) -> int:
     b.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     b.add_argument("--int4", action="store_true",
                    help="bench compare: the model's MatMuls as int4 MatMulNBits, the streaming engine's rows only")
+    b.add_argument("--devices", type=device_list,
+                   help="bench compare: one device against the model split across these (such as 0,1), at a total "
+                        "weights budget of 25%%")
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     try:

@@ -87,7 +87,7 @@ def as_flags(message: str) -> str:
 def config_kwargs(args) -> dict:
     """The configuration the user asked for: the flags given win, then the environment,
     then the command's own defaults (offload with stable addresses)."""
-    kw = {}
+    kw = {"devices": args.devices} if getattr(args, "devices", None) else {}
     for attr, field, env, default in _CONFIG_FLAGS:
         value = getattr(args, attr, None)
         if value is not None:
@@ -118,6 +118,14 @@ def positive_int(text: str, least: int = 1) -> int:
     if n < least:
         raise argparse.ArgumentTypeError(f"must be at least {least}, got {text!r}")
     return n
+
+
+def device_list(text: str) -> list:
+    """An argparse type: device ids separated by commas, each at least 0, none twice."""
+    ids = [positive_int(t.strip(), least=0) for t in text.split(",") if t.strip()]
+    if not ids or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"expected distinct device ids separated by commas, such as 0,1; got {text!r}")
+    return ids
 
 
 def count(text: str) -> int:

@@ -92,6 +92,10 @@ def cmd_bench(args) -> int:
         from .bench_decode import bench_decode, print_decode
         res = bench_decode(kind, out)
         text = print_decode(res)
+    elif args.what == "compare" and args.devices:
+        from .bench_devices import bench_devices, print_devices
+        res = bench_devices(kind, out, args.devices)
+        text = print_devices(res)
     elif args.what == "compare":
         from .bench_compare import bench_compare, print_compare
         res = bench_compare(kind, out, int4=args.int4)

@@ -1,0 +1,250 @@
+"""generate() across stages.
+
+Each stage keeps the KV cache of its own layers on its own device, in that device's
+``kv`` zone. A step runs the stages in order, each with its past and present bound where
+they lie; the values one stage passes to the next move between the devices
+(``moves.py``). The prompt runs in one step.
+
+- The builder's layout (GroupQueryAttention) keeps each layer's past and present in one
+  buffer of the whole length (generation.SharedKV). From the second decode step on,
+  every value a stage reads or writes lies in a buffer of its own device at a fixed
+  address: ids, mask and positions are written there, the values from the stage before
+  are copied there, and the stage's outputs are bound there. Each stage's step is then
+  the same every time, and the streaming engine replays the graph it captured of it.
+- Standard attention keeps each layer's past at its exact length, the present written by
+  ORT beside it (generation.ExactKV). Its shapes grow every step: the steps run
+  uncaptured.
+
+A stage that reads another stage's past only for its shape (a standard-attention export
+whose layers take the past's length from the first layer's) is fed a past of its own,
+which has that shape: every layer's past has one shape. A stage that reads another's
+past for its values gets a copy moved to its device.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Dict, List, Optional
+
+import numpy as np
+import onnxruntime as ort
+
+from ..engines import FixedBuffer, numpy_dtype
+from ..errors import StateError
+from ..generation import DeviceBuffers, ExactKV, SharedKV, last_logits, write
+from ..loading import DecoderSpec
+from .moves import StepMoves
+
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+_PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
+_SHAPE_ONLY = ("Shape", "Size")
+_GENERATIONS = itertools.count()  # names each generation's kept step plans
+
+
+class _Fixed:
+    """One stage's decode step at fixed addresses: its buffers by name."""
+
+    def __init__(self):
+        self.host: Dict[str, FixedBuffer] = {}  # ids, mask, positions
+        self.inputs: Dict[str, FixedBuffer] = {}  # the values of the stages before
+        self.outputs: Dict[str, FixedBuffer] = {}  # its values for the stages after, and the logits
+
+
+class StagedGeneration:
+    """One generation over a StagedSession: each stage's cache, and the mask."""
+
+    def __init__(self, session, spec: DecoderSpec, batch: int, prompt: int, total: int):
+        self.session, self.spec, self.batch = session, spec, batch
+        self.shared = spec.layout == "gqa"
+        self.mask: Optional[np.ndarray] = None
+        self.length = 0  # positions cached
+        self.owner: Dict[int, int] = {}  # layer -> the stage that holds its cache
+        self.caches: list = []
+        self._kv: List[DeviceBuffers] = []
+        self._io: List[DeviceBuffers] = []
+        self._fixed: List[Optional[_Fixed]] = []
+        self._name = next(_GENERATIONS)
+        try:
+            for s, (stage, seg) in enumerate(zip(session.stages, session._model.segments)):
+                layers = sorted({int(m.group(1)) for n in seg.outputs if (m := _PRESENT.match(n))})
+                self.owner.update((i, s) for i in layers)
+                self._kv.append(DeviceBuffers(stage.device, "kv"))
+                self._io.append(DeviceBuffers(stage.device, "scratch"))
+                self._fixed.append(None)
+                args = (batch, spec.kv_heads, total, spec.head_size, spec.kv_dtype) if self.shared else \
+                    (batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt)
+                form = SharedKV if self.shared else ExactKV
+                self.caches.append(form(self._kv[-1], layers, *args) if layers else None)
+                # The shared layout's zero fills are queued on the compute stream; the CPU EP
+                # runs on this thread.
+                stage.device.compute_stream.synchronize()
+        except BaseException:
+            self.close()
+            raise
+        self._shape_only = [self._reads_shape_only(s, seg) for s, seg in enumerate(session._model.segments)]
+
+    def _reads_shape_only(self, s: int, seg) -> bool:
+        """Whether stage `s` reads the pasts of other stages' layers for their shape alone
+        (true where it reads none)."""
+        foreign = {n for n in seg.inputs if (m := _PAST.match(n)) and self.owner.get(int(m.group(1))) != s}
+        return all(node.op_type in _SHAPE_ONLY for node in seg.model.graph.node if foreign & set(node.input))
+
+    def prompt(self, ids: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
+        """The prompt's step: the last position's logits [batch, vocab], float32."""
+        b, p = ids.shape
+        self.mask = np.ones((b, p), np.int64) if mask is None else mask
+        positions = np.where(self.mask == 1, np.cumsum(self.mask, axis=1) - 1, 1)
+        with self.session._step():  # one step of the pipeline at a time
+            logits = self._step(ids, positions, p, first=True)
+        self.length = p
+        return logits
+
+    def decode(self, tokens: np.ndarray, position: int):
+        """A decode step of one token per row; (logits, None) as Generation.decode gives."""
+        self.mask = np.concatenate([self.mask, np.ones((self.batch, 1), np.int64)], axis=1)
+        positions = self.mask.sum(axis=1, keepdims=True) - 1
+        with self.session._step():
+            logits = self._step(tokens[:, None], positions, 1, first=False)
+        self.length += 1
+        return logits, None
+
+    def _step(self, ids, positions, new: int, first: bool) -> np.ndarray:
+        spec, session = self.spec, self.session
+        mask = self.mask
+        if self.shared and not first:  # the whole length, ones where a position is cached or new
+            mask = np.zeros((self.batch, self._shared_length()), np.int64)
+            mask[:, :self.length + 1] = 1
+        host = {"input_ids": np.ascontiguousarray(ids, spec.ids_dtype),
+                "attention_mask": np.ascontiguousarray(mask, spec.mask_dtype)}
+        if spec.position_ids:
+            host["position_ids"] = np.ascontiguousarray(positions, spec.pos_dtype)
+        passed: Dict[str, tuple] = {}  # a value one stage made for later ones: (value, stage)
+        logits = None
+        for s, (stage, seg) in enumerate(zip(session.stages, session._model.segments)):
+            moves = StepMoves(stage.device)
+            try:
+                values = self._stage(s, stage, seg, host, passed, moves, new, first)
+            finally:
+                moves.close()
+                session.moved_bytes += moves.bytes
+            for n in seg.outputs:
+                if n in values and not _PRESENT.match(n):
+                    passed[n] = (values[n], s)
+            if "logits" in seg.outputs:
+                logits = values["logits"]
+        return last_logits(session.stages[-1].device, logits)
+
+    def _shared_length(self) -> int:
+        """The positions the shared layout's buffers hold (the generation's whole length)."""
+        return next(c.length for c in self.caches if c is not None)
+
+    def _stage(self, s: int, stage, seg, host, passed, moves: StepMoves, new: int, first: bool) -> dict:
+        """Stage `s`'s part of a step: its values by name."""
+        cache, fixed = self.caches[s], self._fixed[s]
+        feeds: Dict[str, ort.OrtValue] = {}
+        outputs: Dict[str, ort.OrtValue] = {}
+        if cache is not None:
+            if self.shared:
+                cache.bind(feeds, outputs)
+            elif not first:
+                cache.ensure(cache.length + new)
+                cache.bind(feeds, outputs, new)
+        writes = []
+        for n in seg.inputs:
+            if n in feeds:
+                continue
+            if n in host:
+                if fixed is not None:
+                    writes.append((fixed.host[n], host[n]))
+                    feeds[n] = fixed.host[n].value
+                else:
+                    feeds[n] = ort.OrtValue.ortvalue_from_numpy(host[n])
+            elif n in passed:
+                value, origin = passed[n]
+                source = self.session.stages[origin].device
+                if fixed is not None:
+                    moves.move_into(source, value, fixed.inputs[n])
+                    feeds[n] = fixed.inputs[n].value
+                else:
+                    feeds[n] = value if origin == s else moves.move(source, value)
+            elif _PAST.match(n):
+                feeds[n] = self._foreign_past(s, n, first, moves, feeds)
+        if fixed is not None:
+            write(stage.device, *writes)
+            outputs.update((n, b.value) for n, b in fixed.outputs.items())
+        with stage._step():
+            key = ("staged", self._name, s)
+            if fixed is not None:
+                values, replayed = stage._run_bound(feeds, outputs, fixed=True, key=key)
+                runner = stage._runner
+                if not replayed and runner.streaming and runner.capture.enabled:
+                    # The first step of these buffers learned the boundaries' sizes; the same
+                    # step again writes the same cache position and runs under the new graphs.
+                    values, _ = stage._run_bound(feeds, outputs, fixed=True, key=key)
+            else:
+                values, _ = stage._run_bound(feeds, outputs, fixed=False)
+        values = {**values, **outputs}  # a bound output's value is where it was bound
+        if cache is not None and not self.shared:
+            if first:
+                cache.fill_from([values[f"present.{i}.{kv}"] for i in cache.ids for kv in ("key", "value")], new)
+            else:
+                cache.advance(new)
+        if self.shared and not first and fixed is None:
+            self._fix(s, stage, seg, feeds, values, host)
+        return values
+
+    def _fix(self, s: int, stage, seg, feeds, values, host) -> None:
+        """After stage `s`'s first decode step: buffers of its own device for what its next
+        steps read and write, in the shapes this one had."""
+        if not self._shape_only[s]:
+            return  # it reads another stage's past, moved into a new buffer every step
+        io, fixed = self._io[s], _Fixed()
+        for n in seg.inputs:
+            if n in host:
+                fixed.host[n] = io.new(list(host[n].shape), host[n].dtype, what=f"the decode step's {n}")
+            elif n in feeds and not _PAST.match(n):
+                v = feeds[n]
+                fixed.inputs[n] = io.new(list(v.shape()), numpy_dtype(v.data_type()), what=f"the decode step's {n}")
+        for n in seg.outputs:
+            if n in values and not _PRESENT.match(n):
+                v = values[n]
+                fixed.outputs[n] = io.new(list(v.shape()), numpy_dtype(v.data_type()), what=f"the decode step's {n}")
+        self._fixed[s] = fixed
+
+    def _foreign_past(self, s: int, name: str, first: bool, moves: StepMoves, feeds) -> ort.OrtValue:
+        """What stage `s` reads of another stage's past `name`: nothing yet (the prompt),
+        its own past of the same shape (read for the shape alone), or a copy."""
+        spec = self.spec
+        if first and not self.shared:
+            return ort.OrtValue.ortvalue_from_numpy(
+                np.zeros((self.batch, spec.kv_heads, 0, spec.head_size), spec.kv_dtype))
+        own = next((v for k, v in feeds.items() if _PAST.match(k)), None)
+        if self._shape_only[s] and own is not None:
+            return own
+        m = _PAST.match(name)
+        layer, owner = int(m.group(1)), self.owner[int(m.group(1))]
+        cache = self.caches[owner]
+        if self.shared:
+            k = cache.ids.index(layer)
+            value = (cache.k if m.group(2) == "key" else cache.v)[k].value
+        else:
+            value = cache.past_of(layer, m.group(2))
+        return moves.move(self.session.stages[owner].device, value)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches if c is not None)
+
+    def close(self) -> None:
+        """Forgets the stages' plans of this generation's buffers, then gives every
+        stage's buffers back (idempotent)."""
+        for s, stage in enumerate(self.session.stages):
+            try:
+                with stage._step():
+                    stage._runner.drop_plans([("staged", self._name, s)])
+            except StateError:
+                pass  # a closed stage kept no plan
+        for bufs in self._io + self._kv:
+            bufs.close()
+        self._io, self._kv, self.caches, self._fixed = [], [], [], []
+

@@ -1,0 +1,245 @@
+"""StagedSession: one model split across devices, one contiguous stage per device.
+
+Each stage is an OffloadSession of its own on its own device: its own budget owner and
+ledger, its own engine (the streaming engine's ring and captured graph where that is
+what runs), and its own weights streaming over its own host-to-device link. A step runs
+the stages in order; a value one stage makes and a later one reads moves to the later
+stage's device (``moves.py``). The split balances the stages' step times
+(``balance.py``); the stage models are written by ``stages.py``.
+
+On the CPU execution provider every device is a host backend of its own, so the split,
+the moves and the per-device ledgers run the code they run on GPUs.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+import os
+import threading
+from typing import Dict, List, Optional, Sequence
+
+import onnxruntime as ort
+
+from ..config import OffloadConfig
+from ..engines import GraphCaptureDecision, as_arrays, as_ortvalue, check_feeds
+from ..errors import StateError
+from ..generation import GenerationMembers
+from ..interrupts import deferred_interrupts
+from ..loading import external_data_folder, make_workdir, remove_workdir
+from ..memory import weights_allowance
+from ..session import ClosedAtExit, OffloadSession, session_arguments
+from .balance import DeviceShare
+from .generation import StagedGeneration
+from .moves import StepMoves
+from .stages import stage_models
+from .stats import StagedStats
+
+# Keywords a caller may give per device, as a list with one value for each.
+PER_DEVICE = ("vram_limit", "weight_bytes", "kv_bytes", "scratch_bytes")
+# OffloadSession's keywords that are no part of the configuration.
+SESSION_KEYWORDS = ("record_timeline", "disabled_optimizers")
+
+
+def check_devices(devices) -> List[int]:
+    """The device ids as a list of distinct non-negative ints."""
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
+        raise TypeError(f"devices must be a sequence of device ids such as [0, 1], got {devices!r}")
+    ids = []
+    for d in devices:
+        if isinstance(d, bool):
+            raise TypeError(f"devices must be device ids (integers), got {d!r}")
+        d = operator.index(d)
+        if d < 0:
+            raise ValueError(f"device ids are >= 0, got {d}")
+        ids.append(d)
+    if not ids:
+        raise ValueError("devices names no device")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"devices names a device twice: {ids}")
+    return ids
+
+
+class StagedSession(ClosedAtExit, GenerationMembers):
+    """A model over several devices. Made by ``OffloadSession(..., devices=[0, 1])``; the
+    other arguments are OffloadSession's, and ``vram_limit``, ``weight_bytes``,
+    ``kv_bytes`` and ``scratch_bytes`` may each be a list with one value per device."""
+
+    def __init__(self, path_or_bytes, sess_options: Optional[ort.SessionOptions] = None, providers=None,
+                 provider_options=None, *, devices, config: Optional[OffloadConfig] = None, progress=None,
+                 **config_kwargs):
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+        self._closed, self.stages, self._workdir = True, [], None
+        self.devices = ids = check_devices(devices)
+        per = {k: config_kwargs.pop(k) for k in PER_DEVICE if isinstance(config_kwargs.get(k), (list, tuple))}
+        for k, v in per.items():
+            if len(v) != len(ids):
+                raise ValueError(f"{k} gives {len(v)} values for {len(ids)} devices")
+        if per and config is not None:
+            raise TypeError("pass either config= or configuration keywords, not both")
+        if "device_id" in config_kwargs:
+            raise TypeError("give the devices in devices=, not device_id=")
+        # The stage models live in this session's folder, copied for it: a cache entry of
+        # theirs would name files that go with the session, so the stages keep none.
+        stage_kwargs = [dict(config_kwargs, device_id=d, cache_dir="off", **{k: v[i] for k, v in per.items()})
+                        for i, d in enumerate(ids)]
+        configs = [dataclasses.replace(config, device_id=d, cache_dir="off") if config is not None else None
+                   for d in ids]
+        self.moved_bytes = 0
+        self._workdir = make_workdir()
+        try:
+            shares = []
+            for cfg, kw in zip(configs, stage_kwargs):
+                given = {k: v for k, v in kw.items() if k not in SESSION_KEYWORDS} if cfg is None else {}
+                args = session_arguments(providers, provider_options, cfg, given)
+                shares.append(DeviceShare(weights_allowance(args.on_cuda, args.config)))
+            self._model = m = stage_models(path_or_bytes, self._workdir, shares, args.config.min_weight_bytes,
+                                           external_data_folder(sess_options))
+            self._decoder_spec = m.decoder
+            for path, cfg, kw in zip(m.paths, configs, stage_kwargs):
+                self.stages.append(OffloadSession(path, sess_options, providers, provider_options, config=cfg,
+                                                  progress=progress, **(kw if cfg is None else {})))
+        except BaseException:
+            self._teardown()
+            raise
+        self._closed = False
+
+    # ------------------------------------------------------------------ as InferenceSession
+    def get_inputs(self):
+        """The model's inputs (each stage's that the caller feeds), in the model's order."""
+        seen, out = set(), []
+        order = {x.name: k for k, x in enumerate(self._model.inputs)}
+        for stage in self.stages:
+            for i in stage.get_inputs():
+                if i.name in order and i.name not in seen:
+                    seen.add(i.name)
+                    out.append(i)
+        return sorted(out, key=lambda i: order[i.name])
+
+    def get_outputs(self):
+        made = {o.name: o for stage in self.stages for o in stage.get_outputs()}
+        return [made[o.name] for o in self._model.outputs]
+
+    def get_providers(self):
+        return self.stages[0].get_providers()
+
+    def get_modelmeta(self):
+        return self._model.meta
+
+    @property
+    def segments(self) -> list:
+        """Every stage's segments, in order."""
+        return [seg for stage in self.stages for seg in stage.segments]
+
+    @property
+    def graph_capture(self) -> GraphCaptureDecision:
+        """Whether steps run as captured graphs: each stage decides for its own run()
+        steps; generate() across devices runs its steps uncaptured (generation.py)."""
+        each = [stage.graph_capture for stage in self.stages]
+        return GraphCaptureDecision(all(each), "; ".join(f"device {d}: {c.reason}" for d, c in zip(self.devices, each)))
+
+    @property
+    def split(self):
+        """Where the model was cut: each stage's nodes, weight bytes, step time and crossings."""
+        return self._model.split
+
+    def run(self, output_names, input_feed, run_options=None):
+        with self._step():
+            feeds = as_arrays(self._model.inputs, input_feed)
+            check_feeds(self._model.required, self._model.inputs,
+                        [o.name for o in self._model.outputs], feeds, output_names)
+            names = list(output_names or [o.name for o in self._model.outputs])
+            values, _ = self._run_values(feeds, names, run_options)
+            return [values[n].numpy() for n in names]
+
+    def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None) -> List[ort.OrtValue]:
+        """OrtValues in, OrtValues out, each on the device of the stage that made it."""
+        with self._step():
+            names = list(output_names or [o.name for o in self._model.outputs])
+            values, _ = self._run_values(dict(input_dict_ort_values), names, run_options)
+            return [values[n] for n in names]
+
+    def _run_values(self, feeds, names: Sequence[str], run_options=None, origins: Optional[Dict[str, int]] = None):
+        """({name: OrtValue} of `names` and of every boundary value, {name: the stage that
+        made it}). A caller's value goes to each stage that reads it as it is; a value a
+        stage made (in this step, or in an earlier one as `origins` says of a feed) moves
+        to the device of each other stage that reads it."""
+        values = {n: as_ortvalue(v) for n, v in feeds.items()}
+        made_by: Dict[str, int] = dict(origins or {})
+        for s, (stage, seg) in enumerate(zip(self.stages, self._model.segments)):
+            moves = StepMoves(stage.device)
+            try:
+                stage_feeds = {}
+                for n in seg.inputs:
+                    if n not in values:
+                        continue  # an optional input left out
+                    origin = made_by.get(n, s)
+                    stage_feeds[n] = values[n] if origin == s else moves.move(self.stages[origin].device, values[n])
+                outs = stage.run_with_ort_values(seg.outputs, stage_feeds, run_options)
+            finally:
+                moves.close()
+                self.moved_bytes += moves.bytes
+            for n, v in zip(seg.outputs, outs):
+                values[n], made_by[n] = v, s
+        return values, {n: made_by[n] for n in names if n in made_by}
+
+    # ------------------------------------------------------------------ generation
+    def _new_generation(self, spec, batch: int, prompt: int, total: int):
+        return StagedGeneration(self, spec, batch, prompt, total)
+
+    def _park(self, gen) -> None:
+        gen.close()
+
+    def free_generation_cache(self) -> None:
+        """Nothing is kept between generations across devices; each stage's is freed."""
+        with self._step():
+            for stage in self.stages:
+                stage.free_generation_cache()
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> StagedStats:
+        self._check_process()
+        return StagedStats(list(self.devices), [s.stats() for s in self.stages], self.moved_bytes)
+
+    def timeline_png(self, path: str) -> str:
+        """Each device's residency timeline (OffloadSession.timeline_png), one file per
+        device beside `path`, named `<path stem>.device<id>.png`; returns their paths."""
+        stem = path[:-4] if path.lower().endswith(".png") else path
+        return ", ".join(stage.timeline_png(f"{stem}.device{d}.png") for d, stage in zip(self.devices, self.stages))
+
+    # ------------------------------------------------------------------ state
+    def _check_process(self):
+        if self._pid != os.getpid():
+            raise StateError(f"this session was created in process {self._pid}; a forked child cannot use its "
+                             f"devices: create a new session in the child")
+
+    def _check_open(self):
+        self._check_process()
+        if self._closed:
+            raise StateError("the session is closed")
+
+    @contextlib.contextmanager
+    def _step(self):
+        """One call at a time. A Ctrl-C between stages leaves the session as it was: each
+        stage defers interrupts through its own step, and a step's moves are freed."""
+        self._check_open()
+        with self._lock:
+            self._check_open()
+            yield
+
+    def close(self):
+        """Closes every stage; returns each device's final ledger snapshot."""
+        if self._pid != os.getpid():  # a forked child: the devices are the parent's
+            self._closed = True
+            return None
+        with self._lock, deferred_interrupts():
+            self._closed = True
+            return self._teardown()
+
+    def _teardown(self):
+        finals = [s.close() for s in self.stages]
+        if self._workdir is not None:
+            remove_workdir(self._workdir)
+            self._workdir = None
+        return finals

@@ -1,0 +1,123 @@
+"""``onnx-offload bench compare --devices 0,1``: decode at one total weights budget on
+one device, then split across several, in one run.
+
+Rows, each in a process of its own (see ``bench_decode``), for the model and anchor of
+``bench compare`` (the TinyLlama shape in the builder layout on CUDA, a small one on the
+CPU):
+- one device: an OffloadSession on the first device, its weights budget the fraction f
+  of the weights;
+- every device: OffloadSession(..., devices=[...]), each device a budget of f / n of the
+  weights, the model split by ``devices.split_stages``.
+
+Each device streams its stage's weights over its own link. The bound of a row is
+``max(anchor ms/token, max over devices of its streamed bytes per step / its H2D)``,
+each device's pinned H2D rate measured in the row's own process right after its decode;
+one device's bound is ``(1 - f) x weights / H2D``. On the CPU each device is a host
+backend of its own, and all of them copy over the one memory bus.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from ..config import MiB
+from ..stats import fmt_bytes, table
+from .bench import pinned_h2d
+from .bench_compare import _kv_bytes
+from .bench_decode import WARMUP, in_process_of_its_own, setup
+
+
+def devices_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, devices: List[int], weights: int,
+                fraction: float, scratch: int) -> Dict:
+    """Decode on `devices` at a total weights budget of `fraction`, shared evenly."""
+    from ..session import OffloadSession
+    n = len(devices)
+    g = 2 * MiB if kind == "cuda" else 64 << 10
+    kv = -(-_kv_bytes(shape, ids.shape[0], ids.shape[1] + new) // g) * g + g
+    share = int(weights * fraction / n)
+    kw = dict(offload=True, vmm=True, engine="graph" if kind == "cuda" else "segments", cache_dir="off")
+    each = dict(vram_limit=share + kv + scratch, weight_bytes=share, kv_bytes=kv, scratch_bytes=scratch)
+    kw.update({k: [v] * n for k, v in each.items()} if n > 1 else each)
+    if kind != "cuda":
+        kw["host_granularity"] = g
+    provider = "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
+    t0 = time.perf_counter()
+    s = OffloadSession(path, providers=[provider], devices=list(devices), **kw)
+    load_s = time.perf_counter() - t0
+    stages = s.stages if n > 1 else [s]
+    try:
+        tokens, stamps = [], []
+        for tok in s.generate_iter(ids, new):
+            stamps.append(time.perf_counter())
+            tokens.append(tok)
+            if len(tokens) == WARMUP + 1:
+                h0 = [st.stats().counters.htod_bytes for st in stages]
+            if len(tokens) == new - 1:
+                h1 = [st.stats().counters.htod_bytes for st in stages]
+        steps = np.diff(stamps) * 1e3
+        measured = new - 2 - WARMUP
+        streamed = [(b - a) / measured for a, b in zip(h0, h1)]
+        h2d = [pinned_h2d(kind, 256 * MiB, d) for d in devices]
+        return dict(devices=list(devices), engines=[st.engine for st in stages], load_s=load_s,
+                    ms_per_token=float(np.median(steps[WARMUP:])), streamed_per_step=streamed,
+                    h2d_gbps=[r / 1e9 for r in h2d], stage_weights=[st.stats().weight_bytes for st in stages],
+                    moved_per_step=getattr(s, "moved_bytes", 0) / max(1, len(tokens)),
+                    tokens=np.stack(tokens, 1))
+    finally:
+        s.close()
+
+
+def bench_devices(kind: str, out_dir: str, devices: Sequence[int], prompt: int = 128, new: int = 64,
+                  fraction: float = 0.25) -> Dict:
+    path, shape, weights, bw, ids, a = setup(kind, out_dir, prompt, new)
+    scratch = 512 * MiB if kind == "cuda" else 4 * MiB
+    rows, failures = [], []
+    for group in ([devices[0]], list(devices)):
+        try:
+            r = in_process_of_its_own("bench_devices", "devices_row", path=path, shape=shape, ids=ids.tolist(),
+                                      new=new, kind=kind, devices=group, weights=weights, fraction=fraction,
+                                      scratch=scratch)
+        except RuntimeError as e:
+            last = [ln for ln in str(e).splitlines() if ln.strip()][-1]
+            failures.append(f"devices {group}: {last.strip()[:600]}")
+            print(f"  devices {group}: FAILED: {last.strip()[:600]}", flush=True)
+            continue
+        tokens = r.pop("tokens")
+        link = max(s / (h * 1e9) for s, h in zip(r["streamed_per_step"], r["h2d_gbps"])) * 1e3
+        r.update(bound_ms=max(a["ms_per_token"], link), tokens_equal=bool(np.array_equal(tokens, a["tokens"])))
+        r["vs_bound"] = r["ms_per_token"] / r["bound_ms"]
+        rows.append(r)
+        print(f"  devices {group}: {r['ms_per_token']:.2f} ms/token (bound {r['bound_ms']:.2f})", flush=True)
+    a.pop("tokens")
+    return dict(kind=kind, weights=weights, fraction=fraction, prompt=prompt, new=new, anchor=a, rows=rows,
+                failures=failures)
+
+
+def print_devices(res: Dict) -> str:
+    a = res["anchor"]
+    one = res["rows"][0]["ms_per_token"] if res["rows"] and len(res["rows"][0]["devices"]) == 1 else None
+    rows: List = [("plain ORT, all resident (anchor)", f"{a['ms_per_token']:.2f}", "-", "-", "-", "-", "-", "-", "-")]
+    for r in res["rows"]:
+        rows.append((f"devices {','.join(map(str, r['devices']))} ({'/'.join(r['engines'])})",
+                     f"{r['ms_per_token']:.2f}", " + ".join(fmt_bytes(w) for w in r["stage_weights"]),
+                     " + ".join(fmt_bytes(s) for s in r["streamed_per_step"]),
+                     " / ".join(f"{h:.1f}" for h in r["h2d_gbps"]), f"{r['bound_ms']:.2f}",
+                     f"{r['vs_bound']:.2f}x", f"{r['ms_per_token'] / one:.2f}x" if one else "-",
+                     "yes" if r["tokens_equal"] else "NO"))
+    text = (f"devices on {res['kind']}: {fmt_bytes(res['weights'])} of weights, a total weights budget of "
+            f"{int(res['fraction'] * 100)}% shared evenly by the devices of a row; prompt {res['prompt']}, "
+            f"{res['new']} new tokens, batch 1; bound = max(anchor, max over devices of streamed bytes per step / "
+            f"its H2D), each device's H2D measured in the row's process after its decode\n"
+            + table(rows, ("row", "ms/token", "weights per device", "streamed per step", "H2D GB/s", "bound ms",
+                           "vs bound", "vs one device", "= anchor tokens")))
+    for f in res.get("failures", ()):
+        text += f"\nFAILED {f}"
+    return text
+
+
+if __name__ == "__main__":
+    from .bench_decode import _main
+    import sys
+    _main(sys.argv[1], sys.argv[2], module=sys.modules[__name__])

@@ -1,0 +1,335 @@
+"""A model split across devices: on the CPU every device is a host backend of its own,
+with its own ledger, so the split, the boundary moves and the per-device ledgers run
+here the code they run on GPUs."""
+import os
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from onnx_offload import OffloadSession, StateError, UnsupportedModel
+from onnx_offload.devices import DeviceShare, StagedSession, split_stages
+from onnx_offload.devices.moves import StepMoves
+from onnx_offload.devices.stages import tensor_bytes
+from onnx_offload.models import mlp_stack
+from onnx_offload.models.decoder import decoder_lm
+
+from conftest import reference_greedy
+
+CPU = ["CPUExecutionProvider"]
+
+
+def staged(model, devices=(0, 1), **kw):
+    kw.setdefault("host_granularity", 4096)
+    kw.setdefault("vram_limit", "64MiB")
+    return OffloadSession(model.SerializeToString(), providers=CPU, devices=list(devices), **kw)
+
+
+def weights_of(model, least=4096):
+    return {t.name: n for t in model.graph.initializer if (n := tensor_bytes(t)) >= least}
+
+
+def plain(model, feeds):
+    return ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)
+
+
+# ---------------------------------------------------------------------- the split
+
+def test_equal_devices_take_equal_weights_and_cut_between_layers():
+    m = decoder_lm("gqa", layers=4, max_length=64)
+    w = weights_of(m)
+    cut = split_stages(m, w, [DeviceShare(10 << 20)] * 2)
+    assert abs(cut.weight_bytes[0] - cut.weight_bytes[1]) <= max(w.values())
+    # Between layers two values cross (SkipSimplifiedLayerNormalization adds the residual
+    # inside the next layer's norm: the residual and the last projection's output); the
+    # attention mask's derived values are computed again by each stage. Inside a layer
+    # more values live, and eight stages must cut there.
+    assert cut.crossings == [2]
+    assert max(split_stages(m, w, [DeviceShare(10 << 20)] * 8).crossings) > 2
+    assert sum(map(len, cut.groups)) == len(m.graph.node)
+    assert [g[0] for g in cut.groups] == sorted(g[0] for g in cut.groups)
+
+
+def test_a_device_with_a_larger_allowance_takes_more_and_the_streamed_bytes_balance():
+    m = mlp_stack(layers=8, hidden=128)
+    w = weights_of(m)
+    total = sum(w.values())
+    even = split_stages(m, w, [DeviceShare(total // 4), DeviceShare(total // 4)])
+    uneven = split_stages(m, w, [DeviceShare(total // 2), DeviceShare(total // 8)])
+    assert uneven.weight_bytes[0] > even.weight_bytes[0] > uneven.weight_bytes[1] - 1
+    # No other cut gives a smaller largest stage time (each device streams what its bytes
+    # exceed its allowance by).
+    shares = [DeviceShare(total // 2), DeviceShare(total // 8)]
+    layer = 128 * 128 * 4  # (a bias of 512 bytes is no weight: it stays in the model)
+    best = min(max(shares[0].step_time(k * layer), shares[1].step_time((8 - k) * layer)) for k in range(1, 8))
+    assert max(uneven.times) == pytest.approx(best)
+
+
+def test_the_split_minimizes_the_largest_stage_time():
+    m = mlp_stack(layers=6, hidden=64)
+    w = weights_of(m)
+    shares = [DeviceShare(0), DeviceShare(0), DeviceShare(0)]
+    cut = split_stages(m, w, shares)
+    # Six equal layers over three devices streaming everything: two layers each.
+    assert cut.weight_bytes[0] == cut.weight_bytes[1] == cut.weight_bytes[2]
+
+
+def test_more_devices_than_places_to_cut_is_refused():
+    m = mlp_stack(layers=2, hidden=64)
+    with pytest.raises(UnsupportedModel, match="cannot be split over 4 devices"):
+        split_stages(m, weights_of(m), [DeviceShare(0)] * 4)
+
+
+# ---------------------------------------------------------------------- running
+
+def test_run_gives_plain_ort_s_outputs_over_three_devices():
+    m = mlp_stack(layers=6, hidden=64, batch=3)
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    with staged(m, devices=(0, 1, 2)) as s:
+        assert isinstance(s, StagedSession) and len(s.stages) == 3
+        assert [i.name for i in s.get_inputs()] == ["x"] and [o.name for o in s.get_outputs()] == ["y"]
+        (y,) = s.run(None, {"x": x})
+        np.testing.assert_array_equal(y, plain(m, {"x": x})[0])
+        (v,) = s.run_with_ort_values(["y"], {"x": ort.OrtValue.ortvalue_from_numpy(x)})
+        np.testing.assert_array_equal(v.numpy(), y)
+        assert s.moved_bytes == 2 * 2 * x.nbytes  # two boundaries, two runs
+
+
+def test_each_device_has_its_own_ledger_and_every_byte_returns_on_close():
+    m = mlp_stack(layers=6, hidden=64, batch=3)
+    x = np.ones((3, 64), np.float32)
+    s = staged(m, weight_bytes=[40000, 20000], offload=True, vmm=True)
+    ledgers = [st.device.ledger for st in s.stages]
+    assert ledgers[0] is not ledgers[1]
+    s.run(None, {"x": x})
+    st = s.stats()
+    assert [d.weight_bytes for d in st.stages] == s.split.weight_bytes
+    # The moves of a step are given back after it: a second step commits nothing more.
+    scratch = [z.ledger.zones["scratch"].committed.current for z in st.stages]
+    s.run(None, {"x": x})
+    assert [z.device.ledger.snapshot().zones["scratch"].committed.current for z in s.stages] == scratch
+    assert st.counters.htod_bytes == sum(d.counters.htod_bytes for d in st.stages) > 0
+    assert "total" in st.table() and st.as_dict()["moved_bytes"] == s.moved_bytes // 2 == 3 * 64 * 4
+    workdir = s._workdir
+    finals = s.close()
+    assert [f.committed for f in finals] == [0, 0]
+    assert all(stage.stats().arena.refcount_underflows == 0 for stage in s.stages)
+    assert not os.path.exists(workdir)
+    with pytest.raises(StateError):
+        s.run(None, {"x": x})
+
+
+def test_a_move_lands_in_the_reading_device_s_ledger_and_leaves_with_the_step():
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    with staged(m) as s:
+        src, dst = s.stages[0].device, s.stages[1].device
+        value = ort.OrtValue.ortvalue_from_numpy(np.arange(3 * 512, dtype=np.float32).reshape(3, 512))
+
+        def scratch(dev):
+            return dev.ledger.snapshot().zones["scratch"].content.current
+        before = scratch(dst), scratch(src)
+        moves = StepMoves(dst)
+        moved = moves.move(src, value)
+        assert moved.data_ptr() != value.data_ptr()
+        np.testing.assert_array_equal(moved.numpy(), value.numpy())
+        assert scratch(dst) == before[0] + 3 * 512 * 4 and scratch(src) == before[1]
+        moves.close()
+        assert (scratch(dst), scratch(src)) == before
+        assert moves.bytes == 3 * 512 * 4
+
+
+def test_a_bad_feed_is_refused_as_ort_refuses_it():
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    with staged(m) as s:
+        with pytest.raises(Exception, match="Invalid input name"):
+            s.run(None, {"x": np.ones((3, 64), np.float32), "z": np.ones((3, 64), np.float32)})
+        with pytest.raises(ValueError, match="Required inputs"):
+            s.run(None, {"z": np.ones((3, 64), np.float32)})
+        with pytest.raises(Exception, match="Unexpected input data type"):
+            s.run(None, {"x": np.ones((3, 64), np.float64)})
+
+
+@pytest.mark.parametrize("devices, error", [([0, 0], ValueError), ("01", TypeError), ([], ValueError),
+                                            ([0, -1], ValueError), ([0, True], TypeError)])
+def test_bad_devices_are_refused(devices, error):
+    with pytest.raises(error):
+        staged(mlp_stack(layers=4, hidden=64), devices=devices)
+
+
+def test_per_device_values_must_name_each_device():
+    with pytest.raises(ValueError, match="2 values for 3 devices"):
+        staged(mlp_stack(layers=6, hidden=64), devices=(0, 1, 2), vram_limit=["64MiB", "64MiB"])
+
+
+def test_one_device_is_a_plain_session_on_that_device():
+    s = staged(mlp_stack(layers=4, hidden=64), devices=(3,))
+    try:
+        assert type(s) is OffloadSession and s.config.device_id == 3
+    finally:
+        s.close()
+
+
+def test_a_model_file_s_data_is_read_from_a_copy_and_stays_the_caller_s_to_load(tmp_path):
+    m = mlp_stack(layers=4, hidden=128)
+    path = str(tmp_path / "m.onnx")
+    onnx.save(m, path, save_as_external_data=True, all_tensors_to_one_file=True, location="m.data",
+              size_threshold=0)
+    x = np.ones((8, 128), np.float32)
+    with OffloadSession(path, providers=CPU, devices=[0, 1], host_granularity=4096, vram_limit="64MiB") as s:
+        copied = os.path.join(s._workdir, "stages", "m.data")
+        assert os.stat(copied).st_ino != os.stat(tmp_path / "m.data").st_ino
+        # onnx.load refuses a data file with several hard links; the caller's has one.
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain(onnx.load(path), {"x": x})[0])
+
+
+def test_concurrent_runs_give_right_answers():
+    m = mlp_stack(layers=6, hidden=64, batch=3)
+    xs = [np.random.default_rng(i).standard_normal((3, 64)).astype(np.float32) for i in range(4)]
+    want = [plain(m, {"x": x})[0] for x in xs]
+    bad = []
+    with staged(m) as s:
+        def work(k):
+            for _ in range(5):
+                if not np.array_equal(s.run(None, {"x": xs[k]})[0], want[k]):
+                    bad.append(k)
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    assert not bad
+
+
+def test_an_interrupt_between_stages_leaves_a_usable_session(monkeypatch):
+    m = mlp_stack(layers=6, hidden=64, batch=3)
+    x = np.ones((3, 64), np.float32)
+    with staged(m) as s:
+        moved = StepMoves.move
+
+        def interrupted(self, source, value):
+            moved(self, source, value)  # the buffer is taken, then Ctrl-C
+            raise KeyboardInterrupt
+        monkeypatch.setattr(StepMoves, "move", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            s.run(None, {"x": x})
+        monkeypatch.setattr(StepMoves, "move", moved)
+        assert s.stages[1].device.ledger.snapshot().zones["scratch"].committed.current == 0
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain(m, {"x": x})[0])
+
+
+# ---------------------------------------------------------------------- generation
+
+@pytest.mark.parametrize("layout", ["gqa", "standard", "exact"])
+@pytest.mark.parametrize("budget", ["resident", "streaming"])
+def test_generate_across_devices_gives_plain_ort_s_tokens(layout, budget):
+    m = decoder_lm("standard", position_ids=False, layers=4, max_length=128) if layout == "exact" else \
+        decoder_lm(layout, layers=4, max_length=128)
+    ids = np.random.default_rng(1).integers(0, 97, (2, 7))
+    kw = dict(weight_bytes=[150000, 120000], offload=True, vmm=True) if budget == "streaming" else {}
+    with staged(m, **kw) as s:
+        out = s.generate(ids, 6)
+        np.testing.assert_array_equal(out, reference_greedy(m, ids, 6))
+        if budget == "streaming":
+            assert all(st.counters.htod_bytes > 0 for st in s.stats().stages)
+        # each layer's past stays with its stage: the later stage reads its own layers, and
+        # in the builder's layout only those
+        later = set(s._model.segments[1].inputs)
+        assert "past_key_values.3.key" in later and "past_key_values.3.key" not in s._model.segments[0].inputs
+        assert layout != "gqa" or "past_key_values.0.key" not in later
+        if layout == "gqa":
+            return  # left padding needs standard attention (check_prompt_mask)
+        padded = np.array([[0, 0, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7]])
+        mask = np.array([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
+        np.testing.assert_array_equal(s.generate(padded, 4, attention_mask=mask),
+                                      reference_greedy(m, padded, 4, attention_mask=mask))
+
+
+def test_generate_stops_at_eos_and_an_interrupted_generation_leaves_a_usable_session():
+    m = decoder_lm("gqa", layers=4, max_length=128)
+    ids = np.random.default_rng(2).integers(0, 97, (1, 5))
+    ref = reference_greedy(m, ids, 6)
+    with staged(m) as s:
+        new = list(ref[0, 5:])
+        eos = int(new[2])
+        assert s.generate(ids, 6, eos_token_id=eos).shape[1] == 5 + new.index(eos) + 1 < 11
+        for taken in (1, 4):  # before the decode steps' fixed buffers exist, and after
+            it = s.generate_iter(ids, 6)
+            for _ in range(taken):
+                next(it)
+            it.close()
+            zones = [stage.device.ledger.snapshot().zones for stage in s.stages]
+            assert [z["kv"].committed.current for z in zones] == [0, 0]
+            assert [stage._runner.plan_count for stage in s.stages] == [0, 0]
+        np.testing.assert_array_equal(s.generate(ids, 6), ref)
+
+
+@pytest.mark.parametrize("layout", ["gqa", "standard"])
+def test_each_stage_keeps_its_layers_cache_in_its_own_device_s_kv_zone(layout):
+    m = decoder_lm(layout, layers=4, max_length=128)
+    ids = np.random.default_rng(3).integers(0, 97, (2, 9))
+    with staged(m) as s:
+        def kv(stage):
+            return stage.device.ledger.snapshot().zones["kv"].content.current
+        it = s.generate_iter(ids, 5)
+        next(it)
+        moved = s.moved_bytes
+        next(it)  # a decode step
+        step = s.moved_bytes - moved
+        held = [kv(stage) for stage in s.stages]
+        # Two layers each, keys and values, float32, [batch 2, 2 heads, positions, 16]: the
+        # builder's layout holds the whole length (9 + 5 - 1) in one buffer; the standard
+        # layout a past and a present with room for 16 positions.
+        each = 2 * 2 * (2 * 2 * 13 * 16 * 4) if layout == "gqa" else 2 * 2 * 2 * (2 * 2 * 16 * 16 * 4)
+        assert held == [each] * 2
+        next(it)  # the decode steps from here run at fixed addresses (builder layout)
+        plans = [stage._runner.plan_count for stage in s.stages]
+        assert plans == [int(layout == "gqa")] * 2
+        list(it)
+        assert [kv(stage) for stage in s.stages] == [0, 0]
+        # The builder layout's decode steps run at fixed addresses, a plan kept per stage for
+        # the generation (a captured graph where the engine captures), dropped at its end.
+        assert [stage._runner.plan_count for stage in s.stages] == [0, 0]
+        # A decode step moves the values crossing the cut and no past: a later stage of a
+        # standard export reads the first layer's past for its length only, and is fed its
+        # own. (The builder's two crossing values are [batch, 1, hidden] each.)
+        assert 0 < step < 2 * 2 * 9 * 16 * 4  # one layer's key at the prompt's length
+        assert layout != "gqa" or step == s.split.crossings[0] * 2 * 1 * 64 * 4
+
+
+# ---------------------------------------------------------------------- the command line
+
+def test_the_command_line_splits_a_model_across_devices(tmp_path, capsys):
+    from onnx_offload.models.decoder import genai_config, save_decoder
+    from onnx_offload.tools.cli import main
+    m = decoder_lm("gqa", layers=4, max_length=128)
+    save_decoder(m, str(tmp_path), config=genai_config(4, 64, 4, 2, 97, 128, eos_token_id=-1))
+    ids = np.array([[5, 6, 7, 8]])
+    want = reference_greedy(m, ids, 5)[0, 4:]
+    rc = main(["generate", str(tmp_path), "--cpu", "--devices", "0,1", "--prompt-ids", "5,6,7,8",
+               "--max-new-tokens", "5", "--vram-limit", "64MiB"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "tokens: " + ",".join(map(str, want)) in out.out
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(tmp_path / "model.onnx"), "--cpu", "--devices", "0,0"])
+    assert exit_.value.code == 2 and "distinct device ids" in capsys.readouterr().err
+
+
+def test_bench_compare_over_devices_runs_each_row_and_gives_the_anchor_s_tokens(tmp_path):
+    from onnx_offload.tools.bench_devices import bench_devices, print_devices
+    res = bench_devices("host", str(tmp_path), [0, 1], prompt=16, new=8)
+    assert not res["failures"]
+    assert [r["devices"] for r in res["rows"]] == [[0], [0, 1]]
+    assert all(r["tokens_equal"] for r in res["rows"])
+    two = res["rows"][1]
+    assert len(two["stage_weights"]) == 2 and all(s > 0 for s in two["streamed_per_step"])
+    assert "vs one device" in print_devices(res)
+
+
+def test_session_keywords_reach_every_stage_and_device_id_is_refused():
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    with staged(m, record_timeline=True, disabled_optimizers=["ConstantFolding"]) as s:
+        s.run(None, {"x": np.ones((3, 64), np.float32)})
+        assert all(stage._disabled_optimizers == ["ConstantFolding"] for stage in s.stages)
+    with pytest.raises(TypeError, match="devices="):
+        staged(m, device_id=1)
