@@ -333,3 +333,68 @@ def test_session_keywords_reach_every_stage_and_device_id_is_refused():
         assert all(stage._disabled_optimizers == ["ConstantFolding"] for stage in s.stages)
     with pytest.raises(TypeError, match="devices="):
         staged(m, device_id=1)
+
+
+def test_no_stage_is_left_without_weights():
+    """Nodes before the first weight (a Shape of the input) join the first stage: alone they
+    would make a stage with nothing to compute that a later stage does not compute again."""
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Shape", ["x"], ["shape"])]
+    for i in range(3):
+        nodes.append(helper.make_node("MatMul", ["x" if i == 0 else f"h{i - 1}", f"w{i}"], [f"h{i}"]))
+    nodes.append(helper.make_node("Reshape", ["h2", "shape"], ["y"]))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 64])],
+                          [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), f"w{i}")
+                           for i in range(3)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = np.ones((2, 64), np.float32)
+    with staged(m, devices=(0, 1, 2)) as s:
+        assert all(seg.weights and seg.outputs for seg in s._model.segments)
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain(m, {"x": x})[0])
+    with pytest.raises(UnsupportedModel, match="cannot be split over 4 devices"):
+        staged(m, devices=(0, 1, 2, 3))
+
+
+def test_the_drop_in_members_answer_as_ort_does():
+    from onnx_offload import OffloadConfig
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    with pytest.raises(TypeError, match="not both"):
+        OffloadSession(m.SerializeToString(), providers=CPU, devices=[0, 1], config=OffloadConfig(), vram_limit="1MiB")
+    x = ort.OrtValue.ortvalue_from_numpy(np.ones((3, 64), np.float32))
+    with staged(m) as s:
+        boundary = s._model.segments[0].outputs[0]
+        for names in (["bogus"], [boundary]):  # a value between stages is no output of the model
+            with pytest.raises(Exception, match="Invalid output name"):
+                s.run_with_ort_values(names, {"x": x})
+        with pytest.raises(NotImplementedError, match="run_with_ort_values"):
+            s.io_binding()
+
+
+def test_an_input_no_node_reads_is_listed_as_ort_lists_it():
+    from onnx import TensorProto, helper
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    m.graph.input.append(helper.make_tensor_value_info("unused", TensorProto.FLOAT, [1]))
+    with staged(m) as s:
+        want = [i.name for i in ort.InferenceSession(m.SerializeToString(), providers=CPU).get_inputs()]
+        assert [i.name for i in s.get_inputs()] == want == ["x", "unused"]
+
+
+def test_a_shortage_names_its_device():
+    from onnx_offload import BudgetExceeded
+    m = mlp_stack(layers=4, hidden=128, batch=3)
+    with pytest.raises(BudgetExceeded, match=r"^device 7 \(stage 2 of 2\): "):
+        staged(m, devices=(3, 7), vram_limit=["4MiB", "40KiB"])
+
+
+@pytest.mark.parametrize("layout", ["gqa", "standard"])
+def test_a_stage_per_layer_gives_plain_ort_s_tokens(layout):
+    """Six stages, each a layer: the builder layout's caches are zeroed on each device's
+    stream before the prompt writes them (a race there shows with many stages)."""
+    m = decoder_lm(layout, layers=6, max_length=128)
+    ids = np.random.default_rng(1).integers(0, 97, (4, 7))
+    want = reference_greedy(m, ids, 6)
+    for _ in range(3):
+        with staged(m, devices=range(6)) as s:
+            np.testing.assert_array_equal(s.generate(ids, 6), want)

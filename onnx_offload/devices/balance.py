@@ -4,9 +4,12 @@ A stage's step time on its device is ``max(its weights / the device's compute ra
 its streamed weights / the device's link rate)``: the weights past the device's
 allowance cross its own host-to-device link each step. The split minimizes the largest
 stage time, not the largest stage's bytes, so a device with a larger budget takes more
-of the model. Within 5% of that balanced time it cuts where the fewest values cross
-between stages: each crossing value is a copy from one device to the next, and a
-decoder's layer boundaries carry only the residual stream.
+of the model, and no device keeps allowance unused while another streams. (The stages of
+one sequence run one after the other, so a step costs the sum of the stage times; while
+every stage streams, that sum is the bytes past all the allowances over the links, and
+it is least where the largest is.) Within 5% of that balanced time the split cuts where
+the fewest values cross between stages: each crossing value is a copy from one device to
+the next, and a decoder's layer boundaries carry only the residual stream.
 
 A cut may fall only before a node that reads a weight no earlier node read: every
 stage then starts at a weight, and a stage's weights are what its nodes read (a weight
@@ -67,9 +70,12 @@ class _Ranges:
         first = np.zeros(self.n + 1, np.int64)
         for name, at in uses.items():
             first[at[0] + 1] += weight_bytes[name]
-        # Positions a stage may start at: a node reading a weight for the first time.
+        # Positions a later stage may start at: a node reading a weight for the first time,
+        # after the first such node (the nodes before it, which read none, join the first
+        # stage: alone they would make a stage with no weights, whose values the next stage
+        # computes again, and so with no outputs).
         starts = sorted({at[0] for at in uses.values()})
-        self.positions = np.array([0] + [p for p in starts if p > 0] + [self.n], np.int64)
+        self.positions = np.array([0] + starts[1:] + [self.n], np.int64)
         self.prefix = np.cumsum(first)[self.positions]
         self.reused = [(weight_bytes[n], at) for n, at in uses.items() if len(at) > 1]
         self.crossing = self._crossings(model, recomputed_values(model, lambda n: n in weight_bytes))

@@ -22,6 +22,7 @@ past for its values gets a copy moved to its device.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 from typing import Dict, List, Optional
@@ -30,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..engines import FixedBuffer, numpy_dtype
-from ..errors import StateError
+from ..errors import OffloadError, StateError
 from ..generation import DeviceBuffers, ExactKV, SharedKV, last_logits, write
 from ..loading import DecoderSpec
 from .moves import StepMoves
@@ -39,6 +40,17 @@ _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
 _SHAPE_ONLY = ("Shape", "Size")
 _GENERATIONS = itertools.count()  # names each generation's kept step plans
+
+
+@contextlib.contextmanager
+def on_device(device: int, stage: int, stages: int):
+    """An OffloadError raised inside names the device and stage it came from."""
+    try:
+        yield
+    except OffloadError as e:
+        if e.args and isinstance(e.args[0], str):
+            e.args = (f"device {device} (stage {stage + 1} of {stages}): {e.args[0]}",) + e.args[1:]
+        raise
 
 
 class _Fixed:
@@ -123,7 +135,8 @@ class StagedGeneration:
         for s, (stage, seg) in enumerate(zip(session.stages, session._model.segments)):
             moves = StepMoves(stage.device)
             try:
-                values = self._stage(s, stage, seg, host, passed, moves, new, first)
+                with on_device(session.devices[s], s, len(session.stages)):
+                    values = self._stage(s, stage, seg, host, passed, moves, new, first)
             finally:
                 moves.close()
                 session.moved_bytes += moves.bytes

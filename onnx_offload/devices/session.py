@@ -30,7 +30,7 @@ from ..loading import external_data_folder, make_workdir, remove_workdir
 from ..memory import weights_allowance
 from ..session import ClosedAtExit, OffloadSession, session_arguments
 from .balance import DeviceShare
-from .generation import StagedGeneration
+from .generation import StagedGeneration, on_device
 from .moves import StepMoves
 from .stages import stage_models
 from .stats import StagedStats
@@ -76,7 +76,7 @@ class StagedSession(ClosedAtExit, GenerationMembers):
         for k, v in per.items():
             if len(v) != len(ids):
                 raise ValueError(f"{k} gives {len(v)} values for {len(ids)} devices")
-        if per and config is not None:
+        if config is not None and (per or set(config_kwargs) - set(SESSION_KEYWORDS)):
             raise TypeError("pass either config= or configuration keywords, not both")
         if "device_id" in config_kwargs:
             raise TypeError("give the devices in devices=, not device_id=")
@@ -97,9 +97,11 @@ class StagedSession(ClosedAtExit, GenerationMembers):
             self._model = m = stage_models(path_or_bytes, self._workdir, shares, args.config.min_weight_bytes,
                                            external_data_folder(sess_options))
             self._decoder_spec = m.decoder
-            for path, cfg, kw in zip(m.paths, configs, stage_kwargs):
-                self.stages.append(OffloadSession(path, sess_options, providers, provider_options, config=cfg,
-                                                  progress=progress, **(kw if cfg is None else {})))
+            for d, path, cfg, kw in zip(ids, m.paths, configs, stage_kwargs):
+                with on_device(d, len(self.stages), len(ids)):
+                    session_kw = {k: v for k, v in kw.items() if k in SESSION_KEYWORDS}
+                    self.stages.append(OffloadSession(path, sess_options, providers, provider_options, config=cfg,
+                                                      progress=progress, **(kw if cfg is None else session_kw)))
         except BaseException:
             self._teardown()
             raise
@@ -107,15 +109,10 @@ class StagedSession(ClosedAtExit, GenerationMembers):
 
     # ------------------------------------------------------------------ as InferenceSession
     def get_inputs(self):
-        """The model's inputs (each stage's that the caller feeds), in the model's order."""
-        seen, out = set(), []
-        order = {x.name: k for k, x in enumerate(self._model.inputs)}
-        for stage in self.stages:
-            for i in stage.get_inputs():
-                if i.name in order and i.name not in seen:
-                    seen.add(i.name)
-                    out.append(i)
-        return sorted(out, key=lambda i: order[i.name])
+        """The model's inputs, in its order: as the stage that reads each lists it (or as
+        the model declares one no node reads)."""
+        listed = {i.name: i for stage in reversed(self.stages) for i in stage.get_inputs()}
+        return [listed.get(x.name, x) for x in self._model.inputs]
 
     def get_outputs(self):
         made = {o.name: o for stage in self.stages for o in stage.get_outputs()}
@@ -126,6 +123,16 @@ class StagedSession(ClosedAtExit, GenerationMembers):
 
     def get_modelmeta(self):
         return self._model.meta
+
+    def get_session_options(self):
+        return self.stages[0].get_session_options()
+
+    def io_binding(self):
+        raise NotImplementedError("a session split across devices takes no IOBinding (its values lie on several "
+                                  "devices): use run() or run_with_ort_values()")
+
+    def run_with_iobinding(self, iobinding, run_options=None):
+        self.io_binding()
 
     @property
     def segments(self) -> list:
@@ -150,23 +157,25 @@ class StagedSession(ClosedAtExit, GenerationMembers):
             check_feeds(self._model.required, self._model.inputs,
                         [o.name for o in self._model.outputs], feeds, output_names)
             names = list(output_names or [o.name for o in self._model.outputs])
-            values, _ = self._run_values(feeds, names, run_options)
+            values = self._run_values(feeds, run_options)
             return [values[n].numpy() for n in names]
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None) -> List[ort.OrtValue]:
         """OrtValues in, OrtValues out, each on the device of the stage that made it."""
         with self._step():
+            feeds = dict(input_dict_ort_values)
+            check_feeds(self._model.required, self._model.inputs, [o.name for o in self._model.outputs], feeds,
+                        output_names)
             names = list(output_names or [o.name for o in self._model.outputs])
-            values, _ = self._run_values(dict(input_dict_ort_values), names, run_options)
+            values = self._run_values(feeds, run_options)
             return [values[n] for n in names]
 
-    def _run_values(self, feeds, names: Sequence[str], run_options=None, origins: Optional[Dict[str, int]] = None):
-        """({name: OrtValue} of `names` and of every boundary value, {name: the stage that
-        made it}). A caller's value goes to each stage that reads it as it is; a value a
-        stage made (in this step, or in an earlier one as `origins` says of a feed) moves
-        to the device of each other stage that reads it."""
+    def _run_values(self, feeds, run_options=None) -> Dict[str, ort.OrtValue]:
+        """{name: OrtValue} of every value the stages make. A caller's value goes to
+        each stage that reads it as it is; a value a stage made moves to the device of each
+        later stage that reads it."""
         values = {n: as_ortvalue(v) for n, v in feeds.items()}
-        made_by: Dict[str, int] = dict(origins or {})
+        made_by: Dict[str, int] = {}
         for s, (stage, seg) in enumerate(zip(self.stages, self._model.segments)):
             moves = StepMoves(stage.device)
             try:
@@ -176,13 +185,14 @@ class StagedSession(ClosedAtExit, GenerationMembers):
                         continue  # an optional input left out
                     origin = made_by.get(n, s)
                     stage_feeds[n] = values[n] if origin == s else moves.move(self.stages[origin].device, values[n])
-                outs = stage.run_with_ort_values(seg.outputs, stage_feeds, run_options)
+                with on_device(self.devices[s], s, len(self.stages)):
+                    outs = stage.run_with_ort_values(seg.outputs, stage_feeds, run_options)
             finally:
                 moves.close()
                 self.moved_bytes += moves.bytes
             for n, v in zip(seg.outputs, outs):
                 values[n], made_by[n] = v, s
-        return values, {n: made_by[n] for n in names if n in made_by}
+        return values
 
     # ------------------------------------------------------------------ generation
     def _new_generation(self, spec, batch: int, prompt: int, total: int):

@@ -68,7 +68,7 @@ def stage_models(path_or_bytes, workdir: str, shares: Sequence[DeviceShare], min
     if not weights:
         raise UnsupportedModel("the model holds no weights to split over devices: run it on one device")
     cut = split_stages(model, weights, shares)
-    segments = split(model, cut.groups, lambda n: n in weights)
+    segments = split(model, cut.groups, lambda n: n in weights, instead="run it on one device")
     stage_dir = os.path.join(workdir, "stages")
     os.makedirs(stage_dir, exist_ok=True)
     for location in check_external_data(model, folder, "the model"):

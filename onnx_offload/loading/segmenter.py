@@ -227,8 +227,11 @@ def check_bindable(model: onnx.ModelProto, groups: List[List[int]], consumers: D
                                        f"model to the next or leave {where}, and only tensors of numbers can: {instead}")
 
 
-def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[str], bool]) -> List[Segment]:
-    """Builds one model per group. `model` holds weights as declarations only."""
+def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[str], bool],
+          instead: str = "run it unsplit (a weights budget that holds every weight, or offload=False)"
+          ) -> List[Segment]:
+    """Builds one model per group. `model` holds weights as declarations only. `instead`:
+    what the refusal of a value no boundary can hold advises."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     graph_outputs = [o.name for o in graph.output]
@@ -263,8 +266,7 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
     fed = {vi.name for vi in graph.input}
     segments = []
     if len(groups) > 1:
-        check_bindable(model, groups, consumers, types, "a split model", "run it unsplit (a weights budget that "
-                                                                          "holds every weight, or offload=False)")
+        check_bindable(model, groups, consumers, types, "a split model", instead)
     for gi, (group, member) in enumerate(zip(groups, members)):
         nodes = [graph.node[i] for i in member]
         read = list(dict.fromkeys(n for node in nodes for n in node_inputs(node)))
