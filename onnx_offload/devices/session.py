@@ -90,10 +90,11 @@ class StagedSession(ClosedAtExit, GenerationMembers):
         self._workdir = make_workdir()
         try:
             shares = []
-            for cfg, kw in zip(configs, stage_kwargs):
+            for i, (cfg, kw) in enumerate(zip(configs, stage_kwargs)):
                 given = {k: v for k, v in kw.items() if k not in SESSION_KEYWORDS} if cfg is None else {}
-                args = session_arguments(providers, provider_options, cfg, given)
-                shares.append(DeviceShare(weights_allowance(args.on_cuda, args.config)))
+                with on_device(ids[i], i, len(ids)):
+                    args = session_arguments(providers, provider_options, cfg, given)
+                    shares.append(DeviceShare(weights_allowance(args.on_cuda, args.config)))
             self._model = m = stage_models(path_or_bytes, self._workdir, shares, args.config.min_weight_bytes,
                                            external_data_folder(sess_options))
             self._decoder_spec = m.decoder
