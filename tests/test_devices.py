@@ -398,3 +398,22 @@ def test_a_stage_per_layer_gives_plain_ort_s_tokens(layout):
     for _ in range(3):
         with staged(m, devices=range(6)) as s:
             np.testing.assert_array_equal(s.generate(ids, 6), want)
+
+
+def test_a_cache_short_of_room_makes_its_device_s_weights_stream_and_the_advice_runs():
+    import re
+    import warnings
+    m = decoder_lm("gqa", layers=4, max_length=512)
+    ids = np.random.default_rng(0).integers(0, 97, (4, 100))
+    want = reference_greedy(m, ids, 8)
+    kw = dict(vram_limit="600KiB", offload=True, vmm=True, scratch_bytes=65536)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with staged(m, **kw) as s:
+            np.testing.assert_array_equal(s.generate(ids, 8), want)
+            assert all(st.counters.htod_bytes > 0 for st in s.stats().stages)
+    advice = [str(w.message) for w in seen if "kv_bytes=" in str(w.message)]
+    assert advice, [str(w.message) for w in seen]
+    kv = int(re.search(r"kv_bytes=(\d+)", advice[0]).group(1))
+    with staged(m, kv_bytes=kv, **kw) as s:
+        np.testing.assert_array_equal(s.generate(ids, 8), want)

@@ -32,7 +32,7 @@ import onnxruntime as ort
 
 from ..engines import FixedBuffer, numpy_dtype
 from ..errors import OffloadError, StateError
-from ..generation import DeviceBuffers, ExactKV, SharedKV, last_logits, write
+from ..generation import DeviceBuffers, ExactKV, SharedKV, last_logits, peak_bytes, write
 from ..loading import DecoderSpec
 from .moves import StepMoves
 
@@ -75,21 +75,28 @@ class StagedGeneration:
         self._kv: List[DeviceBuffers] = []
         self._io: List[DeviceBuffers] = []
         self._fixed: List[Optional[_Fixed]] = []
+        self._peaks: List[int] = []  # the most bytes each stage's cache holds
         self._name = next(_GENERATIONS)
         try:
             for s, (stage, seg) in enumerate(zip(session.stages, session._model.segments)):
                 layers = sorted({int(m.group(1)) for n in seg.outputs if (m := _PRESENT.match(n))})
                 self.owner.update((i, s) for i in layers)
-                self._kv.append(DeviceBuffers(stage.device, "kv"))
-                self._io.append(DeviceBuffers(stage.device, "scratch"))
+                # A buffer short of room asks the stage's session, which may plan its budget
+                # again so that its weights stream (as one session's generation does).
+                peak = peak_bytes("gqa" if self.shared else "exact", len(layers), batch, spec.kv_heads,
+                                  spec.head_size, spec.kv_dtype, prompt, total, stage.device.granularity)
+                self._peaks.append(peak)
+                self._kv.append(DeviceBuffers(stage.device, "kv", shortage(stage, peak, 0)))
+                self._io.append(DeviceBuffers(stage.device, "scratch", shortage(stage, peak, 1)))
                 self._fixed.append(None)
                 args = (batch, spec.kv_heads, total, spec.head_size, spec.kv_dtype) if self.shared else \
                     (batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt)
                 form = SharedKV if self.shared else ExactKV
-                self.caches.append(form(self._kv[-1], layers, *args) if layers else None)
-                # The shared layout's zero fills are queued on the compute stream; the CPU EP
-                # runs on this thread.
-                stage.device.compute_stream.synchronize()
+                with stage._step(), on_device(session.devices[s], s, len(session.stages)):
+                    self.caches.append(form(self._kv[-1], layers, *args) if layers else None)
+                    # The shared layout's zero fills are queued on the compute stream; the CPU
+                    # EP runs on this thread.
+                    stage.device.compute_stream.synchronize()
         except BaseException:
             self.close()
             raise
@@ -133,9 +140,9 @@ class StagedGeneration:
         passed: Dict[str, tuple] = {}  # a value one stage made for later ones: (value, stage)
         logits = None
         for s, (stage, seg) in enumerate(zip(session.stages, session._model.segments)):
-            moves = StepMoves(stage.device)
+            moves = StepMoves(stage.device, shortage(stage, self._peaks[s], 1))
             try:
-                with on_device(session.devices[s], s, len(session.stages)):
+                with stage._step(), on_device(session.devices[s], s, len(session.stages)):
                     values = self._stage(s, stage, seg, host, passed, moves, new, first)
             finally:
                 moves.close()
@@ -152,7 +159,7 @@ class StagedGeneration:
         return next(c.length for c in self.caches if c is not None)
 
     def _stage(self, s: int, stage, seg, host, passed, moves: StepMoves, new: int, first: bool) -> dict:
-        """Stage `s`'s part of a step: its values by name."""
+        """Stage `s`'s part of a step, under the stage's lock: its values by name."""
         cache, fixed = self.caches[s], self._fixed[s]
         feeds: Dict[str, ort.OrtValue] = {}
         outputs: Dict[str, ort.OrtValue] = {}
@@ -185,17 +192,16 @@ class StagedGeneration:
         if fixed is not None:
             write(stage.device, *writes)
             outputs.update((n, b.value) for n, b in fixed.outputs.items())
-        with stage._step():
+        if fixed is not None:
             key = ("staged", self._name, s)
-            if fixed is not None:
-                values, replayed = stage._run_bound(feeds, outputs, fixed=True, key=key)
-                runner = stage._runner
-                if not replayed and runner.streaming and runner.capture.enabled:
-                    # The first step of these buffers learned the boundaries' sizes; the same
-                    # step again writes the same cache position and runs under the new graphs.
-                    values, _ = stage._run_bound(feeds, outputs, fixed=True, key=key)
-            else:
-                values, _ = stage._run_bound(feeds, outputs, fixed=False)
+            values, replayed = stage._run_bound(feeds, outputs, fixed=True, key=key)
+            runner = stage._runner
+            if not replayed and runner.streaming and runner.capture.enabled:
+                # The first step of these buffers learned the boundaries' sizes; the same
+                # step again writes the same cache position and runs under the new graphs.
+                values, _ = stage._run_bound(feeds, outputs, fixed=True, key=key)
+        else:
+            values, _ = stage._run_bound(feeds, outputs, fixed=False)
         values = {**values, **outputs}  # a bound output's value is where it was bound
         if cache is not None and not self.shared:
             if first:
@@ -261,3 +267,8 @@ class StagedGeneration:
             bufs.close()
         self._io, self._kv, self.caches, self._fixed = [], [], [], []
 
+
+def shortage(stage, kv_peak: int, io: int):
+    """The shortage callback of a stage's buffers (kv_cache.DeviceBuffers): of the KV cache
+    (`io` 0), which holds at most `kv_peak` bytes, or of the step buffers (`io` 1)."""
+    return lambda nbytes, full: stage._kv_shortage(0 if io else nbytes, kv_peak, nbytes if io else 0, 0, full)

@@ -24,9 +24,10 @@ class StepMoves:
     """The moves of one step into one stage's device; freed together once the stage has
     run (its ORT run returns after reading them)."""
 
-    def __init__(self, device):
+    def __init__(self, device, shortage=None):
+        """`shortage`: what the buffers ask when the budget has no room (DeviceBuffers)."""
         self.device = device
-        self._bufs = DeviceBuffers(device, "scratch")
+        self._bufs = DeviceBuffers(device, "scratch", shortage)
         self._keep: List[np.ndarray] = []
         self.bytes = 0
         self._last = None  # the event of the last copy

@@ -30,7 +30,7 @@ from ..loading import external_data_folder, make_workdir, remove_workdir
 from ..memory import weights_allowance
 from ..session import ClosedAtExit, OffloadSession, session_arguments
 from .balance import DeviceShare
-from .generation import StagedGeneration, on_device
+from .generation import StagedGeneration, on_device, shortage
 from .moves import StepMoves
 from .stages import stage_models
 from .stats import StagedStats
@@ -178,15 +178,16 @@ class StagedSession(ClosedAtExit, GenerationMembers):
         values = {n: as_ortvalue(v) for n, v in feeds.items()}
         made_by: Dict[str, int] = {}
         for s, (stage, seg) in enumerate(zip(self.stages, self._model.segments)):
-            moves = StepMoves(stage.device)
+            moves = StepMoves(stage.device, shortage(stage, 0, 1))
             try:
-                stage_feeds = {}
-                for n in seg.inputs:
-                    if n not in values:
-                        continue  # an optional input left out
-                    origin = made_by.get(n, s)
-                    stage_feeds[n] = values[n] if origin == s else moves.move(self.stages[origin].device, values[n])
-                with on_device(self.devices[s], s, len(self.stages)):
+                with stage._step(), on_device(self.devices[s], s, len(self.stages)):
+                    stage_feeds = {}
+                    for n in seg.inputs:
+                        if n not in values:
+                            continue  # an optional input left out
+                        origin = made_by.get(n, s)
+                        stage_feeds[n] = values[n] if origin == s else \
+                            moves.move(self.stages[origin].device, values[n])
                     outs = stage.run_with_ort_values(seg.outputs, stage_feeds, run_options)
             finally:
                 moves.close()

@@ -20,8 +20,8 @@ import onnx
 from onnx import helper
 
 from ..errors import UnsupportedModel
-from ..loading import (DecoderSpec, saving, IOInfo, ModelMeta, Segment, check_external_data, decoder_spec, external_info,
-                       copy_regular, materialize, model_file, rotary_rows, split)
+from ..loading import (DecoderSpec, IOInfo, ModelMeta, Segment, check_external_data, copy_regular, decoder_spec,
+                       external_info, materialize, model_file, rotary_rows, saving, split)
 from .balance import DeviceShare, StageSplit, split_stages
 
 

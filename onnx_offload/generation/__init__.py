@@ -4,11 +4,11 @@ export layout, sampling, and the generation's steps at fixed shapes and addresse
 
 from ..loading import SAMPLING_DEFAULTS
 from .kept import release_kept
-from .kv_cache import DeviceBuffers, ExactKV, SharedKV, write
-from .loop import generate_tokens, last_logits, last_position
+from .kv_cache import DeviceBuffers, ExactKV, SharedKV, peak_bytes, write
+from .loop import last_logits
 from .members import GenerationMembers
 from .needs import first_needs
 from .sampling import Sampling
 
 __all__ = ["DeviceBuffers", "ExactKV", "GenerationMembers", "SAMPLING_DEFAULTS", "Sampling", "SharedKV", "first_needs",
-           "generate_tokens", "last_logits", "last_position", "release_kept", "write"]
+           "last_logits", "peak_bytes", "release_kept", "write"]

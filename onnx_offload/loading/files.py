@@ -117,7 +117,7 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
             if not os.path.lexists(link):
                 os.makedirs(os.path.dirname(link), exist_ok=True)
                 with saving(workdir, "the external data of the model given as bytes"):
-                    link_or_copy(os.path.realpath(os.path.join(folder, location)), link)
+                    _link_or_copy(os.path.realpath(os.path.join(folder, location)), link)
         return path, model
     path = os.fspath(path_or_bytes)
     if not os.path.exists(path):
@@ -130,7 +130,7 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
     return path, model
 
 
-def link_or_copy(target: str, link: str) -> None:
+def _link_or_copy(target: str, link: str) -> None:
     """A hard link to the regular file `target` (no copy), else a copy of it across file
     systems. `target` is a real path (no symbolic link in it), checked by
     check_external_data; the copy is read from a descriptor checked again."""
