@@ -417,3 +417,25 @@ def test_a_cache_short_of_room_makes_its_device_s_weights_stream_and_the_advice_
     kv = int(re.search(r"kv_bytes=(\d+)", advice[0]).group(1))
     with staged(m, kv_bytes=kv, **kw) as s:
         np.testing.assert_array_equal(s.generate(ids, 8), want)
+
+
+@pytest.mark.parametrize("layout", ["gqa", "standard", "exact"])
+def test_a_long_prompt_runs_in_chunks_across_devices_and_gives_plain_ort_s_tokens(layout, monkeypatch):
+    m = decoder_lm("standard", position_ids=False, layers=4, max_length=128) if layout == "exact" else \
+        decoder_lm(layout, layers=4, max_length=128)
+    ids = np.random.default_rng(4).integers(0, 97, (2, 40))
+    want = reference_greedy(m, ids, 5)
+    shapes = []
+    move_into = StepMoves.move_into
+
+    def seen(self, source, value, dst):
+        shapes.append(list(value.shape()))
+        return move_into(self, source, value, dst)
+    monkeypatch.setattr(StepMoves, "move_into", seen)
+    with staged(m, prefill_chunk=16) as s:
+        np.testing.assert_array_equal(s.generate(ids, 5), want)
+    # What crossed between the devices came in chunks of at most 16 positions (8, 16, 16),
+    # each row on its own in the builder's layout; unchunked, a value of 40 would cross.
+    hidden = [sh for sh in shapes if len(sh) == 3 and sh[-1] == 64]
+    assert hidden and max(sh[1] for sh in hidden) == 16
+    assert {sh[0] for sh in hidden if sh[1] > 1} == ({1} if layout == "gqa" else {2})

@@ -32,7 +32,7 @@ import onnxruntime as ort
 
 from ..engines import FixedBuffer, numpy_dtype
 from ..errors import OffloadError, StateError
-from ..generation import DeviceBuffers, ExactKV, SharedKV, last_logits, peak_bytes, write
+from ..generation import DeviceBuffers, ExactKV, SharedKV, last_logits, peak_bytes, prompt_chunk, write
 from ..loading import DecoderSpec
 from .moves import StepMoves
 
@@ -109,12 +109,37 @@ class StagedGeneration:
         return all(node.op_type in _SHAPE_ONLY for node in seg.model.graph.node if foreign & set(node.input))
 
     def prompt(self, ids: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
-        """The prompt's step: the last position's logits [batch, vocab], float32."""
+        """The prompt, in chunks of at most the stages' prefill_chunk tokens when it is
+        longer (each appending to the caches, as one session's generation feeds it):
+        the last position's logits [batch, vocab], float32."""
         b, p = ids.shape
-        self.mask = np.ones((b, p), np.int64) if mask is None else mask
-        positions = np.where(self.mask == 1, np.cumsum(self.mask, axis=1) - 1, 1)
+        self.mask = full = np.ones((b, p), np.int64) if mask is None else mask
+        pos = np.where(full == 1, np.cumsum(full, axis=1) - 1, 1)
+        chunk = prompt_chunk(p, self.session.stages[0].config.prefill_chunk)
+        pieces = [(0, p)] if not chunk else [(0, p - chunk * ((p - 1) // chunk))] + \
+            [(start, chunk) for start in range(p - chunk * ((p - 1) // chunk), p, chunk)]
         with self.session._step():  # one step of the pipeline at a time
-            logits = self._step(ids, positions, p, first=True)
+            if not self.shared:
+                for start, n in pieces:
+                    logits = self._step(self._host(ids[:, start:start + n], full[:, :start + n],
+                                                   pos[:, start:start + n]), n, first=start == 0)
+            else:
+                # GroupQueryAttention takes a chunk beside a past one row at a time: a batch's
+                # rows run in turn, through views of their rows of the shared caches. The
+                # first chunk's mask is as long as it; the others' the caches' whole length,
+                # ones up to their end, as a decode step's.
+                rows = [(r, slice(r, r + 1)) for r in range(b)] if chunk and b > 1 else [(None, slice(0, b))]
+                out = []
+                for row, take in rows:
+                    for start, n in pieces:
+                        m = np.ones((take.stop - take.start, n), np.int64)
+                        if start:
+                            m = np.zeros((take.stop - take.start, self._shared_length()), np.int64)
+                            m[:, :start + n] = 1
+                        logits = self._step(self._host(ids[take, start:start + n], m, pos[take, start:start + n]), n,
+                                            first=start == 0, row=row)
+                    out.append(logits)
+                logits = np.concatenate(out, axis=0)
         self.length = p
         return logits
 
@@ -122,28 +147,37 @@ class StagedGeneration:
         """A decode step of one token per row; (logits, None) as Generation.decode gives."""
         self.mask = np.concatenate([self.mask, np.ones((self.batch, 1), np.int64)], axis=1)
         positions = self.mask.sum(axis=1, keepdims=True) - 1
+        mask = self.mask
+        if self.shared:  # the whole length, ones where a position is cached or new
+            mask = np.zeros((self.batch, self._shared_length()), np.int64)
+            mask[:, :self.length + 1] = 1
         with self.session._step():
-            logits = self._step(tokens[:, None], positions, 1, first=False)
+            logits = self._step(self._host(tokens[:, None], mask, positions), 1, first=False, decode=True)
         self.length += 1
         return logits, None
 
-    def _step(self, ids, positions, new: int, first: bool) -> np.ndarray:
-        spec, session = self.spec, self.session
-        mask = self.mask
-        if self.shared and not first:  # the whole length, ones where a position is cached or new
-            mask = np.zeros((self.batch, self._shared_length()), np.int64)
-            mask[:, :self.length + 1] = 1
+    def _host(self, ids, mask, positions) -> Dict[str, np.ndarray]:
+        """A step's ids, mask and positions, in the types the model declares."""
+        spec = self.spec
         host = {"input_ids": np.ascontiguousarray(ids, spec.ids_dtype),
                 "attention_mask": np.ascontiguousarray(mask, spec.mask_dtype)}
         if spec.position_ids:
             host["position_ids"] = np.ascontiguousarray(positions, spec.pos_dtype)
+        return host
+
+    def _step(self, host: Dict[str, np.ndarray], new: int, first: bool, row: Optional[int] = None,
+              decode: bool = False) -> np.ndarray:
+        """One step of `new` positions through every stage: the last position's logits.
+        `first`: the prompt's first (its cache starts empty); `row`: the one row of the
+        shared caches it runs on (None: every row); `decode`: a decode step."""
+        session = self.session
         passed: Dict[str, tuple] = {}  # a value one stage made for later ones: (value, stage)
         logits = None
         for s, (stage, seg) in enumerate(zip(session.stages, session._model.segments)):
             moves = StepMoves(stage.device, shortage(stage, self._peaks[s], 1))
             try:
                 with stage._step(), on_device(session.devices[s], s, len(session.stages)):
-                    values = self._stage(s, stage, seg, host, passed, moves, new, first)
+                    values = self._stage(s, stage, seg, host, passed, moves, new, first, row, decode)
             finally:
                 moves.close()
                 session.moved_bytes += moves.bytes
@@ -158,14 +192,15 @@ class StagedGeneration:
         """The positions the shared layout's buffers hold (the generation's whole length)."""
         return next(c.length for c in self.caches if c is not None)
 
-    def _stage(self, s: int, stage, seg, host, passed, moves: StepMoves, new: int, first: bool) -> dict:
+    def _stage(self, s: int, stage, seg, host, passed, moves: StepMoves, new: int, first: bool,
+               row: Optional[int], decode: bool) -> dict:
         """Stage `s`'s part of a step, under the stage's lock: its values by name."""
-        cache, fixed = self.caches[s], self._fixed[s]
+        cache, fixed = self.caches[s], self._fixed[s] if decode else None
         feeds: Dict[str, ort.OrtValue] = {}
         outputs: Dict[str, ort.OrtValue] = {}
         if cache is not None:
             if self.shared:
-                cache.bind(feeds, outputs)
+                cache.bind(feeds, outputs, row=row)
             elif not first:
                 cache.ensure(cache.length + new)
                 cache.bind(feeds, outputs, new)
@@ -208,7 +243,7 @@ class StagedGeneration:
                 cache.fill_from([values[f"present.{i}.{kv}"] for i in cache.ids for kv in ("key", "value")], new)
             else:
                 cache.advance(new)
-        if self.shared and not first and fixed is None:
+        if self.shared and decode and fixed is None:
             self._fix(s, stage, seg, feeds, values, host)
         return values
 
