@@ -370,6 +370,13 @@ def test_the_drop_in_members_answer_as_ort_does():
                 s.run_with_ort_values(names, {"x": x})
         with pytest.raises(NotImplementedError, match="run_with_ort_values"):
             s.io_binding()
+        done = threading.Event()
+        got = []
+        s.run_async(None, {"x": x.numpy()}, lambda out, data, err: (got.append((out, data, err)), done.set()), 7)
+        assert done.wait(60)
+        (out, data, err), = got
+        assert err == "" and data == 7
+        np.testing.assert_array_equal(out[0], plain(m, {"x": x.numpy()})[0])
 
 
 def test_an_input_no_node_reads_is_listed_as_ort_lists_it():
