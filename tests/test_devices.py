@@ -446,3 +446,27 @@ def test_a_long_prompt_runs_in_chunks_across_devices_and_gives_plain_ort_s_token
     hidden = [sh for sh in shapes if len(sh) == 3 and sh[-1] == 64]
     assert hidden and max(sh[1] for sh in hidden) == 16
     assert {sh[0] for sh in hidden if sh[1] > 1} == ({1} if layout == "gqa" else {2})
+
+
+def test_an_interrupt_while_a_generation_closes_leaves_no_stage_s_plan_behind(monkeypatch):
+    m = decoder_lm("gqa", layers=4, max_length=128)
+    ids = np.random.default_rng(5).integers(0, 97, (1, 6))
+    with staged(m) as s:
+        it = s.generate_iter(ids, 6)
+        for _ in range(4):  # each stage's decode plan exists from here
+            next(it)
+        assert [st._runner.plan_count for st in s.stages] == [1, 1]
+        first = s.stages[0]._runner
+        drop = type(first).drop_plans
+
+        def interrupted(self, keys):
+            drop(self, keys)
+            if self is first:
+                raise KeyboardInterrupt
+        monkeypatch.setattr(type(first), "drop_plans", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            it.close()
+        monkeypatch.setattr(type(first), "drop_plans", drop)
+        assert [st._runner.plan_count for st in s.stages] == [0, 0]
+        assert [st.device.ledger.snapshot().zones["kv"].committed.current for st in s.stages] == [0, 0]
+        np.testing.assert_array_equal(s.generate(ids, 6), reference_greedy(m, ids, 6))

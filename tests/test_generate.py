@@ -1197,3 +1197,14 @@ def test_sampling_defaults_come_from_the_model_s_generation_config(tmp_path):
     with session(None, path=path) as s:
         np.testing.assert_array_equal(s.generate(ids, 8, seed=3), want)  # top_k 1: the greedy tokens
         assert not np.array_equal(s.generate(ids, 8, seed=3, top_k=0), want)  # an argument wins
+
+
+def test_each_chunk_of_a_bucketed_prompt_waits_for_the_copy_of_the_one_before():
+    """The standard layout copies a chunk's present into the bucketed past on the device's
+    stream (on the CPU a thread of its own); the next chunk, which the CPU EP runs on the
+    caller's thread, reads it only once the copy is done."""
+    model = make_decoder("standard", layers=4, max_length=64)
+    with session(model, prefill_chunk=8) as s:
+        for seed in range(12):
+            ids = prompt(1, 20, seed=seed)
+            np.testing.assert_array_equal(s.generate(ids, 2), reference_greedy(model, ids, 2))

@@ -31,8 +31,9 @@ import numpy as np
 import onnxruntime as ort
 
 from ..engines import FixedBuffer, numpy_dtype
-from ..errors import OffloadError, StateError
+from ..errors import OffloadError
 from ..generation import DeviceBuffers, ExactKV, SharedKV, last_logits, peak_bytes, prompt_chunk, write
+from ..interrupts import deferred_interrupts
 from ..loading import DecoderSpec
 from .moves import StepMoves
 
@@ -291,17 +292,28 @@ class StagedGeneration:
 
     def close(self) -> None:
         """Forgets the stages' plans of this generation's buffers, then gives every
-        stage's buffers back (idempotent)."""
-        for s, stage in enumerate(self.session.stages):
+        stage's buffers back (idempotent). Under the session's lock and each stage's, with
+        Ctrl-C held back until every stage is done: a stage closing meanwhile from another
+        thread waits, and one already closed gave everything back itself."""
+        s = self.session
+        with s._lock, deferred_interrupts():
+            failed = None
             try:
-                with stage._step():
-                    stage._runner.drop_plans([("staged", self._name, s)])
-            except StateError:
-                pass  # a closed stage kept no plan
-        for bufs in self._io + self._kv:
-            bufs.close()
-        self._io, self._kv, self.caches, self._fixed = [], [], [], []
-
+                for i, stage in enumerate(s.stages):
+                    try:
+                        with stage._lock:
+                            try:
+                                if not (stage._closed or stage._closing) and stage._runner is not None:
+                                    stage._runner.drop_plans([("staged", self._name, i)])
+                            finally:
+                                for bufs in self._io[i:i + 1] + self._kv[i:i + 1]:
+                                    bufs.close()
+                    except BaseException as e:  # an interrupt too: the other stages still give theirs back
+                        failed = failed or e
+            finally:
+                self._io, self._kv, self.caches, self._fixed = [], [], [], []
+            if failed is not None:
+                raise failed
 
 def shortage(stage, kv_peak: int, io: int):
     """The shortage callback of a stage's buffers (kv_cache.DeviceBuffers): of the KV cache

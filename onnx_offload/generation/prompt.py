@@ -136,6 +136,10 @@ class PromptSteps:
                 self.cache.advance(n)
             else:
                 self.cache.append(start, n)
+                if not self.session.device.is_cuda:
+                    # The copy is queued on the host backend's stream, a thread of its own;
+                    # the CPU EP runs the next chunk, which reads it, on this one.
+                    self.session.device.compute_stream.synchronize()
             logits = values["logits"]
         self._logits_shape = (b,) + tuple(logits.shape())[1:]
         return last_logits(self.session.device, logits)
