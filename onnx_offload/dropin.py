@@ -225,15 +225,21 @@ class InferenceSessionMembers:
         """As InferenceSession.run_async: runs on a thread of its own and calls
         callback(outputs, user_data, error message), the message empty on success."""
         self._check_open()
-        # ORT refuses missing inputs before it returns; every other error reaches the callback.
-        check_required(self._required_inputs, input_feed)
+        run_async(self, self._required_inputs, output_names, input_feed, callback, user_data, run_options)
 
-        def work():
-            try:
-                out = self.run(output_names, input_feed, run_options)
-            except Exception as e:  # noqa: BLE001 - handed to the callback, as ORT does
-                callback([], user_data, str(e))
-                return
-            callback(out, user_data, "")
 
-        threading.Thread(target=work, name="OffloadSession.run_async", daemon=True).start()
+def run_async(session, required, output_names, input_feed, callback, user_data, run_options) -> None:
+    """`session.run(...)` on a thread of its own, its outputs or its error handed to
+    `callback` as ORT hands them. ORT refuses missing inputs (`required`) before it
+    returns; every other error reaches the callback."""
+    check_required(required, input_feed)
+
+    def work():
+        try:
+            out = session.run(output_names, input_feed, run_options)
+        except Exception as e:  # noqa: BLE001 - handed to the callback, as ORT does
+            callback([], user_data, str(e))
+            return
+        callback(out, user_data, "")
+
+    threading.Thread(target=work, name=f"{type(session).__name__}.run_async", daemon=True).start()

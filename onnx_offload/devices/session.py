@@ -22,7 +22,8 @@ from typing import Dict, List, Optional, Sequence
 import onnxruntime as ort
 
 from ..config import OffloadConfig
-from ..engines import GraphCaptureDecision, as_arrays, as_ortvalue, check_feeds, check_required
+from ..dropin import run_async
+from ..engines import GraphCaptureDecision, as_arrays, as_ortvalue, check_feeds
 from ..errors import StateError
 from ..generation import GenerationMembers
 from ..interrupts import deferred_interrupts
@@ -136,17 +137,7 @@ class StagedSession(ClosedAtExit, GenerationMembers):
         """As InferenceSession.run_async: runs on a thread of its own and calls
         callback(outputs, user_data, error message), the message empty on success."""
         self._check_open()
-        check_required(self._model.required, input_feed)  # ORT refuses these before it returns
-
-        def work():
-            try:
-                out = self.run(output_names, input_feed, run_options)
-            except Exception as e:  # noqa: BLE001 - handed to the callback, as ORT does
-                callback([], user_data, str(e))
-                return
-            callback(out, user_data, "")
-
-        threading.Thread(target=work, name="StagedSession.run_async", daemon=True).start()
+        run_async(self, self._model.required, output_names, input_feed, callback, user_data, run_options)
 
     def io_binding(self):
         raise NotImplementedError("a session split across devices takes no IOBinding (its values lie on several "
