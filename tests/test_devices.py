@@ -388,11 +388,17 @@ def test_an_input_no_node_reads_is_listed_as_ort_lists_it():
         assert [i.name for i in s.get_inputs()] == want == ["x", "unused"]
 
 
-def test_a_shortage_names_its_device():
+def test_a_shortage_names_its_device_and_its_advice_for_that_device_runs():
+    import re
     from onnx_offload import BudgetExceeded
-    m = mlp_stack(layers=4, hidden=128, batch=3)
-    with pytest.raises(BudgetExceeded, match=r"^device 7 \(stage 2 of 2\): "):
-        staged(m, devices=(3, 7), vram_limit=["4MiB", "40KiB"])
+    m = mlp_stack(layers=6, hidden=128, batch=3)
+    with pytest.raises(BudgetExceeded, match=r"^device 7 \(stage 2 of 2\): ") as e:
+        staged(m, devices=(3, 7), vram_limit=["360KiB", "140KiB"])
+    advice = re.search(r"vram_limit=(\d+) for device 7", str(e.value))
+    assert advice, str(e.value)
+    with staged(m, devices=(3, 7), vram_limit=["360KiB", int(advice.group(1))]) as s:
+        x = np.ones((3, 128), np.float32)
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain(m, {"x": x})[0])
 
 
 @pytest.mark.parametrize("layout", ["gqa", "standard"])

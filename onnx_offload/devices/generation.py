@@ -50,7 +50,10 @@ def on_device(device: int, stage: int, stages: int):
         yield
     except OffloadError as e:
         if e.args and isinstance(e.args[0], str):
-            e.args = (f"device {device} (stage {stage + 1} of {stages}): {e.args[0]}",) + e.args[1:]
+            # A budget keyword's advice is this device's value, in a list of one per device.
+            said = re.sub(r"\b(vram_limit|weight_bytes|kv_bytes|scratch_bytes)=(\w+)",
+                          rf"\1=\2 for device {device} (its entry in a list of one value per device)", e.args[0])
+            e.args = (f"device {device} (stage {stage + 1} of {stages}): {said}",) + e.args[1:]
         raise
 
 
