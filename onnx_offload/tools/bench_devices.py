@@ -3,7 +3,7 @@ one device, then split across several, in one run.
 
 Rows, each in a process of its own (see ``bench_decode``), for the model and anchor of
 ``bench compare`` (the TinyLlama shape in the builder layout on CUDA, a small one on the
-CPU):
+CPU) and, on CUDA, for the Llama-3-8B shape of ``bench cards``:
 - one device: an OffloadSession on the first device, its weights budget the fraction f
   of the weights;
 - every device: OffloadSession(..., devices=[...]), each device a budget of f / n of the
@@ -21,6 +21,7 @@ backend of its own, and all of them copy over the one memory bus.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Dict, List, Sequence
 
@@ -30,7 +31,7 @@ from ..config import MiB
 from ..stats import fmt_bytes, table
 from .bench import pinned_h2d
 from .bench_compare import _kv_bytes
-from .bench_decode import WARMUP, in_process_of_its_own, setup
+from .bench_decode import WARMUP, build_decoder, in_process_of_its_own, setup
 
 
 def devices_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, devices: List[int], weights: int,
@@ -73,53 +74,73 @@ def devices_row(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, de
         s.close()
 
 
+def _models(kind: str, out_dir: str, prompt: int, new: int):
+    """(name, model path, shape, weight bytes, prompt ids, anchor row) of each model: the
+    TinyLlama shape of bench compare, and on CUDA the Llama-3-8B shape of bench cards."""
+    path, shape, weights, _, ids, a = setup(kind, out_dir, prompt, new)
+    yield "TinyLlama shape" if kind == "cuda" else "small decoder", path, shape, weights, ids, a
+    if kind != "cuda":
+        return
+    from .bench_cards import SHAPE_8B
+    path = build_decoder(SHAPE_8B, os.path.join(out_dir, "cards_model"))
+    ids = np.random.default_rng(0).integers(0, SHAPE_8B["vocab"], (1, prompt))
+    a = in_process_of_its_own("bench_decode", "anchor", path=path, shape=SHAPE_8B, ids=ids.tolist(), new=new,
+                              kind=kind)
+    print(f"  Llama-3-8B shape anchor: {a['ms_per_token']:.2f} ms/token", flush=True)
+    yield "Llama-3-8B shape", path, SHAPE_8B, os.path.getsize(path + ".data"), ids, a
+
+
 def bench_devices(kind: str, out_dir: str, devices: Sequence[int], prompt: int = 128, new: int = 64,
                   fraction: float = 0.25) -> Dict:
-    path, shape, weights, bw, ids, a = setup(kind, out_dir, prompt, new)
     scratch = 512 * MiB if kind == "cuda" else 4 * MiB
-    rows, failures = [], []
-    for group in ([devices[0]], list(devices)):
-        try:
-            r = in_process_of_its_own("bench_devices", "devices_row", path=path, shape=shape, ids=ids.tolist(),
-                                      new=new, kind=kind, devices=group, weights=weights, fraction=fraction,
-                                      scratch=scratch)
-        except RuntimeError as e:
-            last = [ln for ln in str(e).splitlines() if ln.strip()][-1]
-            failures.append(f"devices {group}: {last.strip()[:600]}")
-            print(f"  devices {group}: FAILED: {last.strip()[:600]}", flush=True)
-            continue
-        tokens = r.pop("tokens")
-        per = [s / (h * 1e9) * 1e3 for s, h in zip(r["streamed_per_step"], r["h2d_gbps"])]
-        r.update(bound_ms=max(a["ms_per_token"], sum(per)), links_bound_ms=max(a["ms_per_token"], max(per)),
-                 tokens_equal=bool(np.array_equal(tokens, a["tokens"])))
-        r["vs_bound"] = r["ms_per_token"] / r["bound_ms"]
-        rows.append(r)
-        print(f"  devices {group}: {r['ms_per_token']:.2f} ms/token (bound {r['bound_ms']:.2f})", flush=True)
-    a.pop("tokens")
-    return dict(kind=kind, weights=weights, fraction=fraction, prompt=prompt, new=new, anchor=a, rows=rows,
-                failures=failures)
+    models, failures = [], []
+    for name, path, shape, weights, ids, a in _models(kind, out_dir, prompt, new):
+        rows = []
+        for group in ([devices[0]], list(devices)):
+            try:
+                r = in_process_of_its_own("bench_devices", "devices_row", path=path, shape=shape, ids=ids.tolist(),
+                                          new=new, kind=kind, devices=group, weights=weights, fraction=fraction,
+                                          scratch=scratch)
+            except RuntimeError as e:
+                last = [ln for ln in str(e).splitlines() if ln.strip()][-1]
+                failures.append(f"{name}, devices {group}: {last.strip()[:600]}")
+                print(f"  {name}, devices {group}: FAILED: {last.strip()[:600]}", flush=True)
+                continue
+            tokens = r.pop("tokens")
+            per = [s / (h * 1e9) * 1e3 for s, h in zip(r["streamed_per_step"], r["h2d_gbps"])]
+            r.update(bound_ms=max(a["ms_per_token"], sum(per)), links_bound_ms=max(a["ms_per_token"], max(per)),
+                     tokens_equal=bool(np.array_equal(tokens, a["tokens"])))
+            r["vs_bound"] = r["ms_per_token"] / r["bound_ms"]
+            rows.append(r)
+            print(f"  {name}, devices {group}: {r['ms_per_token']:.2f} ms/token (bound {r['bound_ms']:.2f})",
+                  flush=True)
+        a.pop("tokens")
+        models.append(dict(name=name, weights=weights, anchor=a, rows=rows))
+    return dict(kind=kind, fraction=fraction, prompt=prompt, new=new, models=models, failures=failures)
 
 
 def print_devices(res: Dict) -> str:
-    a = res["anchor"]
-    one = res["rows"][0]["ms_per_token"] if res["rows"] and len(res["rows"][0]["devices"]) == 1 else None
-    rows: List = [("plain ORT, all resident (anchor)", f"{a['ms_per_token']:.2f}", "-", "-", "-", "-", "-", "-", "-",
-                   "-")]
-    for r in res["rows"]:
-        rows.append((f"devices {','.join(map(str, r['devices']))} ({'/'.join(r['engines'])})",
-                     f"{r['ms_per_token']:.2f}", " + ".join(fmt_bytes(w) for w in r["stage_weights"]),
-                     " + ".join(fmt_bytes(s) for s in r["streamed_per_step"]),
-                     " / ".join(f"{h:.1f}" for h in r["h2d_gbps"]), f"{r['bound_ms']:.2f}",
-                     f"{r['vs_bound']:.2f}x", f"{r['links_bound_ms']:.2f}",
-                     f"{r['ms_per_token'] / one:.2f}x" if one else "-",
-                     "yes" if r["tokens_equal"] else "NO"))
-    text = (f"devices on {res['kind']}: {fmt_bytes(res['weights'])} of weights, a total weights budget of "
-            f"{int(res['fraction'] * 100)}% shared evenly by the devices of a row; prompt {res['prompt']}, "
-            f"{res['new']} new tokens, batch 1; pipeline bound = max(anchor, sum over devices of streamed bytes per "
-            f"step / its H2D); links bound = the same with the largest term instead of the sum (devices streaming "
-            f"at once); each device's H2D measured in the row's process after its decode\n"
-            + table(rows, ("row", "ms/token", "weights per device", "streamed per step", "H2D GB/s",
-                           "pipeline bound ms", "vs bound", "links bound ms", "vs one device", "= anchor tokens")))
+    rows: List = []
+    for model in res["models"]:
+        a = model["anchor"]
+        one = next((r["ms_per_token"] for r in model["rows"] if len(r["devices"]) == 1), None)
+        rows.append((model["name"], fmt_bytes(model["weights"]), "plain ORT, all resident (anchor)",
+                     f"{a['ms_per_token']:.2f}", "-", "-", "-", "-", "-", "-", "-", "-"))
+        for r in model["rows"]:
+            rows.append((model["name"], "", f"devices {','.join(map(str, r['devices']))} ({'/'.join(r['engines'])})",
+                         f"{r['ms_per_token']:.2f}", " + ".join(fmt_bytes(w) for w in r["stage_weights"]),
+                         " + ".join(fmt_bytes(s) for s in r["streamed_per_step"]),
+                         " / ".join(f"{h:.1f}" for h in r["h2d_gbps"]), f"{r['bound_ms']:.2f}",
+                         f"{r['vs_bound']:.2f}x", f"{r['links_bound_ms']:.2f}",
+                         f"{r['ms_per_token'] / one:.2f}x" if one else "-", "yes" if r["tokens_equal"] else "NO"))
+    text = (f"devices on {res['kind']}: a total weights budget of {int(res['fraction'] * 100)}% shared evenly by "
+            f"the devices of a row; prompt {res['prompt']}, {res['new']} new tokens, batch 1; pipeline bound = "
+            f"max(anchor, sum over devices of streamed bytes per step / its H2D); links bound = the same with the "
+            f"largest term instead of the sum (devices streaming at once); each device's H2D measured in the row's "
+            f"process after its decode\n"
+            + table(rows, ("model", "weights", "row", "ms/token", "weights per device", "streamed per step",
+                           "H2D GB/s", "pipeline bound ms", "vs bound", "links bound ms", "vs one device",
+                           "= anchor tokens")))
     for f in res.get("failures", ()):
         text += f"\nFAILED {f}"
     return text
