@@ -3,7 +3,8 @@
 Each stage keeps the KV cache of its own layers on its own device, in that device's
 ``kv`` zone. A step runs the stages in order, each with its past and present bound where
 they lie; the values one stage passes to the next move between the devices
-(``moves.py``). The prompt runs in one step.
+(``moves.py``). A prompt longer than ``prefill_chunk`` runs in chunks, as one session
+feeds it (``generation.prompt``).
 
 - The builder's layout (GroupQueryAttention) keeps each layer's past and present in one
   buffer of the whole length (generation.SharedKV). From the second decode step on,
