@@ -43,8 +43,9 @@ class DeviceShare:
     link: float = 1.0
     compute: float = COMPUTE_TO_LINK
 
-    def step_time(self, weight_bytes: int) -> float:
-        return max(weight_bytes / self.compute, max(0, weight_bytes - self.allowance) / self.link)
+    def step_time(self, weight_bytes):
+        """The stage time of `weight_bytes` (a number, or an array of them)."""
+        return np.maximum(weight_bytes / self.compute, np.maximum(0, weight_bytes - self.allowance) / self.link)
 
 
 @dataclasses.dataclass
@@ -124,9 +125,7 @@ def split_stages(model: onnx.ModelProto, weight_bytes: Dict[str, int], shares: S
 
     def stage_times(s: int, j: int) -> np.ndarray:
         """Stage s's time over [positions[i], positions[j]), for every i < j."""
-        share = shares[s]
-        b = table[j].astype(np.float64)
-        return np.maximum(b / share.compute, np.maximum(0.0, b - share.allowance) / share.link)
+        return shares[s].step_time(table[j].astype(np.float64))
 
     best = _balanced(count, slots, stage_times)
     limit = best * (1 + CROSSING_SLACK)

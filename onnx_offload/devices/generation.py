@@ -33,7 +33,7 @@ import onnxruntime as ort
 
 from ..engines import FixedBuffer, numpy_dtype
 from ..errors import OffloadError
-from ..generation import DeviceBuffers, ExactKV, SharedKV, last_logits, peak_bytes, prompt_chunk, write
+from ..generation import DeviceBuffers, ExactKV, SharedKV, last_logits, peak_bytes, prompt_chunk, prompt_pieces, write
 from ..interrupts import deferred_interrupts
 from ..loading import DecoderSpec
 from .moves import StepMoves
@@ -121,8 +121,7 @@ class StagedGeneration:
         self.mask = full = np.ones((b, p), np.int64) if mask is None else mask
         pos = np.where(full == 1, np.cumsum(full, axis=1) - 1, 1)
         chunk = prompt_chunk(p, self.session.stages[0].config.prefill_chunk)
-        pieces = [(0, p)] if not chunk else [(0, p - chunk * ((p - 1) // chunk))] + \
-            [(start, chunk) for start in range(p - chunk * ((p - 1) // chunk), p, chunk)]
+        pieces = prompt_pieces(p, chunk)
         with self.session._step():  # one step of the pipeline at a time
             if not self.shared:
                 for start, n in pieces:
@@ -283,12 +282,7 @@ class StagedGeneration:
         m = _PAST.match(name)
         layer, owner = int(m.group(1)), self.owner[int(m.group(1))]
         cache = self.caches[owner]
-        if self.shared:
-            k = cache.ids.index(layer)
-            value = (cache.k if m.group(2) == "key" else cache.v)[k].value
-        else:
-            value = cache.past_of(layer, m.group(2))
-        return moves.move(self.session.stages[owner].device, value)
+        return moves.move(self.session.stages[owner].device, cache.past_of(layer, m.group(2)))
 
     @property
     def nbytes(self) -> int:

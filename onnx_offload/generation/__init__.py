@@ -5,10 +5,11 @@ export layout, sampling, and the generation's steps at fixed shapes and addresse
 from ..loading import SAMPLING_DEFAULTS
 from .kept import release_kept
 from .kv_cache import DeviceBuffers, ExactKV, SharedKV, peak_bytes, write
-from .loop import last_logits, prompt_chunk
+from .loop import last_logits, prompt_chunk, prompt_pieces
 from .members import GenerationMembers
 from .needs import first_needs
 from .sampling import Sampling
 
 __all__ = ["DeviceBuffers", "ExactKV", "GenerationMembers", "SAMPLING_DEFAULTS", "Sampling", "SharedKV", "first_needs",
-           "last_logits", "peak_bytes", "prompt_chunk", "release_kept", "write"]
+           "last_logits", "peak_bytes", "prompt_chunk", "prompt_pieces",
+           "release_kept", "write"]

@@ -136,6 +136,11 @@ class SharedKV:
     def nbytes(self) -> int:
         return sum(nbytes_of(b.shape, b.dtype) for b in self.k + self.v)
 
+    def past_of(self, layer: int, kv: str) -> ort.OrtValue:
+        """Layer `layer`'s key or value buffer ('key', 'value'), of the whole length."""
+        k = self.ids.index(layer)
+        return (self.k if kv == "key" else self.v)[k].value
+
     def bind(self, feeds: Dict[str, ort.OrtValue], outputs: Dict[str, ort.OrtValue],
              row: Optional[int] = None) -> None:
         """Every row's buffers, or row `row`'s alone: a [1, heads, length, head_size] view."""

@@ -28,6 +28,16 @@ def prompt_chunk(prompt: int, prefill_chunk: int) -> int:
     return prefill_chunk if prompt > prefill_chunk else 0
 
 
+def prompt_pieces(prompt: int, chunk: int) -> list:
+    """(start, length) of each step of a prompt fed `chunk` tokens at a time (0: in one
+    step): the remainder first, then whole chunks, so that every chunk after the first
+    has one shape (one captured graph)."""
+    if not chunk:
+        return [(0, prompt)]
+    first = prompt - chunk * ((prompt - 1) // chunk)
+    return [(0, first)] + [(start, chunk) for start in range(first, prompt, chunk)]
+
+
 def kv_peak(spec: DecoderSpec, batch: int, prompt: int, total: int, granularity: int, prefill_chunk: int) -> int:
     """The most committed bytes the KV cache of a generation holds (kv_cache.peak_bytes),
     its prompt chunked as Generation chunks it."""

@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from ..engines import FixedBuffer, StreamEngine
 from .kv_cache import write
-from .loop import last_logits
+from .loop import last_logits, prompt_pieces
 
 
 def _host(array: np.ndarray, dtype) -> ort.OrtValue:
@@ -94,13 +94,6 @@ class PromptSteps:
         return values["logits"]
 
     # ------------------------------------------------------------ the prompt in chunks
-    def _pieces(self, p: int) -> list:
-        """(start, length) of each chunk: the remainder first, then whole chunks, so that
-        every chunk after the first has one shape (one captured graph)."""
-        c = self.chunk
-        first = p - c * ((p - 1) // c)
-        return [(0, first)] + [(start, c) for start in range(first, p, c)]
-
     def _prompt_in_chunks(self, input_ids: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
         """The prompt fed `chunk` tokens at a time, each chunk appending to the cache, so a
         step's memory is bounded by the chunk whatever the prompt's length. Returns the
@@ -114,7 +107,7 @@ class PromptSteps:
         pos = np.tile(np.arange(p), (b, 1)) if mask is None else np.where(mask == 1, np.cumsum(mask, 1) - 1, 1)
         full = np.ones((b, p), np.int64) if mask is None else mask
         logits = None
-        for start, n in self._pieces(p):
+        for start, n in prompt_pieces(p, self.chunk):
             if start == 0 and spec.layout != "exact":  # as an unchunked prompt: no past
                 logits = self._no_past_step(input_ids[:, :n], None if mask is None else mask[:, :n])
                 continue
@@ -154,7 +147,7 @@ class PromptSteps:
         rows, p = ids.shape
         length = self.cache.length
         logits = None
-        for start, n in self._pieces(p):
+        for start, n in prompt_pieces(p, self.chunk):
             if start == 0:
                 logits = self._no_past_step(ids[:, :n], None, row)
                 continue
