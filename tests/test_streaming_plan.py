@@ -201,6 +201,33 @@ def test_each_copy_starts_in_spare_granules_without_waiting_for_the_weight_befor
     assert waits > 0
 
 
+@pytest.mark.parametrize("slack", [1, 2])
+def test_the_part_of_a_copy_in_spare_granules_is_whole_granules_when_the_last_is_partly_filled(slack):
+    """An int4 weight with its scales fills 3 granules and a tenth of a fourth: the part
+    of its copy that runs while the weight before it is read is whole granules (the
+    unit's first), not the partly filled last one."""
+    from onnx_offload.engines.stream_plan import Unit
+    size = 3 * G + G // 10
+    units = [Unit([f"w{i}"], [0], size, 4) for i in range(8)]
+    readers = [[10 * i + 5] for i in range(len(units))]
+    copied = list(range(len(units)))
+    first_from = {i: readers[i][0] for i in copied}
+    for u, r in zip(units, ring_by_reads(units, 4 + slack, copied, readers, first_from)):
+        u.ring = r
+    address = {u.names[0]: (1 << 40) + 5 * G * i for i, u in enumerate(units)}
+    nbytes = {u.names[0]: size for u in units}
+    source = {u.names[0]: (1 << 30) + 4 * G * i for i, u in enumerate(units)}
+    reads = {u.names[0]: readers[i] for i, u in enumerate(units)}
+    copies = plan_copies(units, readers, copied, first_from, G, address, nbytes, source, reads)
+    for i in range(1, len(units)):
+        base = address[units[i].names[0]]
+        mine = [c for c in copies if base <= c[0] < base + 4 * G]
+        free = sum(c[2] for c in mine if not set(readers[i - 1]) & set(c[3]))
+        assert free == slack * G, (i, [(c[0] - base, c[2], c[3]) for c in mine])
+        # and they come first: the copy engine runs them while the weight before is read
+        assert not set(readers[i - 1]) & set(mine[0][3])
+
+
 def test_a_read_order_the_ring_cannot_follow_is_a_clear_error():
     from onnx_offload.engines.stream_plan import Unit
     units = [Unit(["a"], [0], 11 * G, 11), Unit(["b"], [0], 11 * G, 11)]

@@ -32,10 +32,9 @@ from ..errors import OffloadError
 from ..loading import WeightInfo
 from .graph_capture import GraphCaptureDecision
 
-# The ring's floor, as a share of the weights budget. Decode is bound by the link (on
-# the H200 a 23 MB weight copies in 0.4 ms and its reader takes microseconds), so a
-# ring that holds several weights measured no faster than one with a few spare
-# granules (below) and only took bytes from the resident weights: the floor is 0.
+# The ring's floor, as a share of the weights budget: 0. Decode is bound by the link (on
+# the H200 a 23 MB weight copies in 0.4 ms, its reader takes microseconds); a ring of
+# several weights was no faster than one with a spare granule (below), and costs bytes.
 RING_FRACTION = 0.0
 # Granules the ring holds beyond the largest streamed weight. A weight's copy that
 # reuses the granules of the weight before it must wait for that weight's reader (the
@@ -235,8 +234,7 @@ def _plan_items(weights: Sequence[WeightInfo], allowance: int, granularity: int,
 FILL_CELLS = 1 << 16  # the fill's resolution: the room left, in at most this many steps
 FILL_MASKS = 64 << 20  # the most bits the fill keeps to tell which sizes it took
 # What one more streamed weight costs a step beyond its bytes, in bytes the link moves
-# in that time: a copy node's own overhead, about 10 us on the H200. The fill trades
-# bytes against copies at this rate.
+# meanwhile: a copy node's own overhead, about 10 us on the H200 (the fill's rate).
 COPY_COST = 512 << 10
 
 
@@ -318,9 +316,11 @@ def _fill(order: Sequence[WeightInfo], resident: List[str], must, allowance: int
 def ring_by_reads(units: Sequence[Unit], ring: int, copied: Sequence[int], readers: Sequence[Sequence[int]],
                   first_from: Dict[int, int], describe: Callable[[int], str] = str) -> List[List[int]]:
     """Ring granules for each unit, in read order (`copied`): a unit takes the granules
-    whose last readers finish earliest, so its copy waits as little as it can.
-    StreamingUnavailable when a unit would need granules whose weight is still to be
-    read; `describe(k)` says where unit k is read, for the message."""
+    whose last readers finish earliest, its first granule the earliest, so that its copy
+    waits as little as it can and the part that runs while the weight before is read is
+    whole granules, not the partly filled last one (an int4 weight with its scales fills
+    3 granules and a tenth of a fourth). StreamingUnavailable when a unit would need
+    granules whose weight is still to be read; `describe(k)` says where k is read."""
     done = {gr: -1 for gr in range(ring)}  # ring granule -> the last reader of what it holds
     held: Dict[int, Optional[int]] = {gr: None for gr in range(ring)}
     ring_of = [list(u.ring) for u in units]
@@ -333,7 +333,7 @@ def ring_by_reads(units: Sequence[Unit], ring: int, copied: Sequence[int], reade
             raise StreamingUnavailable(
                 f"the ring of {ring} granules is too small for the order this graph reads its weights in: "
                 f"{units[i].names[0]!r} (first read by node {readers[i][0]}) needs {whose}")
-        ring_of[i] = sorted(picked)
+        ring_of[i] = picked  # the unit's first, whole granules where the copy waits least
         for gr in picked:
             done[gr], held[gr] = readers[i][-1], i
     return ring_of
