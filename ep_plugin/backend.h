@@ -70,7 +70,9 @@ class DeviceGraph {
   // A kernel node's parameter bytes as the graph holds them, one blob per parameter
   // (or the one packed buffer); empty for other nodes.
   virtual std::vector<std::string> param_bytes(int node) = 0;
-  virtual void add_copies(const std::vector<GraphCopy>& copies) = 0;
+  // Each copy after the one `in_flight` places before it: 1 makes a chain, one copy at a
+  // time; 2 lets the next start while one ends, so no dependency hop idles the link.
+  virtual void add_copies(const std::vector<GraphCopy>& copies, int in_flight) = 0;
   virtual void instantiate(Stream& s) = 0;  // no edits after this; uploads on `s`
   virtual void launch(Stream& s) = 0;
   virtual uint64_t launches() const = 0;

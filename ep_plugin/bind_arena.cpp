@@ -87,12 +87,12 @@ void bind_backend(py::module_& m) {
         return out;
       }, py::arg("node"))
       .def("add_copies", [](DeviceGraph& g, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, std::vector<int>,
-                                                                         std::vector<int>>>& copies) {
+                                                                         std::vector<int>>>& copies, int in_flight) {
         std::vector<GraphCopy> list;
         for (auto& [dst, src, n, after, before] : copies) list.push_back(GraphCopy{dst, src, n, after, before});
         py::gil_scoped_release nogil;
-        g.add_copies(list);
-      }, py::arg("copies"), Drain())
+        g.add_copies(list, in_flight);
+      }, py::arg("copies"), py::arg("in_flight") = 1, Drain())
       .def("instantiate", &DeviceGraph::instantiate, py::arg("stream"), Release())
       .def("launch", &DeviceGraph::launch, py::arg("stream"), Release());
   m.def("host_begin_capture", &host_begin_capture, py::arg("stream"), Drain());

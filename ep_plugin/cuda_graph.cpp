@@ -129,13 +129,14 @@ class CudaGraph : public DeviceGraph {
     return out;
   }
 
-  void add_copies(const std::vector<GraphCopy>& copies) override {
+  void add_copies(const std::vector<GraphCopy>& copies, int in_flight) override {
     if (exec_ != nullptr) throw StateError("the graph is instantiated: no more edits");
+    if (in_flight < 1) throw std::invalid_argument(concat("in_flight must be >= 1, not ", in_flight));
     ctx_->make_current();
-    CUgraphNode prev = nullptr;
+    std::vector<CUgraphNode> made;
     for (const GraphCopy& c : copies) {
       std::vector<CUgraphNode> deps;
-      if (prev != nullptr) deps.push_back(prev);
+      if (made.size() >= size_t(in_flight)) deps.push_back(made[made.size() - size_t(in_flight)]);
       for (int i : c.after) deps.push_back(node_at(i));
       CUDA_MEMCPY3D p{};
       p.srcMemoryType = CU_MEMORYTYPE_HOST;
@@ -155,7 +156,7 @@ class CudaGraph : public DeviceGraph {
         CUgraphNode to = node_at(i);
         CU_CHECK(DRV(cuGraphAddDependencies)(g_, &node, &to, nullptr, 1));
       }
-      prev = node;
+      made.push_back(node);
     }
   }
 

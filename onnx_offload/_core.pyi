@@ -288,8 +288,10 @@ class DeviceGraph:
         index -1 is the launch's one packed parameter buffer."""
     def param_bytes(self, node: int) -> list[bytes]:
         """A kernel node's parameter bytes, one blob per parameter (or the packed buffer); [] for other nodes."""
-    def add_copies(self, copies: Sequence[tuple[int, int, int, Sequence[int], Sequence[int]]]) -> None:
-        """(dst, src host, bytes, after nodes, before nodes): H2D copies, each after the one before it."""
+    def add_copies(self, copies: Sequence[tuple[int, int, int, Sequence[int], Sequence[int]]],
+                   in_flight: int = 1) -> None:
+        """(dst, src host, bytes, after nodes, before nodes): H2D copies, each after the one
+        `in_flight` places before it (1: one at a time)."""
     def instantiate(self, stream: Stream) -> None: ...
     def launch(self, stream: Stream) -> None: ...
 

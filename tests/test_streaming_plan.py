@@ -156,21 +156,20 @@ def test_the_copies_cover_every_streamed_byte_once_and_wait_for_the_last_reader(
         runs = sorted(by_weight[u.names[0]])
         assert runs[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(runs, runs[1:]))
         assert runs[-1][0] + runs[-1][1] == size[u.names[0]]
-    # The copies run one after another (a chain), so a copy waits for every `after` so
-    # far. Before a copy writes a ring granule, every reader of what that granule held
-    # has finished.
-    holder, waited = {}, set()
+    # Before a copy writes a ring granule, every reader of what that granule held has
+    # finished: the copy itself waits for them (its own `after`), not through the copies
+    # before it, since several may be in flight at once (COPIES_IN_FLIGHT).
+    holder = {}
     g_of = {}
     for i, u in enumerate(units):
         for k, gr in enumerate(u.ring):
             g_of[(address[u.names[0]] + k * G)] = (i, gr)
     for dst, src, n, after, before in copies:
-        waited.update(after)
         first = dst - dst % G
         for va in range(first, dst + n, G):
             i, gr = g_of[va]
             if gr in holder and holder[gr] != i:
-                assert set(readers[holder[gr]]) <= waited
+                assert set(readers[holder[gr]]) <= set(after)
         for va in range(first, dst + n, G):
             holder[g_of[va][1]] = g_of[va][0]
 

@@ -23,6 +23,10 @@ from .ortvalues import FixedBuffer, nbytes_of, numpy_dtype
 from .stream_plan import StreamingUnavailable, leading_copies, plan_copies, ring_by_reads
 from .stream_ring import Ring
 
+# Page-in copies in flight at once in a step's graph: each copy waits for the one this
+# many places before it (and for its own readers' edges, which every copy carries).
+COPIES_IN_FLIGHT = 1
+
 
 class StepGraph:
     """One signature's captured step: the graph and the buffers it reads and writes."""
@@ -198,5 +202,5 @@ class GraphBuilder:
         copies = plan_copies(units, readers, copied, first_from, self.device.granularity, self.address,
                              {n: self.info[n].nbytes for n in names}, {n: self.store.ptr(n) for n in names}, found)
         lead = leading_copies(copies)
-        graph.add_copies(copies[len(lead):])
+        graph.add_copies(copies[len(lead):], COPIES_IN_FLIGHT)
         return tuple((c[0], c[1], c[2]) for c in lead)

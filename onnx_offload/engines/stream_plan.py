@@ -394,7 +394,6 @@ def plan_copies(units: Sequence[Unit], readers: Sequence[Sequence[int]], copied:
                 a, b = max(off, lo * g), min(off + nbytes[n], hi * g)
                 if a < b:
                     out.append((address[n] + a - off, source[n] + a - off, b - a, after, list(reads[n])))
-                    after = []
         for gr in u.ring:
             holder[gr] = i
     return out
