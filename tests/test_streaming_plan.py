@@ -453,3 +453,17 @@ def test_a_unit_laid_out_as_the_store_copies_each_run_once():
     assert sum(c[2] for c in apart) == size[u.names[0]] + size[u.names[1]]
     assert all(any(moved[n] <= src and src + n_ <= moved[n] + size[n] for n in u.names)
                for _, src, n_, _, _ in apart)
+    # Laid out otherwise, a run becomes a copy per weight, and each of them waits itself
+    # for the readers of what its ring granules held (copies may be in flight together).
+    apart_all = dict(source, **{v.names[1]: source[v.names[1]] + 4096 for v in units if len(v.names) > 1})
+    held = {}
+    for dst, src, n, after, before in plan_copies(units, readers, copied, first_from, G, address, size, apart_all,
+                                                  reads):
+        i = next(i for i, v in enumerate(units) if address[v.names[0]] <= dst < address[v.names[0]] + v.granules * G)
+        base = address[units[i].names[0]]
+        for k in range((dst - base) // G, (dst + n - 1 - base) // G + 1):
+            gr = units[i].ring[k]
+            if gr in held and held[gr] != i:
+                assert set(readers[held[gr]]) <= set(after), (i, k)
+        for k in range((dst - base) // G, (dst + n - 1 - base) // G + 1):
+            held[units[i].ring[k]] = i
