@@ -11,5 +11,4 @@ from .needs import first_needs
 from .sampling import Sampling
 
 __all__ = ["DeviceBuffers", "ExactKV", "GenerationMembers", "SAMPLING_DEFAULTS", "Sampling", "SharedKV", "first_needs",
-           "last_logits", "peak_bytes", "prompt_chunk", "prompt_pieces",
-           "release_kept", "write"]
+           "last_logits", "peak_bytes", "prompt_chunk", "prompt_pieces", "release_kept", "write"]
