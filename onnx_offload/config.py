@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
+import operator
 import os
 import re
 from typing import Mapping, Optional, Union
@@ -67,11 +68,23 @@ def fmt_bytes(n: float) -> str:
     return humanize.naturalsize(n, binary=True, format="%.2f")
 
 
+def integer(value) -> Optional[int]:
+    """`value` as an int where it is an integer (a Python or numpy integer, not a bool),
+    else None: a count read from an array is as good as a literal one."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def parse_bytes(value: Union[str, int], name: str = "value") -> int:
     """Parses ``6GiB``, ``512MiB``, ``6GB`` or ``6000000000`` into bytes."""
     if isinstance(value, bool):
         raise ValueError(f"{name}={value!r} is not valid: expected {BYTES_FORMS}")
-    if isinstance(value, int):
+    if integer(value) is not None:
+        value = integer(value)
         if value <= 0:
             raise ValueError(f"{name}={value!r} is not valid: expected a positive size, {BYTES_FORMS}")
         if value > MAX_BYTES:
@@ -176,9 +189,11 @@ def parse_cache_dir(value, name: str = ENV_CACHE_DIR) -> str:
 
 def parse_index(value, name: str) -> int:
     """A device index: a non-negative integer, or its digits (as provider options give it)."""
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())):
+    n = integer(value)
+    if n is None and isinstance(value, str) and value.strip().isdigit():
+        n = int(value)
+    if n is None:
         raise ValueError(f"{name}={value!r} is not valid: expected a non-negative integer")
-    n = int(value)
     if n < 0:
         raise ValueError(f"{name}={value!r} is not valid: expected a non-negative integer")
     return n
@@ -268,10 +283,10 @@ class OffloadConfig:
         self.device_id = parse_index(self.device_id, "device_id")
         classes = self.handle_classes
         if not isinstance(classes, (tuple, list)) or not all(
-                isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in classes):
+                integer(c) is not None and c > 0 for c in classes):
             raise ValueError(f"handle_classes={classes!r} is not valid: expected a sequence of positive granule "
                              f"counts, or () for the arena's defaults")
-        self.handle_classes = tuple(classes)
+        self.handle_classes = tuple(integer(c) for c in classes)
         self.vram_limit = parse_vram_limit(self.vram_limit, "vram_limit", smallest_budget(self.host_granularity))
         self.policy = parse_policy(self.policy, "policy")
         self.engine = parse_engine(self.engine, "engine")
@@ -281,17 +296,21 @@ class OffloadConfig:
             self.weight_bytes = parse_bytes(self.weight_bytes, "weight_bytes")
         if self.segment_bytes is not None:
             self.segment_bytes = parse_bytes(self.segment_bytes, "segment_bytes")
-        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
+        chunk = integer(self.prefill_chunk)
+        if chunk is None or chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk!r} is not valid: expected a positive number of "
                              f"tokens")
+        self.prefill_chunk = chunk
         for field in ("kv_bytes", "scratch_bytes", "min_weight_bytes"):
             v = getattr(self, field)
             if v is None and field == "scratch_bytes":
                 continue
             if isinstance(v, str):
                 setattr(self, field, parse_bytes(v, field))
-            elif not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_BYTES:
+            elif integer(v) is None or not 0 <= integer(v) <= MAX_BYTES:
                 raise ValueError(f"{field}={v!r} is not valid: expected a non-negative byte count")
+            else:
+                setattr(self, field, integer(v))
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides) -> "OffloadConfig":

@@ -5,6 +5,7 @@ from onnx_offload import OffloadConfig, parse_bytes
 from onnx_offload.config import parse_vram_limit
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -101,6 +102,19 @@ def test_advanced_keywords_are_checked_by_name(kw, needle):
 def test_advanced_keywords_take_sizes_and_digits():
     c = OffloadConfig.from_env({}, host_granularity="64KiB", zone_va_bytes="1GiB", device_id="1", handle_classes=[1, 4])
     assert (c.host_granularity, c.zone_va_bytes, c.device_id, c.handle_classes) == (64 << 10, GiB, 1, (1, 4))
+
+
+def test_counts_and_sizes_read_from_numpy_are_integers():
+    np = pytest.importorskip("numpy")
+    c = OffloadConfig.from_env({}, prefill_chunk=np.int64(3), kv_bytes=np.int64(MiB), scratch_bytes=np.int32(4 * MiB),
+                               weight_bytes=np.uint64(8 * MiB), device_id=np.int64(0), handle_classes=[np.int64(2)])
+    assert (c.prefill_chunk, c.kv_bytes, c.scratch_bytes, c.weight_bytes, c.device_id, c.handle_classes) == \
+        (3, MiB, 4 * MiB, 8 * MiB, 0, (2,))
+    assert all(type(v) is int for v in (c.prefill_chunk, c.kv_bytes, c.scratch_bytes, c.weight_bytes, c.device_id))
+    for kw in (dict(prefill_chunk=np.True_), dict(prefill_chunk=True), dict(kv_bytes=np.float64(3.0)),
+               dict(prefill_chunk=np.int64(0))):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            OffloadConfig.from_env({}, **kw)
 
 
 @pytest.mark.parametrize("value,expected", [("1", "auto"), ("true", "auto"), ("ON", "auto"), ("0", "off"),
