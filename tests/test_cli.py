@@ -102,6 +102,21 @@ def test_cache_info_lists_the_optimized_models_and_clear_removes_them(model_path
     assert sorted(os.listdir(cache)) == [".partial-live", entry]
 
 
+def test_cache_clear_on_a_folder_of_the_user_s_removes_only_what_the_cache_names(capsys, tmp_path):
+    """A mistyped --cache-dir (a home folder, /etc) loses nothing of the user's: links,
+    folders and files of other names stay; links named as cache entries go."""
+    folder = tmp_path / "home"
+    folder.mkdir(mode=0o700)
+    (folder / "notes.txt").write_text("mine")
+    os.symlink("notes.txt", folder / "notes-link")
+    os.symlink("/nonexistent", folder / ".stale-link")
+    (folder / ".stale-keep-this").mkdir()
+    os.symlink("/tmp", folder / ("ab" * 12))  # an entry's name: never the cache's own (entries are folders)
+    rc, out = run(["cache", "clear", "--cache-dir", str(folder)], capsys)
+    assert rc == 0 and "1 symbolic links" in out.out, out
+    assert sorted(os.listdir(folder)) == [".stale-keep-this", ".stale-link", "notes-link", "notes.txt"]
+
+
 def test_cache_with_the_cache_off_says_so(capsys, monkeypatch):
     monkeypatch.setenv("ONNX_OFFLOAD_CACHE_DIR", "off")
     rc, out = run(["cache", "clear"], capsys)

@@ -32,6 +32,7 @@ from .weights import load_optimized
 
 PARTIAL = ".partial-"  # an entry being made, by the process its name names (see workdir.make_owned_dir)
 _ENTRY = re.compile(r"[0-9a-f]{24}$")  # a published entry is named by its key
+_STALE = re.compile(r"\.stale-[0-9a-z_]{8}$")  # an entry set aside (tempfile.mkdtemp's names)
 # A partial folder named without its owner (by an older version) is left alone unless it
 # is this old: a pass that old was killed before it could clean up.
 ABANDONED_S = 3600
@@ -241,8 +242,9 @@ def set_aside(cache: str, path: str) -> bool:
 
 
 def remove_set_aside(cache: str) -> None:
-    for stale in glob.glob(os.path.join(cache, ".stale-*")):
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in glob.glob(os.path.join(glob.escape(cache), ".stale-*")):
+        if _STALE.match(os.path.basename(stale)) and not os.path.islink(stale):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 class Cleared(NamedTuple):
@@ -255,7 +257,9 @@ class Cleared(NamedTuple):
 
 def clear_cache(cache: str) -> Cleared:
     """Removes every published entry under `cache` that no session is reading, the ones
-    set aside, every symbolic link (none is ever the session's), and the partial folders
+    set aside, every symbolic link named as the cache names what it makes (none is ever
+    the session's; a link of another name is the user's, as the folder may be one the
+    user has other uses for), and the partial folders
     of passes whose process is gone (or, named without their owner, older than
     ABANDONED_S).
 
@@ -286,6 +290,12 @@ def clear_cache(cache: str) -> Cleared:
     return Cleared(removed, freed, busy, links, len(sweep_partials(cache, ABANDONED_S)))
 
 
+def _cache_name(name: str) -> bool:
+    """Whether `name` is one the cache gives what it makes: an entry, an entry set aside,
+    a partial folder."""
+    return bool(_ENTRY.match(name) or _STALE.match(name) or name.startswith(PARTIAL))
+
+
 def _remove_links(cache: str) -> int:
     removed = 0
     try:
@@ -295,7 +305,7 @@ def _remove_links(cache: str) -> int:
     for name in names:
         path = os.path.join(cache, name)
         try:
-            if stat.S_ISLNK(os.lstat(path).st_mode):
+            if _cache_name(name) and stat.S_ISLNK(os.lstat(path).st_mode):
                 os.unlink(path)
                 removed += 1
         except FileNotFoundError:
