@@ -715,6 +715,56 @@ def test_a_deeply_nested_config_beside_the_model_leaves_the_session_and_run_work
             np.testing.assert_array_equal(s.generate(ids, 4), reference_greedy(model, ids, 4))
 
 
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "nested", "a list", "top_p 5"])
+def test_a_config_in_the_model_folder_that_cannot_be_used_is_named_and_the_folder_still_runs(kind, tmp_path):
+    """The model given as its folder, whose genai_config.json is a FIFO (which would hold
+    the open), a link to /dev/zero (which would fill memory), nested past the parser's
+    depth, no object, or a sampling value no sampling takes: the session is made from the
+    folder, run() runs, and generate() raises UnsupportedModel naming the file, at once."""
+    import json
+    import signal
+    model = model_of("standard")
+    folder = tmp_path / "llm"
+    save_decoder(model, str(folder))
+    config = folder / "genai_config.json"
+    if kind == "fifo":
+        os.mkfifo(config)
+    elif kind == "/dev/zero":
+        os.symlink("/dev/zero", config)
+    else:
+        config.write_text({"nested": '{"model": ' * 100000 + "1" + "}" * 100000, "a list": "[1, 2]",
+                           "top_p 5": json.dumps({"search": {"top_p": 5}})}[kind])
+
+    def hung(*_):
+        raise TimeoutError("reading the folder's config hung")
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        ids = prompt(1)
+        with OffloadSession(str(folder), providers=CPU, vram_limit="64MiB", host_granularity=4096) as s:
+            feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(6)[None]}
+            for i in s.get_inputs():
+                if i.name.startswith("past_key_values"):
+                    feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+            assert s.run(["logits"], feeds)[0].shape[:2] == (1, 6)
+            with pytest.raises(UnsupportedModel, match="genai_config.json cannot be used"):
+                s.generate(ids, 4)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def test_a_temperature_of_0_in_the_model_s_config_decodes_greedily(tmp_path):
+    """As the CLI's --temperature 0, and as Hugging Face and llama.cpp users mean it."""
+    import json
+    model = model_of("gqa")
+    ids = prompt(1)
+    path = save_decoder(model, str(tmp_path / "llm"))
+    (tmp_path / "llm" / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0}))
+    with session(None, path=path) as s:
+        np.testing.assert_array_equal(s.generate(ids, 8, seed=3), reference_greedy(model, ids, 8))
+
+
 def test_a_decoder_whose_logits_are_the_last_position_only_generates_the_same_tokens():
     from onnx import TensorProto, helper
 

@@ -14,7 +14,6 @@ supply what it leaves out, and the attention's sliding window.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -24,6 +23,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 
 from ..errors import UnsupportedModel
+from .files import read_json
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
@@ -57,16 +57,6 @@ class DecoderSpec:
     sampling: tuple = ()
 
 
-def _load_json(path: str):
-    """The JSON value in `path`; ValueError for a file that is no JSON, or one nested too
-    deeply for the parser (which recurses once per level)."""
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except RecursionError:
-            raise ValueError("it is nested too deeply to read") from None
-
-
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 8, 80, 80
 
@@ -84,7 +74,9 @@ def read_genai_config(model_dir: Optional[str]) -> dict:
         eos = read_hf_eos(model_dir)
         return {"eos": tuple(eos)} if eos else {}
     try:
-        cfg = _load_json(path)
+        cfg = read_json(path)
+        if not isinstance(cfg, dict):
+            raise ValueError(f"it holds {type(cfg).__name__}, not an object")
         model = cfg.get("model", {})
         decoder = model.get("decoder", {})
         search = cfg.get("search", {})
@@ -106,7 +98,7 @@ def read_genai_config(model_dir: Optional[str]) -> dict:
             raise ValueError(f"model.eos_token_id must be a token id (a 64-bit integer) or a list of them, got "
                              f"{_shown(eos)}")
         out["eos"] = tuple(eos)
-        out["sampling"] = _sampling_of(search)
+        out["sampling"] = _sampling_of(search, strict=True)
         return out
     except (OSError, ValueError, AttributeError) as e:  # json.JSONDecodeError is a ValueError
         raise UnsupportedModel(f"{path} cannot be used: {e}") from None
@@ -115,9 +107,12 @@ def read_genai_config(model_dir: Optional[str]) -> dict:
 SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
-def _sampling_of(section: dict) -> dict:
+def _sampling_of(section: dict, strict: bool = False) -> dict:
     """The sampling settings of a genai_config.json search section or a Hugging Face
-    generation_config.json: those present, of their type (a value of another is left out)."""
+    generation_config.json: those present, of their type (a value of another is left out).
+    A temperature of 0 decodes greedily, as Hugging Face and llama.cpp users mean it. A
+    value of its type that no sampling takes (a negative temperature, a top_p outside
+    (0, 1]) is left out, or with `strict` a ValueError."""
     out = {}
     for key, default in SAMPLING_DEFAULTS.items():
         value = section.get(key)
@@ -127,8 +122,16 @@ def _sampling_of(section: dict) -> dict:
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         else:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if ok:
-            out[key] = value
+        if not ok:
+            continue
+        if key == "temperature" and value == 0:
+            out["do_sample"] = False
+            continue
+        if (key == "temperature" and value < 0) or (key == "top_p" and not 0 < value <= 1):
+            if strict:
+                raise ValueError(f"search.{key} is {_shown(value)}: a temperature must be >= 0 and top_p in (0, 1]")
+            continue
+        out[key] = value
     return out
 
 
@@ -140,7 +143,7 @@ def _hf_json(model_dir: Optional[str], name: str) -> dict:
     if not path or not os.path.exists(path):
         return {}
     try:
-        cfg = _load_json(path)
+        cfg = read_json(path)
     except (OSError, ValueError):
         return {}
     return cfg if isinstance(cfg, dict) else {}

@@ -75,8 +75,7 @@ def model_file(path: str) -> str:
         return path
     names = sorted(n for n in os.listdir(path) if n.endswith(".onnx") and os.path.isfile(os.path.join(path, n)))
     try:
-        with open(os.path.join(path, "genai_config.json")) as f:
-            named = json.load(f)["model"]["decoder"]["filename"]
+        named = read_json(os.path.join(path, "genai_config.json"))["model"]["decoder"]["filename"]
         if isinstance(named, str) and os.path.basename(named) == named and named in names:
             return os.path.join(path, named)
     except (OSError, ValueError, KeyError, TypeError):
@@ -247,6 +246,30 @@ def opened(path: str, files: Optional[Files] = None):
         yield fd
     finally:
         os.close(fd)
+
+
+CONFIG_BYTES = 64 << 20  # the most a configuration file (JSON) beside a model may hold
+
+
+def read_json(path: str):
+    """The JSON value of the configuration file `path`, read as every file is (a regular
+    file: a FIFO cannot hold the read, /dev/zero cannot fill memory) and at most
+    CONFIG_BYTES long. OSError where it cannot be read so; ValueError for a file that is
+    no JSON, or one nested too deeply for the parser (which recurses once per level)."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > CONFIG_BYTES:
+            raise ValueError(f"it is {size} bytes long; a configuration file holds at most {CONFIG_BYTES}")
+        data = read_range(fd, 0, size, path)
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("it is nested too deeply to read") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"it is not text ({e.reason})") from None
 
 
 def read_range(fd: int, offset: int, length: int, name: str = "") -> bytes:
