@@ -117,6 +117,13 @@ def test_cache_clear_on_a_folder_of_the_user_s_removes_only_what_the_cache_names
     assert sorted(os.listdir(folder)) == [".stale-keep-this", ".stale-link", "notes-link", "notes.txt"]
 
 
+def test_an_empty_cache_variable_is_unset_for_the_cache_command_as_for_a_session(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("ONNX_OFFLOAD_CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rc, out = run(["cache", "info"], capsys)
+    assert rc == 0 and str(tmp_path) in out.out, out
+
+
 def test_cache_with_the_cache_off_says_so(capsys, monkeypatch):
     monkeypatch.setenv("ONNX_OFFLOAD_CACHE_DIR", "off")
     rc, out = run(["cache", "clear"], capsys)

@@ -272,6 +272,9 @@ def test_cli_generate_prints_the_tokens_of_generate(tmp_path, capsys):
     (["--prompt-ids", "1,2", "--temperature", "nan", "--do-sample"], "--temperature: must be a finite number"),
     (["--prompt-ids", "1,2", "--seed", "-5"], "--seed: must be at least 0"),
     (["--prompt-ids", "1,2", "--top-k", "-1"], "--top-k: must be at least 0"),
+    (["--prompt-ids", "1,2", "--top-p", "2"], "--top-p: must be a number above 0 and at most 1"),
+    (["--prompt-ids", "1,2", "--eos-token-id", "-1"], "--eos-token-id '-1': expected token ids"),
+    (["--prompt-ids", "1,2", "--eos-token-id", "1180591620717411303424"], "--eos-token-id"),
     (["--prompt", "hello"], "tokenizer.json"),
 ])
 def test_cli_generate_refuses_bad_prompts_before_loading(tmp_path, capsys, argv, needle):
@@ -1196,6 +1199,24 @@ def test_cli_generate_ends_a_ctrl_c_with_130_and_the_tokens_so_far(tmp_path):
     assert child.returncode == 130, err
     assert "Traceback" not in err and "interrupted after" in err, err
     assert (seen + out).startswith("tokens: ") and len((seen + out).strip().split(",")) > 1
+
+
+def test_cli_generate_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    """`onnx-offload generate ... | head -c 20`: the reader goes away; the command ends
+    as one killed by SIGPIPE would (141), saying nothing."""
+    import subprocess
+    import sys
+    path = save_decoder(decoder_lm("gqa", max_length=4096), str(tmp_path / "llm"),
+                        config=genai_config(2, 64, 4, 2, 97, 4096, eos_token_id=-1))
+    child = subprocess.Popen([sys.executable, "-m", "onnx_offload", "generate", path, "--prompt-ids", "5,6,7",
+                              "--max-new-tokens", "4000", "--cpu", "--cache-dir", "off"], cwd=str(tmp_path),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.stdout.read(len("tokens: ") + 3)
+    child.stdout.close()
+    with child.stderr:
+        err = child.stderr.read()
+    assert child.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
 
 
 def test_cli_run_on_a_decoder_without_feeds_says_to_generate(tmp_path, capsys):

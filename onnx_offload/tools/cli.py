@@ -11,12 +11,13 @@ cli_bench: demo, bench, cache) and turns their errors into one line of stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..config import (ENGINES, ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_ENGINE, ENV_EXPERTS, ENV_OFFLOAD,
                       ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT, EXPERTS, POLICIES)
 from ..errors import OffloadError
-from .cli_args import as_flags, count, device_list, positive_float, positive_int, temperature
+from .cli_args import as_flags, count, device_list, positive_float, positive_int, temperature, top_p
 from .cli_bench import cmd_bench, cmd_cache, cmd_demo
 from .cli_models import cmd_generate, cmd_run
 
@@ -58,6 +59,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before a command runs (while onnxruntime loads, say)
+        print("onnx-offload: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv) -> int:
     import onnxruntime
     from .. import __version__
     p = _Parser(prog="onnx-offload", description=__doc__.split("\n")[0])
@@ -84,7 +93,7 @@ def main(argv=None) -> int:
                    help="sampling temperature (default: the model's, else 1.0); 0 decodes greedily")
     g.add_argument("--top-k", type=count,
                    help="sample from the k likeliest tokens only (default: the model's, else 0: all)")
-    g.add_argument("--top-p", type=float,
+    g.add_argument("--top-p", type=top_p,
                    help="sample from the likeliest tokens whose probability adds up to p (default: the model's, "
                         "else 1.0: all)")
     g.add_argument("--seed", type=count, help="the sampling seed (default: a fresh one)")
@@ -127,6 +136,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("onnx-offload: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of the output went away (`| head`): nothing more to say, as a command
+        # killed by SIGPIPE says nothing. What is still buffered goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (OffloadError, MemoryError, ValueError, TypeError, OSError, ArithmeticError, RuntimeError,
             ImportError) + _ort_errors() as e:
         # OSError: FileNotFoundError, PermissionError, ...; RuntimeError and ORT's own types

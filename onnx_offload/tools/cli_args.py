@@ -150,6 +150,14 @@ def temperature(text: str) -> float:
     return _finite(text, True, "a finite number of at least 0 (0: greedy)")
 
 
+def top_p(text: str) -> float:
+    """An argparse type: a probability above 0 and at most 1."""
+    x = _finite(text, False, "a number above 0 and at most 1")
+    if x > 1:
+        raise argparse.ArgumentTypeError(f"must be a number above 0 and at most 1, got {text!r}")
+    return x
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above 0."""
     return _finite(text, False, "a finite number above 0")

@@ -132,11 +132,13 @@ def cmd_bench(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from ..config import OffloadConfig, parse_cache_dir
+    from ..config import OffloadConfig, env_is_set, parse_cache_dir
     from ..loading import cache_entries, clear_cache
     from ..stats import fmt_bytes, table
     # Only the cache's own flag and variable: the others configure sessions, not the cache.
-    folder = args.cache_dir if args.cache_dir is not None else os.environ.get(ENV_CACHE_DIR)
+    # An empty variable is unset, as a session reads it.
+    folder = args.cache_dir if args.cache_dir is not None else (os.environ[ENV_CACHE_DIR] if env_is_set(ENV_CACHE_DIR)
+                                                                else None)
     cache = OffloadConfig() if folder is None else OffloadConfig(cache_dir=parse_cache_dir(folder, ENV_CACHE_DIR
                                                                                            if args.cache_dir is None
                                                                                            else "--cache-dir"))

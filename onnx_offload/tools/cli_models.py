@@ -63,8 +63,11 @@ def cmd_generate(args) -> int:
     if args.eos_token_id is not None:
         try:
             eos = [int(t) for t in args.eos_token_id.split(",") if t.strip()]
+            if not eos or not all(0 <= t < 2**63 for t in eos):
+                raise ValueError
         except ValueError:
-            raise ValueError(f"--eos-token-id {args.eos_token_id!r}: expected integers separated by commas") from None
+            raise ValueError(f"--eos-token-id {args.eos_token_id!r}: expected token ids (integers from 0 to 2**63 - 1) "
+                             f"separated by commas") from None
     tok = None
     if args.prompt is not None:
         tok = load_tokenizer(args.model)
