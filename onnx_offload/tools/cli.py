@@ -59,14 +59,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:  # before a command runs (while onnxruntime loads, say)
-        print("onnx-offload: interrupted", file=sys.stderr)
-        return 130
-
-
-def _main(argv) -> int:
     import onnxruntime
     from .. import __version__
     p = _Parser(prog="onnx-offload", description=__doc__.split("\n")[0])

@@ -63,7 +63,7 @@ def cmd_generate(args) -> int:
     if args.eos_token_id is not None:
         try:
             eos = [int(t) for t in args.eos_token_id.split(",") if t.strip()]
-            if not eos or not all(0 <= t < 2**63 for t in eos):
+            if not all(0 <= t < 2**63 for t in eos):
                 raise ValueError
         except ValueError:
             raise ValueError(f"--eos-token-id {args.eos_token_id!r}: expected token ids (integers from 0 to 2**63 - 1) "
