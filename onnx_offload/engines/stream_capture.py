@@ -24,7 +24,9 @@ from .stream_plan import StreamingUnavailable, leading_copies, plan_copies, ring
 from .stream_ring import Ring
 
 # Page-in copies in flight at once in a step's graph: each copy waits for the one this
-# many places before it (and for its own readers' edges, which every copy carries).
+# many places before it (and for its own readers' edges, which every copy carries). One:
+# two at once share the link, so the copy the next reader waits for ends later (an int4
+# TinyLlama step at 75% on an H100: 4.40 ms with two against 4.10 with one).
 COPIES_IN_FLIGHT = 1
 
 
