@@ -83,8 +83,8 @@ def parse_bytes(value: Union[str, int], name: str = "value") -> int:
     """Parses ``6GiB``, ``512MiB``, ``6GB`` or ``6000000000`` into bytes."""
     if isinstance(value, bool):
         raise ValueError(f"{name}={value!r} is not valid: expected {BYTES_FORMS}")
-    if integer(value) is not None:
-        value = integer(value)
+    if (n := integer(value)) is not None:
+        value = n
         if value <= 0:
             raise ValueError(f"{name}={value!r} is not valid: expected a positive size, {BYTES_FORMS}")
         if value > MAX_BYTES:
@@ -307,10 +307,11 @@ class OffloadConfig:
                 continue
             if isinstance(v, str):
                 setattr(self, field, parse_bytes(v, field))
-            elif integer(v) is None or not 0 <= integer(v) <= MAX_BYTES:
+                continue
+            n = integer(v)
+            if n is None or not 0 <= n <= MAX_BYTES:
                 raise ValueError(f"{field}={v!r} is not valid: expected a non-negative byte count")
-            else:
-                setattr(self, field, integer(v))
+            setattr(self, field, n)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides) -> "OffloadConfig":

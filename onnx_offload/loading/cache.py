@@ -24,7 +24,7 @@ import time
 from typing import List, NamedTuple, Optional, Set, Tuple
 
 from . import workdir
-from .files import read_range
+from .files import read_json, read_range
 from .fingerprints import MANIFEST, HeldFiles, fingerprint_fd
 from .graphs import external_locations
 from .optimize import OPTIMIZED, OPTIMIZED_DATA
@@ -180,8 +180,7 @@ class CacheEntry(NamedTuple):
 def _made_from(path: str) -> str:
     """What the entry's manifest says it was made from; "" where it cannot be read."""
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            model = json.load(f).get("model", "")
+        model = read_json(os.path.join(path, MANIFEST)).get("model", "")
         return model if isinstance(model, str) else ""
     except (OSError, ValueError, AttributeError):
         return ""
