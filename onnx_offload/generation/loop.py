@@ -52,7 +52,7 @@ def chunk_rows(spec: DecoderSpec, batch: int, prompt: int, chunk: int) -> int:
 
 
 def last_logits(device, value: ort.OrtValue) -> np.ndarray:
-    """The last position's logits [batch, vocab], as float32, of a step's logits value:
+    """The last position's logits [batch, vocab], in the model's type, of a step's logits value:
     only those rows come to the host. (A prompt's logits of every position are the
     largest copy of its step: 131 MB for 512 tokens of a 128k vocabulary.)"""
     shape = value.shape()
@@ -64,13 +64,14 @@ def last_logits(device, value: ort.OrtValue) -> np.ndarray:
     ptr = value.data_ptr()
     tails = [FixedBuffer.on(device, ptr + ((r + 1) * n - 1) * row, [1, vocab], dtype).value.numpy()
              for r in range(rows)]
-    return np.concatenate(tails).astype(np.float32)
+    return np.concatenate(tails)
 
 
 def last_position(logits: np.ndarray) -> np.ndarray:
-    """The last position's logits [batch, vocab], as float32, of [batch, sequence, vocab]
-    logits or of [batch, vocab] ones (a model that returns the last position only)."""
-    return (logits[:, -1, :] if logits.ndim == 3 else logits).astype(np.float32)
+    """The last position's logits [batch, vocab], in the model's type (Sampling.pick reads
+    them as it needs), of [batch, sequence, vocab] logits or of [batch, vocab] ones (a
+    model that returns the last position only)."""
+    return logits[:, -1, :] if logits.ndim == 3 else logits
 
 def generate_tokens(session, ids: np.ndarray, new: int, sampling: Sampling, seed: Optional[int],
                     eos: tuple, mask: Optional[np.ndarray] = None) -> Iterator[np.ndarray]:

@@ -1,0 +1,66 @@
+"""The greedy pick reads float16 logits without casting them, and must give numpy's
+argmax of their float32 values in every case: ties, both zeros, infinities and NaNs of
+either sign, rows of negative values only."""
+import numpy as np
+import pytest
+
+from onnx_offload.generation.sampling import Sampling, greedy
+
+EVERY_FLOAT16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, 65504, -65504, 6e-8, -6e-8], np.float16)
+NEGATIVE_NANS = np.array([0xFC01, 0xFE00, 0xFFFF], np.uint16).view(np.float16)
+
+
+def expected(logits):
+    return logits.astype(np.float32).argmax(axis=-1)
+
+
+def test_every_float16_value_as_the_largest_of_a_row_and_tied_with_itself():
+    # Row i holds value i twice among a background of the values around it, so each of
+    # the 65536 values is once the maximum, once tied, and beside both zeros.
+    rng = np.random.default_rng(0)
+    n = EVERY_FLOAT16.size
+    rows = np.empty((n, 12), np.float16)
+    rows[:, :8] = EVERY_FLOAT16[(np.arange(n)[:, None] + rng.integers(-3, 4, (n, 8))) % n]
+    rows[:, 8:10] = np.float16(0.0), np.float16(-0.0)
+    rows[:, 10:] = EVERY_FLOAT16[:, None]
+    for perm in (np.arange(12), rng.permutation(12), rng.permutation(12)):
+        r = np.ascontiguousarray(rows[:, perm])
+        assert np.array_equal(greedy(r), expected(r))
+
+
+@pytest.mark.parametrize("kind", ["any", "negative", "with specials", "with negative NaNs"])
+def test_random_rows_of_few_values_with_many_ties(kind):
+    rng = np.random.default_rng({"any": 1, "negative": 2, "with specials": 3, "with negative NaNs": 4}[kind])
+    for _ in range(3000):
+        pool = rng.choice(EVERY_FLOAT16, size=rng.integers(1, 6))
+        if kind == "negative":
+            pool = -np.abs(pool)
+        elif kind == "with specials":
+            pool = np.concatenate([pool, SPECIALS])
+        elif kind == "with negative NaNs":
+            pool = np.concatenate([pool[~np.isnan(pool)], SPECIALS, NEGATIVE_NANS])
+        rows = rng.choice(pool, size=(int(rng.integers(1, 5)), int(rng.integers(1, 40)))).astype(np.float16)
+        assert np.array_equal(greedy(rows), expected(rows)), rows.view(np.uint16)
+
+
+def test_a_vocabulary_row_and_other_float_types():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 128256)).astype(np.float16)
+    x[1] -= 40  # every logit negative
+    x[2, 7] = np.nan
+    x[3, 100:] = 0.0
+    x[3, 50] = -0.0
+    x[3, :50] = -1.0
+    for logits in (x, x.astype(np.float32), x.astype(np.float64)):
+        got = greedy(logits)
+        assert got.dtype == np.int64
+        assert np.array_equal(got, expected(x))
+    assert np.array_equal(Sampling().pick(x, np.random.default_rng(0)), expected(x))
+
+
+def test_sampling_reads_float16_logits_as_their_float32_values():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 1000)).astype(np.float16)
+    s = Sampling(do_sample=True, temperature=0.7, top_k=50, top_p=0.9)
+    assert np.array_equal(s.pick(x, np.random.default_rng(1)), s.pick(x.astype(np.float32), np.random.default_rng(1)))
