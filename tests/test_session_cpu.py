@@ -69,6 +69,10 @@ def test_ledger_matches_the_weights_and_returns_to_zero(mlp, x):
     assert w.committed.current >= w.content.current
     assert w.committed.current - w.content.current < G
     assert st.counters.accesses == st.counters.hits == 4 and st.counters.page_ins == 0
+    # the last step's counters say the same of one step: every weight resident, read in place
+    last = st.last_step
+    assert (last.steps, last.hits, last.page_ins, last.htod_bytes) == (1, 4, 0, 0)
+    assert last.hit_bytes == last.access_bytes == weight_bytes(mlp)
     assert "weights" in str(st) and "hit rate" in str(st)
     final = s.close()
     assert final.committed == 0 and final.pooled == 0

@@ -75,7 +75,7 @@ class SegmentRunner(Engine):
         self._binder = Binder(device, residency, device_id, stable)
         self.steps = 0
         self.graph_steps = 0  # steps run under a plan's gpu_graph_id: captured once, then replayed
-        self.last_step = Counters()  # the counters of the last segmented step
+        self.last_step = Counters()  # the counters of the last step
         self.notes: List[str] = list(self._router.notes)
         for seg in segments:
             self.runs.append(self._create(seg))
@@ -177,7 +177,7 @@ class SegmentRunner(Engine):
         self._after_single_run(mark)
 
     def _after_single_run(self, mark) -> None:
-        self.residency.count_resident_step()
+        self.last_step = self.residency.count_resident_step()
         self.steps += 1
         self._meter.charge_since(mark)
 
@@ -287,7 +287,7 @@ class SegmentRunner(Engine):
             res.end_step()
             self.last_step = res.counters.minus(before)
         else:
-            res.count_resident_step()
+            self.last_step = res.count_resident_step()
         self._pass_through(values, feeds)
         self.steps += 1
         self._meter.charge_since(mark)

@@ -111,7 +111,7 @@ class ResidencyManager:
         # exception cut short: settle() then makes the bookkeeping agree with the slots.
         self._torn = False
         self._pinned_for_life = False
-        self._resident_bytes: Optional[int] = None  # all weights' bytes, counted once
+        self._resident_step: Optional[Counters] = None  # a step of all weights resident, counted once
         device.ledger.set_reclaimer("weights", self._reclaim)
 
     def address(self, name: str) -> int:
@@ -288,19 +288,22 @@ class ResidencyManager:
     def end_step(self) -> None:
         self.counters.steps += 1
 
-    def count_resident_step(self) -> None:
-        """Counts a step of a session whose weights are all resident: every access hits."""
-        c, n = self.counters, len(self.slots)
+    def count_resident_step(self) -> Counters:
+        """Counts a step of a session whose weights are all resident: every access hits.
+        Returns that step's counters."""
+        if self._resident_step is None:
+            n, nbytes = len(self.slots), sum(s.length for s in self.slots.values())
+            self._resident_step = Counters(steps=1, accesses=n, hits=n, access_bytes=nbytes, hit_bytes=nbytes)
+        step = self._resident_step
+        c = self.counters
         c.steps += 1
-        c.accesses += n
-        c.hits += n
-        if self._resident_bytes is None:
-            self._resident_bytes = sum(s.length for s in self.slots.values())
-        nbytes = self._resident_bytes
-        c.access_bytes += nbytes
-        c.hit_bytes += nbytes
+        c.accesses += step.accesses
+        c.hits += step.hits
+        c.access_bytes += step.access_bytes
+        c.hit_bytes += step.hit_bytes
         if self.timeline is not None:
             self._record()
+        return step
 
     def reset_counters(self) -> None:
         self.counters = Counters()

@@ -159,7 +159,9 @@ def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) 
         streamed = st.last_step.htod_bytes
         out.update(ms_per_token=float(np.median(g["steps"][WARMUP:])), ttft_ms=g["ttft_ms"],
                    prompt_htod=g["prompt_htod"], step_htod=streamed, resident=st.last_step.hit_bytes,
-                   weight_bytes=st.weight_bytes, engine=s.engine, budget=st.ledger.budget,
+                   weight_bytes=st.weight_bytes, budget=st.ledger.budget,
+                   # one unsplit session, every weight resident, or the engine that streams
+                   engine=s.engine if s._runner.streaming else "all resident",
                    zones={k: [z.allowance, z.reserve] for k, z in st.ledger.zones.items()},
                    notes=list(st.notes), tokens=g["tokens"])
     except Exception as e:  # noqa: BLE001 - a row that fails is a row of the table
