@@ -57,6 +57,8 @@ def test_a_vocabulary_row_and_other_float_types():
         assert got.dtype == np.int64
         assert np.array_equal(got, expected(x))
     assert np.array_equal(Sampling().pick(x, np.random.default_rng(0)), expected(x))
+    # float64 logits are picked by their own values, which float32 would make equal
+    assert greedy(np.array([[1.0, 1.0 + 1e-12, 1.0]])).tolist() == [1]
 
 
 def test_sampling_reads_float16_logits_as_their_float32_values():
