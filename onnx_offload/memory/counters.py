@@ -59,5 +59,10 @@ class Counters:
     def minus(self, other: "Counters") -> "Counters":
         return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
 
+    def add(self, other: "Counters") -> None:
+        """Adds `other`'s counts to these, in place (the session's running counters)."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
     def plus(self, **more) -> "Counters":
         return dataclasses.replace(self, **{k: getattr(self, k) + v for k, v in more.items()})

@@ -294,16 +294,10 @@ class ResidencyManager:
         if self._resident_step is None:
             n, nbytes = len(self.slots), sum(s.length for s in self.slots.values())
             self._resident_step = Counters(steps=1, accesses=n, hits=n, access_bytes=nbytes, hit_bytes=nbytes)
-        step = self._resident_step
-        c = self.counters
-        c.steps += 1
-        c.accesses += step.accesses
-        c.hits += step.hits
-        c.access_bytes += step.access_bytes
-        c.hit_bytes += step.hit_bytes
+        self.counters.add(self._resident_step)
         if self.timeline is not None:
             self._record()
-        return step
+        return self._resident_step
 
     def reset_counters(self) -> None:
         self.counters = Counters()

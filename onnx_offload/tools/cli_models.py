@@ -5,12 +5,15 @@ decoder, streamed as they come).
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import time
 
 import numpy as np
 
+from ..config import fmt_bytes
+from ..errors import BudgetExceeded
 from .cli_args import (check_config_flags, check_feeds, config_kwargs, device_kind, load_feeds, load_tokenizer,
                        make_feeds, parse_prompt_ids, provider)
 
@@ -48,6 +51,33 @@ def cmd_run(args) -> int:
     return 0
 
 
+_LEAST = re.compile(r"pass vram_limit=(\d+) \(or set")
+
+
+def _advice_for(error, model: str, provider_name: str, kw: dict, shape, new: int):
+    """The error of a budget too small for the session, with advice that also holds this
+    generation's KV cache and step buffers. A Python caller's generation tells its own
+    sizes when it starts; this command knows them already, so the budget the session
+    needs is tried: a session made there allocates the generation's cache (nothing
+    runs), and where that is short, its error (the budget, KV and scratch reserves that
+    hold both) is the one given. One round of advice then runs the command."""
+    from ..session import OffloadSession
+    least = _LEAST.search(str(error))
+    if least is None or kw.get("devices"):
+        return error
+    batch, prompt = shape
+    try:
+        with OffloadSession(model, providers=[provider_name], **{**kw, "vram_limit": int(least.group(1))}) as probe:
+            probe._new_generation(probe.decoder_spec, batch, prompt, prompt + max(new - 1, 0)).close()
+    except BudgetExceeded as short:
+        why = str(error)[:least.start()].rsplit(" The smallest budget", 1)[0]
+        return BudgetExceeded(f"{why} The smallest budget that holds the session, {fmt_bytes(int(least.group(1)))}, "
+                              f"leaves this generation short: {short}")
+    except Exception:  # noqa: BLE001 - the probe says nothing more than the error it was for
+        return error
+    return error
+
+
 def cmd_generate(args) -> int:
     from ..session import OffloadSession
     check_config_flags(args)
@@ -77,8 +107,12 @@ def cmd_generate(args) -> int:
     else:
         ids = parse_prompt_ids(args.prompt_ids)
     kind = device_kind(args)
-    with OffloadSession(args.model, providers=[provider(kind)],
-                        **config_kwargs(args)) as s:
+    kw = config_kwargs(args)
+    try:
+        s = OffloadSession(args.model, providers=[provider(kind)], **kw)
+    except BudgetExceeded as e:
+        raise _advice_for(e, args.model, provider(kind), kw, ids.shape, args.max_new_tokens) from None
+    with s:
         spec = s.decoder_spec  # an unsupported model fails here, before any step
         t0 = time.perf_counter()
         new, first = [], None
