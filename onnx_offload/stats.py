@@ -181,7 +181,7 @@ class ReportingMembers:
             capture=f"{'on' if self.graph_capture.enabled else 'off'}: {self.graph_capture.reason}",
             ledger=ledger, arena=dev.arena.stats(), driver=dev.backend.counters(),
             counters=Counters(**vars(res.counters)) if res else Counters(),
-            last_step=runner.last_step if runner else Counters(),
+            last_step=Counters(**vars(runner.last_step)) if runner else Counters(),  # a copy, as of counters
             scratch=dev.scratch.stats() if dev.scratch is not None else None,
             ort_owned_bytes=self._meter.at_creation if self._meter else 0,
             outside_bytes=self._meter.charged if self._meter else 0, notes=tuple(self._notes),

@@ -145,6 +145,48 @@ def test_the_cli_gives_its_own_flags_as_advice_and_they_run(tmp_path):
         assert "tokens: " in run.stdout
 
 
+def test_the_cli_s_advice_holds_a_cache_that_grows_while_decoding(tmp_path):
+    # Standard attention's cache doubles as the generation decodes: the advice for a budget
+    # too small for the session holds its last size, so one round runs.
+    path = save_decoder(model_of("standard"), str(tmp_path / "llm"),
+                        config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
+    ids = ";".join(",".join(str(t) for t in row) for row in prompt(8, 60))
+    base = [sys.executable, "-m", "onnx_offload", "generate", path, "--cpu", "--prompt-ids", ids,
+            "--max-new-tokens", "200", "--cache-dir", "off"]
+    run = subprocess.run(base + ["--vram-limit", "2MiB", "--kv-bytes", "2MiB"], capture_output=True, text=True,
+                         cwd=str(tmp_path), env=_env())
+    assert run.returncode == 2 and "BudgetExceeded" in run.stderr, run.stderr
+    advice = re.findall(r"pass ((?:--[\w-]+ \d+(?:, )?)+)", run.stderr)
+    assert len(advice) == 1, run.stderr
+    flags = [w for kv in advice[0].rstrip(", ").split(", ") for w in kv.split(" ")]
+    run = subprocess.run(base + flags, capture_output=True, text=True, cwd=str(tmp_path), env=_env())
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_cli_names_arguments_no_budget_runs_before_advising_a_budget(tmp_path):
+    path = save_decoder(model_of("gqa"), str(tmp_path / "llm"), config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
+    for ids, says in ((",".join(["1"] * 4097), "the model holds 4096"), ("1,2,9999", "token ids must lie in")):
+        run = subprocess.run([sys.executable, "-m", "onnx_offload", "generate", path, "--cpu", "--prompt-ids", ids,
+                              "--max-new-tokens", "1", "--cache-dir", "off", "--vram-limit", "2MiB"],
+                             capture_output=True, text=True, cwd=str(tmp_path), env=_env())
+        assert run.returncode == 2 and "ValueError" in run.stderr and says in run.stderr, run.stderr
+
+
+def test_the_cli_s_warnings_give_its_own_flags_on_one_line(tmp_path):
+    # A cache larger than the room the resident weights leave: the weights stream instead,
+    # with a warning whose advice is a flag, then a budget too small for the cache's growth.
+    path = save_decoder(model_of("standard"), str(tmp_path / "llm"),
+                        config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
+    ids = ";".join(",".join(str(t) for t in row) for row in prompt(4, 300))
+    run = subprocess.run([sys.executable, "-m", "onnx_offload", "generate", path, "--cpu", "--prompt-ids", ids,
+                          "--max-new-tokens", "8", "--cache-dir", "off", "--vram-limit", "6MiB"],
+                         capture_output=True, text=True, cwd=str(tmp_path), env=_env())
+    lines = run.stderr.strip().splitlines()
+    assert any(line.startswith("onnx-offload: OffloadWarning: ") and "--kv-bytes" in line for line in lines), run.stderr
+    assert all(line.startswith("onnx-offload: ") for line in lines), run.stderr
+    assert "kv_bytes=" not in run.stderr, run.stderr
+
+
 def _env():
     import os
     env = dict(os.environ)

@@ -57,8 +57,25 @@ def test_a_vocabulary_row_and_other_float_types():
         assert got.dtype == np.int64
         assert np.array_equal(got, expected(x))
     assert np.array_equal(Sampling().pick(x, np.random.default_rng(0)), expected(x))
-    # float64 logits are picked by their own values, which float32 would make equal
-    assert greedy(np.array([[1.0, 1.0 + 1e-12, 1.0]])).tolist() == [1]
+
+
+@pytest.mark.parametrize("dtype", ["<f8", ">f8", "longdouble", "int32", "int64", ">f2"])
+def test_logits_of_numpy_s_own_types_are_picked_by_their_own_values(dtype):
+    # values that float32 would make equal (or infinite)
+    rows = {"<f8": [1.0, 1.0 + 1e-12, 1.0], ">f8": [1e300, 2e300, 0.0], "longdouble": [1.0, 1.0 + 1e-12, 1.0],
+            "int32": [16777216, 16777217, 0], "int64": [2**40, 2**40 + 1, 0], ">f2": [0.5, 2.0, 1.0]}[dtype]
+    assert greedy(np.array([rows], dtype=dtype)).tolist() == [1]
+
+
+def test_bfloat16_logits_are_picked_by_their_float32_values():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.array([[1.0, 3.0, np.nan, 3.0], [-1.0, -0.5, -2.0, -0.5]], np.float32)
+    assert greedy(x.astype(ml_dtypes.bfloat16)).tolist() == [2, 1]
+
+
+def test_logits_other_than_batch_by_vocabulary_are_refused():
+    with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
+        greedy(np.zeros((2, 3, 10), np.float16))
 
 
 def test_sampling_reads_float16_logits_as_their_float32_values():

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from ..config import (ENGINES, ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_ENGINE, ENV_EXPERTS, ENV_OFFLOAD,
                       ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT, EXPERTS, POLICIES)
-from ..errors import OffloadError
+from ..errors import OffloadError, OffloadWarning
 from .cli_args import as_flags, count, device_list, positive_float, positive_int, temperature, top_p
 from .cli_bench import cmd_bench, cmd_cache, cmd_demo
 from .cli_models import cmd_generate, cmd_run
@@ -123,6 +124,14 @@ def main(argv=None) -> int:
                         "weights budget of 25%%")
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
+    shown = warnings.showwarning
+
+    def show(message, category, *rest, **kw):
+        # The package's warnings in this command's terms, on one line, as its errors are.
+        if not issubclass(category, OffloadWarning):
+            return shown(message, category, *rest, **kw)
+        print(f"onnx-offload: {category.__name__}: {as_flags(' '.join(str(message).split()))}", file=sys.stderr)
+    warnings.showwarning = show
     try:
         return args.fn(args)
     except KeyboardInterrupt:
@@ -139,6 +148,8 @@ def main(argv=None) -> int:
         # (Fail, InvalidArgument, ...: not RuntimeErrors) from ORT.
         print(f"onnx-offload: {type(e).__name__}: {as_flags(' '.join(str(e).split()))}", file=sys.stderr)
         return 2
+    finally:
+        warnings.showwarning = shown
 
 
 def _ort_errors() -> tuple:

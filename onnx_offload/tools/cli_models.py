@@ -54,25 +54,38 @@ def cmd_run(args) -> int:
 _LEAST = re.compile(r"pass vram_limit=(\d+) \(or set")
 
 
-def _advice_for(error, model: str, provider_name: str, kw: dict, shape, new: int):
+def _advice_for(error, model: str, provider_name: str, kw: dict, ids: np.ndarray, new: int):
     """The error of a budget too small for the session, with advice that also holds this
     generation's KV cache and step buffers. A Python caller's generation tells its own
     sizes when it starts; this command knows them already, so the budget the session
-    needs is tried: a session made there allocates the generation's cache (nothing
-    runs), and where that is short, its error (the budget, KV and scratch reserves that
-    hold both) is the one given. One round of advice then runs the command."""
+    needs is tried: a session made there checks the generation's arguments, then
+    allocates its cache as its last step holds it (a cache that grows while decoding,
+    grown as decoding grows it; nothing runs). Where that is short, its error (the
+    budget, KV and scratch reserves that hold both) is the one given; where the
+    arguments cannot run at any budget, theirs is. One round of advice then runs."""
+    from ..generation.sampling import check_generate_args
     from ..session import OffloadSession
     least = _LEAST.search(str(error))
     if least is None or kw.get("devices"):
         return error
-    batch, prompt = shape
+    batch, prompt = ids.shape
+    total = prompt + max(new - 1, 0)
     try:
         with OffloadSession(model, providers=[provider_name], **{**kw, "vram_limit": int(least.group(1))}) as probe:
-            probe._new_generation(probe.decoder_spec, batch, prompt, prompt + max(new - 1, 0)).close()
+            check_generate_args(probe, ids, new, None)
+            gen = probe._new_generation(probe.decoder_spec, batch, prompt, total)
+            try:
+                with probe._step():
+                    while getattr(gen.cache, "room", total) < total:
+                        gen.cache.ensure(gen.cache.room + 1)
+            finally:
+                gen.close()
     except BudgetExceeded as short:
         why = str(error)[:least.start()].rsplit(" The smallest budget", 1)[0]
         return BudgetExceeded(f"{why} The smallest budget that holds the session, {fmt_bytes(int(least.group(1)))}, "
                               f"leaves this generation short: {short}")
+    except (ValueError, TypeError) as bad:  # the generation's arguments, which no budget runs
+        return bad
     except Exception:  # noqa: BLE001 - the probe says nothing more than the error it was for
         return error
     return error
@@ -111,7 +124,7 @@ def cmd_generate(args) -> int:
     try:
         s = OffloadSession(args.model, providers=[provider(kind)], **kw)
     except BudgetExceeded as e:
-        raise _advice_for(e, args.model, provider(kind), kw, ids.shape, args.max_new_tokens) from None
+        raise _advice_for(e, args.model, provider(kind), kw, ids, args.max_new_tokens) from None
     with s:
         spec = s.decoder_spec  # an unsupported model fails here, before any step
         t0 = time.perf_counter()
