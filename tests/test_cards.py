@@ -137,7 +137,8 @@ def test_the_cli_gives_its_own_flags_as_advice_and_they_run(tmp_path):
         assert run.returncode == 2, run.stderr
         assert "BudgetExceeded" in run.stderr and "vram_limit=" not in run.stderr, run.stderr
         advice = re.findall(r"pass ((?:--[\w-]+ \d+(?:, )?)+)", run.stderr)
-        assert len(advice) == 1, run.stderr
+        # one line: what the probe session says is not the command's
+        assert len(advice) == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
         flags = [w for kv in advice[0].rstrip(", ").split(", ") for w in kv.split(" ")]
         assert "--kv-bytes" in flags, run.stderr
         run = subprocess.run(base + flags, capture_output=True, text=True, cwd=str(tmp_path), env=_env())
@@ -157,7 +158,7 @@ def test_the_cli_s_advice_holds_a_cache_that_grows_while_decoding(tmp_path):
                          cwd=str(tmp_path), env=_env())
     assert run.returncode == 2 and "BudgetExceeded" in run.stderr, run.stderr
     advice = re.findall(r"pass ((?:--[\w-]+ \d+(?:, )?)+)", run.stderr)
-    assert len(advice) == 1, run.stderr
+    assert len(advice) == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     flags = [w for kv in advice[0].rstrip(", ").split(", ") for w in kv.split(" ")]
     run = subprocess.run(base + flags, capture_output=True, text=True, cwd=str(tmp_path), env=_env())
     assert run.returncode == 0, run.stderr

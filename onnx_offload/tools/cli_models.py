@@ -9,6 +9,7 @@ import re
 import statistics
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -71,15 +72,17 @@ def _advice_for(error, model: str, provider_name: str, kw: dict, ids: np.ndarray
     batch, prompt = ids.shape
     total = prompt + max(new - 1, 0)
     try:
-        with OffloadSession(model, providers=[provider_name], **{**kw, "vram_limit": int(least.group(1))}) as probe:
-            check_generate_args(probe, ids, new, None)
-            gen = probe._new_generation(probe.decoder_spec, batch, prompt, total)
-            try:
-                with probe._step():
-                    while getattr(gen.cache, "room", total) < total:
-                        gen.cache.ensure(gen.cache.room + 1)
-            finally:
-                gen.close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the probe's own notes are not the command's
+            with OffloadSession(model, providers=[provider_name], **{**kw, "vram_limit": int(least.group(1))}) as probe:
+                check_generate_args(probe, ids, new, None)
+                gen = probe._new_generation(probe.decoder_spec, batch, prompt, total)
+                try:
+                    with probe._step():
+                        while getattr(gen.cache, "room", total) < total:
+                            gen.cache.ensure(gen.cache.room + 1)
+                finally:
+                    gen.close()
     except BudgetExceeded as short:
         why = str(error)[:least.start()].rsplit(" The smallest budget", 1)[0]
         return BudgetExceeded(f"{why} The smallest budget that holds the session, {fmt_bytes(int(least.group(1)))}, "
