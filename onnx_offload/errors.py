@@ -32,12 +32,16 @@ class BudgetExceeded(MemoryError, OffloadError):
     ``zone`` and ``requested`` say what was asked; the message lists every zone's
     committed bytes and allowance. ``device_full``: the budget had room and the device
     did not (memory outside the budget took it: another process, or what ORT and the
-    CUDA libraries hold).
+    CUDA libraries hold). ``smallest_budget``: for a budget too small to plan the session,
+    the smallest that plans it with this configuration (0 when not known), and ``reason``
+    why the one given does not.
     """
 
     zone: str = ""
     requested: int = 0
     device_full: bool = False
+    smallest_budget: int = 0
+    reason: str = ""
 
 
 class CorruptModel(OffloadError, ValueError):

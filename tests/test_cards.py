@@ -97,6 +97,7 @@ def test_every_budget_from_the_smallest_named_up_to_the_whole_model_gives_ort_s_
     with pytest.raises(BudgetExceeded) as e:
         session(model, vram_limit=G, prefill_chunk=64)
     least = advice_of(e.value)["vram_limit"]
+    assert e.value.smallest_budget == least and e.value.reason and "pass" not in e.value.reason
     whole = weight_bytes(model) + (8 << 20)
     budgets = [least] + [int(least + (whole - least) * k / 5) // G * G for k in range(1, 6)]
     for budget in budgets:

@@ -58,9 +58,12 @@ def plan_or_explain(config, inputs: dict) -> BudgetPlan:
         if not least:
             raise BudgetExceeded(f"{why} Not even the device's {fmt_bytes(inputs['total'])} would run this model "
                                  f"with this configuration.{_what_limits(config, inputs)}") from None
-        raise BudgetExceeded(f"{why} The smallest budget that runs it with this configuration is "
-                             f"{fmt_bytes(least)} ({least} bytes): pass vram_limit={least} (or set {ENV_VRAM_LIMIT})"
-                             f"{'' if config.offload else ', or turn offload on to stream the weights'}.") from None
+        more = "" if config.offload else ", or turn offload on to stream the weights"
+        error = BudgetExceeded(f"{why} The smallest budget that runs it with this configuration is "
+                               f"{fmt_bytes(least)} ({least} bytes): pass vram_limit={least} (or set "
+                               f"{ENV_VRAM_LIMIT}){more}.")
+        error.smallest_budget, error.reason = least, why
+        raise error from None
 
 
 def _what_limits(config, inputs: dict) -> str:

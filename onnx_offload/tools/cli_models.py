@@ -5,7 +5,6 @@ decoder, streamed as they come).
 from __future__ import annotations
 
 import os
-import re
 import statistics
 import sys
 import time
@@ -52,9 +51,6 @@ def cmd_run(args) -> int:
     return 0
 
 
-_LEAST = re.compile(r"pass vram_limit=(\d+) \(or set")
-
-
 def _advice_for(error, model: str, provider_name: str, kw: dict, ids: np.ndarray, new: int):
     """The error of a budget too small for the session, with advice that also holds this
     generation's KV cache and step buffers. A Python caller's generation tells its own
@@ -66,15 +62,15 @@ def _advice_for(error, model: str, provider_name: str, kw: dict, ids: np.ndarray
     arguments cannot run at any budget, theirs is. One round of advice then runs."""
     from ..generation.sampling import check_generate_args
     from ..session import OffloadSession
-    least = _LEAST.search(str(error))
-    if least is None or kw.get("devices"):
+    least = error.smallest_budget
+    if not least or kw.get("devices"):
         return error
     batch, prompt = ids.shape
     total = prompt + max(new - 1, 0)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the probe's own notes are not the command's
-            with OffloadSession(model, providers=[provider_name], **{**kw, "vram_limit": int(least.group(1))}) as probe:
+            with OffloadSession(model, providers=[provider_name], **{**kw, "vram_limit": least}) as probe:
                 check_generate_args(probe, ids, new, None)
                 gen = probe._new_generation(probe.decoder_spec, batch, prompt, total)
                 try:
@@ -84,8 +80,7 @@ def _advice_for(error, model: str, provider_name: str, kw: dict, ids: np.ndarray
                 finally:
                     gen.close()
     except BudgetExceeded as short:
-        why = str(error)[:least.start()].rsplit(" The smallest budget", 1)[0]
-        return BudgetExceeded(f"{why} The smallest budget that holds the session, {fmt_bytes(int(least.group(1)))}, "
+        return BudgetExceeded(f"{error.reason} The smallest budget that holds the session, {fmt_bytes(least)}, "
                               f"leaves this generation short: {short}")
     except (ValueError, TypeError) as bad:  # the generation's arguments, which no budget runs
         return bad
