@@ -125,24 +125,40 @@ def test_the_advice_for_a_cache_that_does_not_fit_runs_when_followed():
         np.testing.assert_array_equal(s.generate(ids, 4), reference_greedy(model, ids, 4))
 
 
+def _saved(layout, tmp_path) -> str:
+    return save_decoder(model_of(layout), str(tmp_path / "llm"),
+                        config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
+
+
+def _generate(path, ids, *flags, cwd):
+    """`onnx-offload generate` on the CPU; `ids`: one row or a batch, as --prompt-ids takes them."""
+    if not isinstance(ids, str):
+        ids = ";".join(",".join(str(t) for t in row) for row in ids)
+    return subprocess.run([sys.executable, "-m", "onnx_offload", "generate", path, "--cpu", "--prompt-ids", ids,
+                           "--cache-dir", "off", *flags], capture_output=True, text=True, cwd=str(cwd), env=_env())
+
+
+def _one_advice(run) -> list:
+    """The flags of the one piece of advice a failed command gave, on its one line of
+    stderr (what the probe session says is not the command's)."""
+    assert run.returncode == 2 and "BudgetExceeded" in run.stderr, run.stderr
+    advice = re.findall(r"pass ((?:--[\w-]+ \d+(?:, )?)+)", run.stderr)
+    assert len(advice) == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    return [w for kv in advice[0].rstrip(", ").split(", ") for w in kv.split(" ")]
+
+
 def test_the_cli_gives_its_own_flags_as_advice_and_they_run(tmp_path):
-    path = save_decoder(model_of("gqa"), str(tmp_path / "llm"), config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
-    base = [sys.executable, "-m", "onnx_offload", "generate", path, "--cpu", "--prompt-ids",
-            ",".join(str(t) for t in prompt(1, 300)[0]), "--max-new-tokens", "4", "--cache-dir", "off",
-            "--prefill-chunk", "64"]
+    path = _saved("gqa", tmp_path)
+    base = ["--max-new-tokens", "4", "--prefill-chunk", "64"]
     # A budget too small for the session, and one that holds the session and not the
     # generation's cache: the command knows the generation, so one piece of advice, in
     # its own flags, covers both, and following it runs.
     for flags in (["--vram-limit", "2MiB"], ["--vram-limit", "6MiB"]):
-        run = subprocess.run(base + flags, capture_output=True, text=True, cwd=str(tmp_path), env=_env())
-        assert run.returncode == 2, run.stderr
-        assert "BudgetExceeded" in run.stderr and "vram_limit=" not in run.stderr, run.stderr
-        advice = re.findall(r"pass ((?:--[\w-]+ \d+(?:, )?)+)", run.stderr)
-        # one line: what the probe session says is not the command's
-        assert len(advice) == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
-        flags = [w for kv in advice[0].rstrip(", ").split(", ") for w in kv.split(" ")]
+        run = _generate(path, prompt(1, 300), *base, *flags, cwd=tmp_path)
+        assert "vram_limit=" not in run.stderr, run.stderr
+        flags = _one_advice(run)
         assert "--kv-bytes" in flags, run.stderr
-        run = subprocess.run(base + flags, capture_output=True, text=True, cwd=str(tmp_path), env=_env())
+        run = _generate(path, prompt(1, 300), *base, *flags, cwd=tmp_path)
         assert run.returncode == 0, run.stderr
         assert "tokens: " in run.stdout
 
@@ -150,39 +166,25 @@ def test_the_cli_gives_its_own_flags_as_advice_and_they_run(tmp_path):
 def test_the_cli_s_advice_holds_a_cache_that_grows_while_decoding(tmp_path):
     # Standard attention's cache doubles as the generation decodes: the advice for a budget
     # too small for the session holds its last size, so one round runs.
-    path = save_decoder(model_of("standard"), str(tmp_path / "llm"),
-                        config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
-    ids = ";".join(",".join(str(t) for t in row) for row in prompt(8, 60))
-    base = [sys.executable, "-m", "onnx_offload", "generate", path, "--cpu", "--prompt-ids", ids,
-            "--max-new-tokens", "200", "--cache-dir", "off"]
-    run = subprocess.run(base + ["--vram-limit", "2MiB", "--kv-bytes", "2MiB"], capture_output=True, text=True,
-                         cwd=str(tmp_path), env=_env())
-    assert run.returncode == 2 and "BudgetExceeded" in run.stderr, run.stderr
-    advice = re.findall(r"pass ((?:--[\w-]+ \d+(?:, )?)+)", run.stderr)
-    assert len(advice) == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
-    flags = [w for kv in advice[0].rstrip(", ").split(", ") for w in kv.split(" ")]
-    run = subprocess.run(base + flags, capture_output=True, text=True, cwd=str(tmp_path), env=_env())
+    path = _saved("standard", tmp_path)
+    run = _generate(path, prompt(8, 60), "--max-new-tokens", "200", "--vram-limit", "2MiB", "--kv-bytes", "2MiB",
+                    cwd=tmp_path)
+    run = _generate(path, prompt(8, 60), "--max-new-tokens", "200", *_one_advice(run), cwd=tmp_path)
     assert run.returncode == 0, run.stderr
 
 
 def test_the_cli_names_arguments_no_budget_runs_before_advising_a_budget(tmp_path):
-    path = save_decoder(model_of("gqa"), str(tmp_path / "llm"), config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
+    path = _saved("gqa", tmp_path)
     for ids, says in ((",".join(["1"] * 4097), "the model holds 4096"), ("1,2,9999", "token ids must lie in")):
-        run = subprocess.run([sys.executable, "-m", "onnx_offload", "generate", path, "--cpu", "--prompt-ids", ids,
-                              "--max-new-tokens", "1", "--cache-dir", "off", "--vram-limit", "2MiB"],
-                             capture_output=True, text=True, cwd=str(tmp_path), env=_env())
+        run = _generate(path, ids, "--max-new-tokens", "1", "--vram-limit", "2MiB", cwd=tmp_path)
         assert run.returncode == 2 and "ValueError" in run.stderr and says in run.stderr, run.stderr
 
 
 def test_the_cli_s_warnings_give_its_own_flags_on_one_line(tmp_path):
     # A cache larger than the room the resident weights leave: the weights stream instead,
     # with a warning whose advice is a flag, then a budget too small for the cache's growth.
-    path = save_decoder(model_of("standard"), str(tmp_path / "llm"),
-                        config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
-    ids = ";".join(",".join(str(t) for t in row) for row in prompt(4, 300))
-    run = subprocess.run([sys.executable, "-m", "onnx_offload", "generate", path, "--cpu", "--prompt-ids", ids,
-                          "--max-new-tokens", "8", "--cache-dir", "off", "--vram-limit", "6MiB"],
-                         capture_output=True, text=True, cwd=str(tmp_path), env=_env())
+    path = _saved("standard", tmp_path)
+    run = _generate(path, prompt(4, 300), "--max-new-tokens", "8", "--vram-limit", "6MiB", cwd=tmp_path)
     lines = run.stderr.strip().splitlines()
     assert any(line.startswith("onnx-offload: OffloadWarning: ") and "--kv-bytes" in line for line in lines), run.stderr
     assert all(line.startswith("onnx-offload: ") for line in lines), run.stderr
