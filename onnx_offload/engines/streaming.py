@@ -17,7 +17,6 @@ access, creates or releases; the host waits once, at the end, for the outputs.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -144,10 +143,8 @@ class StreamEngine(Engine):
                                       page_ins=len(streamed), access_bytes=resident_bytes + streamed_bytes,
                                       hit_bytes=resident_bytes, bypassed=len(streamed), bypassed_bytes=streamed_bytes,
                                       htod_bytes=streamed_bytes)
-        c, step = self.residency.counters, self._per_step
-        for f in dataclasses.fields(Counters):
-            setattr(c, f.name, getattr(c, f.name) + getattr(step, f.name))
-        self.last_step = step
+        self.residency.counters.add(self._per_step)
+        self.last_step = self._per_step
 
     def _keep(self, sig, g: StepGraph) -> None:
         self._graphs[sig] = g
