@@ -143,7 +143,7 @@ class StreamEngine(Engine):
                                       page_ins=len(streamed), access_bytes=resident_bytes + streamed_bytes,
                                       hit_bytes=resident_bytes, bypassed=len(streamed), bypassed_bytes=streamed_bytes,
                                       htod_bytes=streamed_bytes)
-        self.residency.counters.add(self._per_step)
+        self.residency.counters = self.residency.counters + self._per_step  # one store
         self.last_step = self._per_step
 
     def _keep(self, sig, g: StepGraph) -> None:

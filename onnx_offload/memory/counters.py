@@ -59,10 +59,11 @@ class Counters:
     def minus(self, other: "Counters") -> "Counters":
         return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
 
-    def add(self, other: "Counters") -> None:
-        """Adds `other`'s counts to these, in place (the session's running counters)."""
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+    def __add__(self, other: "Counters") -> "Counters":
+        """These counts and `other`'s, added up in a new object. The session's running
+        counters are replaced by the sum in one store, so that a `stats()` read on
+        another thread sees a step whole or not at all."""
+        return Counters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
 
     def plus(self, **more) -> "Counters":
         return dataclasses.replace(self, **{k: getattr(self, k) + v for k, v in more.items()})

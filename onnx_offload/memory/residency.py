@@ -294,7 +294,7 @@ class ResidencyManager:
         if self._resident_step is None:
             n, nbytes = len(self.slots), sum(s.length for s in self.slots.values())
             self._resident_step = Counters(steps=1, accesses=n, hits=n, access_bytes=nbytes, hit_bytes=nbytes)
-        self.counters.add(self._resident_step)
+        self.counters = self.counters + self._resident_step  # one store: never half a step
         if self.timeline is not None:
             self._record()
         return self._resident_step

@@ -142,10 +142,57 @@ def test_members_without_a_lock_wait_out_a_move_to_segments(child):
     assert res["notes"]["errors"] == [], res["notes"]["errors"]
     assert res["wrong_outputs"] == 0 and res["leaks"] == 0
 
+
+def child_stats_see_whole_steps(h) -> dict:
+    """All-resident steps on one thread while another reads stats() with the interpreter
+    switching threads every microsecond: every read sees a whole number of steps, each
+    step's accesses, hits and bytes added together with it."""
+    import threading
+
+    s = h.open_session(split=False)
+    s.run(None, h.feed(1))
+    per = s.stats().last_step
+    done = threading.Event()
+    torn, polls = [], [0]
+
+    def poll():
+        while not done.is_set():
+            c = s.stats().counters
+            polls[0] += 1
+            if (c.accesses, c.hits, c.access_bytes) != (c.steps * per.accesses, c.steps * per.hits,
+                                                         c.steps * per.access_bytes):
+                torn.append((c.steps, c.accesses, c.hits, c.access_bytes))
+
+    sys.setswitchinterval(1e-6)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for _ in range(STATS_STEPS):
+            s.run(None, h.feed(1))
+    finally:
+        done.set()
+        poller.join()
+    steps = s.stats().counters.steps
+    s.close()
+    return dict(torn=torn[:5], n_torn=len(torn), polls=polls[0], steps=steps, per=per.accesses)
+
+
+STATS_STEPS = 3000
+
+
+def test_stats_read_on_another_thread_never_see_half_a_step(child):
+    res = child(__file__, "stats-whole-steps", timeout=120).data
+    assert res["per"] > 0 and res["steps"] == STATS_STEPS + 1
+    assert res["polls"] > 100, f"stats() was read only {res['polls']} times"
+    assert res["n_torn"] == 0, f"{res['n_torn']} reads saw half a step: (steps, accesses, hits, bytes) {res['torn']}"
+
+
 if __name__ == "__main__":
     import conftest as h  # this folder's: the script's folder leads sys.path
     if sys.argv[1] == "members-while-the-runner-switches":
         h.emit(child_members_while_the_runner_switches())
+    elif sys.argv[1] == "stats-whole-steps":
+        h.emit(child_stats_see_whole_steps(h))
     elif sys.argv[1] == "stats-while-generating":
         h.emit(child_stats_while_generating(h))
     else:
