@@ -174,9 +174,13 @@ class PhysicalBackend {
   virtual void begin_graph_capture(Stream& s);
   virtual std::shared_ptr<DeviceGraph> end_graph_capture(Stream& s);
 
-  // Page-locks host memory for fast, asynchronous copies (no-op on the host).
+  // Page-locks host memory for fast, asynchronous copies, and maps it for the device's
+  // kernels to read in place (no-op on the host).
   virtual void host_register(void* p, uint64_t n) = 0;
   virtual void host_unregister(void* p) noexcept = 0;
+  // The address at which the device's kernels read registered host memory `p` (on the
+  // host backend, `p` itself).
+  virtual uint64_t host_device_address(void* p) = 0;
 
   // (free, total) bytes of the device.
   virtual std::pair<uint64_t, uint64_t> mem_info() = 0;

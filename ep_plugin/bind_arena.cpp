@@ -122,6 +122,9 @@ void bind_backend(py::module_& m) {
            py::arg("ptr"), py::arg("bytes"), Release())
       .def("host_unregister", [](PhysicalBackend& b, uint64_t p) { b.host_unregister(reinterpret_cast<void*>(p)); },
            py::arg("ptr"), Release())
+      .def("host_device_address", [](PhysicalBackend& b, uint64_t p) {
+        return b.host_device_address(reinterpret_cast<void*>(p));
+      }, py::arg("ptr"), Release())
       .def("mem_info", &PhysicalBackend::mem_info, Drain())
       .def("counters", &PhysicalBackend::counters, Drain())
       .def("inject_failure", &PhysicalBackend::inject_failure, py::arg("op"), py::arg("after") = 1,

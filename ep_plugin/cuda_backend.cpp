@@ -178,7 +178,13 @@ class CudaBackend : public PhysicalBackend {
   }
   void host_register(void* p, uint64_t n) override {
     current();
-    CU_CHECK(DRV(cuMemHostRegister)(p, n, CU_MEMHOSTREGISTER_PORTABLE));
+    CU_CHECK(DRV(cuMemHostRegister)(p, n, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP));
+  }
+  uint64_t host_device_address(void* p) override {
+    current();
+    CUdeviceptr d = 0;
+    CU_CHECK(DRV(cuMemHostGetDevicePointer)(&d, p, 0));
+    return uint64_t(d);
   }
   void host_unregister(void* p) noexcept override {
     CU_WARN(DRV(cuCtxSetCurrent)(ctx_->get()));

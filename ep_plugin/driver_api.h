@@ -70,6 +70,7 @@ namespace offload {
   _(cuKernelGetParamInfo, 12040)           \
   _(cuGraphAddMemcpyNode, 10000)           \
   _(cuGraphAddDependencies, 12030)         \
+  _(cuMemHostGetDevicePointer, 3020)       \
   _(cuGraphInstantiateWithFlags, 11040)    \
   _(cuGraphUpload, 11010)                  \
   _(cuGraphLaunch, 10000)                  \

@@ -312,6 +312,7 @@ class HostBackend : public PhysicalBackend {
   }
   void host_register(void*, uint64_t) override {}
   void host_unregister(void*) noexcept override {}
+  uint64_t host_device_address(void* p) override { return uint64_t(reinterpret_cast<uintptr_t>(p)); }
   // Free memory as the kernel reports it available (MemAvailable: free pages plus the
   // page cache and slabs it can reclaim), as a GPU's free memory is what an allocation
   // can still get; "auto" and fractions then mean the same on both.

@@ -30,7 +30,7 @@ from .errors import OffloadWarning, StateError, UnsupportedModel
 from .generation import GenerationMembers, first_needs, release_kept
 from .interrupts import deferred_interrupts
 from .loading import (CUDA_EP, LoadRequest, copy_options, make_workdir, point_weights_at_placeholder, prepare,
-                      remove_workdir, routing_for, unseen, weights_as_inputs)
+                      read_as_tables, remove_workdir, routing_for, unseen, weights_as_inputs)
 from .memory import Device, HostStore, OrtMemoryMeter, activation_shape, cuda_available, plan_inputs, plan_or_explain
 from .progress import LoadProgress
 from .stats import ReportingMembers
@@ -191,7 +191,7 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
         self._meter = OrtMemoryMeter(dev)
         run = RunInputs(model, self._weights, names, groups_by_target, shared, stable, capture,
                         [o.name for o in self._graph_outputs], self._feed_inputs, self._graph_inputs, inputs,
-                        record_timeline, self._workdir, routing)
+                        record_timeline, self._workdir, routing, read_as_tables(model, names))
         self._engines = Engines(dev, self._store, self._meter, cfg, self._options, self._cuda_options, run, plan,
                                 self._notes, lambda: release_kept(self), self.close)
         try:

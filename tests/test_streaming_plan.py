@@ -1,6 +1,8 @@
 """The streaming engine's layout (a pure function) and when the engine runs: on CUDA,
 with stable addresses, graphs on and a fixed resident set; the CPU execution provider
 runs segments, and asking it for the engine is a clear error."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -467,3 +469,69 @@ def test_a_unit_laid_out_as_the_store_copies_each_run_once():
                 assert set(readers[held[gr]]) <= set(after), (i, k)
         for k in range((dst - base) // G, (dst + n - 1 - base) // G + 1):
             held[units[i].ring[k]] = i
+
+
+def test_tables_that_only_gathers_read_are_found_and_no_other_weight():
+    """The streaming engine reads an embedding in place from host memory: a weight that
+    only Gathers of the main graph read, as their table (input 0, axis 0). Not a tied
+    embedding that a MatMul reads too, a Gather along another axis, a weight used as the
+    indices, one a subgraph reads, or a graph output."""
+    from onnx import TensorProto, helper
+    from onnx_offload.loading import read_as_tables
+    from onnx_offload.models.decoder import decoder_lm
+    m = decoder_lm("gqa", max_length=64)
+    assert read_as_tables(m, {t.name for t in m.graph.initializer}) == ["embed_tokens"]
+
+    def init(name, shape):
+        return helper.make_tensor(name, TensorProto.FLOAT, shape, np.zeros(int(np.prod(shape)), np.float32))
+
+    then = helper.make_graph([helper.make_node("Gather", ["sub_table", "ids"], ["s"])], "then", [],
+                             [helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, 4])])
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["a"]),
+        helper.make_node("Gather", ["table", "ids2"], ["a2"]),  # two Gathers: still only rows
+        helper.make_node("Gather", ["tied", "ids"], ["b"]),
+        helper.make_node("MatMul", ["x", "tied"], ["c"]),
+        helper.make_node("Gather", ["columns", "ids"], ["d"], axis=1),
+        helper.make_node("Gather", ["x", "index_weight"], ["e"]),
+        helper.make_node("If", ["cond"], ["s"], then_branch=then, else_branch=then),
+        helper.make_node("Gather", ["sub_table", "ids"], ["f"]),
+        helper.make_node("Gather", ["out_table", "ids"], ["g"]),
+    ]
+    inits = [init("table", [8, 4]), init("tied", [4, 4]), init("columns", [4, 8]), init("sub_table", [8, 4]),
+             init("out_table", [8, 4]), helper.make_tensor("index_weight", TensorProto.INT64, [1], [0])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, t, s) for n, t, s in
+                                           [("ids", TensorProto.INT64, [2]), ("ids2", TensorProto.INT64, [2]),
+                                            ("x", TensorProto.FLOAT, [2, 4]), ("cond", TensorProto.BOOL, [])]],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                               for n in ("a", "a2", "b", "c", "d", "e", "s", "f", "g", "out_table")], inits)
+    model = helper.make_model(graph)
+    assert read_as_tables(model, {t.name for t in inits}) == ["table"]
+
+
+def test_a_table_stays_in_host_memory_only_once_the_weights_stream():
+    """The streaming engine's plan reads the embedding in place once other weights stream,
+    also where the table alone is over the budget; not where everything else fits beside
+    it, not off CUDA, and not a table under one granule."""
+    import types
+    from onnx_offload.engines.switch import stream_layout
+    # An int4 model's shape: the LM head a quarter of the fp16 embedding table.
+    weights = [dataclasses.replace(w, nbytes=w.nbytes // 4) if w.name == "lm_head" else w
+               for w in tinyllama_weights()]
+    total = sum(w.nbytes for w in weights)
+    run = types.SimpleNamespace(weights=weights, tables=["embed"], shared=["rotary"])
+    at = {f: stream_layout(run, int(total * f), G, cost(weights), "planned", True) for f in (0.03, 0.25, 0.75)}
+    for f, layout in at.items():
+        assert layout.in_host == ["embed"] and "embed" not in layout.resident + layout.streamed, f
+        assert layout.units
+    # The table alone (131 MB) is over a budget of 3%: without it in place, no plan.
+    assert 0.03 * total < 131 << 20
+    with pytest.raises(StreamingUnavailable):
+        stream_layout(run, int(total * 0.03), G, cost(weights), "planned", False)
+    # Everything fits: nothing streams, and the table stays with the other weights.
+    whole = stream_layout(run, 2 * total, G, cost(weights), "planned", True)
+    assert whole.in_host == [] and not whole.units and "embed" in whole.resident
+    small = [dataclasses.replace(weights[0], nbytes=200)] + weights[1:]
+    run_small = types.SimpleNamespace(weights=small, tables=["embed"], shared=["rotary"])
+    assert stream_layout(run_small, int(total * 0.25), G, cost(small), "planned", True).in_host == []
+    assert stream_layout(run, int(total * 0.25), G, cost(weights), "planned", False).in_host == []

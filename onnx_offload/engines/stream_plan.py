@@ -111,6 +111,7 @@ class StreamPlan:
     units: List[Unit]  # in first-use order
     ring_bytes: int
     allowance: int  # the weights budget: resident bytes + the ring
+    in_host: List[str] = dataclasses.field(default_factory=list)  # read in place over the link: tables
 
     @property
     def streamed(self) -> List[str]:

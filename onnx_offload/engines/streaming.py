@@ -59,6 +59,11 @@ class StreamEngine(Engine):
         self.capture = GraphCaptureDecision(True, f"{capture_reason}; the streaming engine captures one ORT run per "
                                                   f"input-shape signature and adds the page-ins to that graph")
         self.notes: List[str] = []
+        if plan.in_host:
+            table = sum(self.info[n].nbytes for n in plan.in_host)
+            self.notes.append(f"{len(plan.in_host)} table(s) only Gathers read ({', '.join(plan.in_host[:3])}; "
+                              f"{table} bytes) stay in pinned host memory, read in place a row a token: their "
+                              f"device bytes go to other weights")
         self.steps = 0
         self.graph_steps = 0
         self.last_step = Counters()
@@ -75,7 +80,12 @@ class StreamEngine(Engine):
             self._ring.map()
             so = factory.session_options()
             for w in weights:
-                va = residency.slots[w.name].va if w.name in residency.slots else self._ring.address[w.name]
+                if w.name in residency.slots:
+                    va = residency.slots[w.name].va
+                elif w.name in self._ring.address:
+                    va = self._ring.address[w.name]
+                else:  # plan.in_host: read in place
+                    va = store.device_address(w.name)
                 value = ortvalue_at(va, w.shape, w.dtype, device.is_cuda, device_id)
                 so.add_initializer(w.name, value)
                 self._initializer_values.append(value)

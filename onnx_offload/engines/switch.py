@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import onnx
 
@@ -34,7 +34,7 @@ from .graph_capture import GraphCaptureDecision
 from .replan import engine_short, kv_short
 from .ort_sessions import SessionFactory
 from .runner import SegmentRunner
-from .stream_plan import StreamingUnavailable, plan_stream
+from .stream_plan import StreamPlan, StreamingUnavailable, plan_stream
 from .streaming import StreamEngine
 
 
@@ -56,6 +56,26 @@ class RunInputs:
     record_timeline: bool
     workdir: str
     routing: Optional[Routing] = None  # the MoE nodes whose experts stream by route, when weights stream
+    tables: Sequence[str] = ()  # weights only Gathers read (embeddings): the streaming engine reads them in place
+
+
+def stream_layout(run: RunInputs, allowance: int, granularity: int, cost, policy: str, on_cuda: bool) -> StreamPlan:
+    """The streaming engine's plan for a weights budget of `allowance`. Once the weights
+    stream, on CUDA, a table that only Gathers read stays in pinned host memory, read in
+    place a row a token, and its bytes go to other weights (one under a granule frees none)."""
+    size = {w.name: w.nbytes for w in run.weights}
+    tables = {n for n in run.tables if size[n] >= granularity} if on_cuda else set()
+    try:
+        layout = plan_stream(run.weights, allowance, granularity, cost, policy, shared=run.shared)
+    except StreamingUnavailable:
+        if not tables:
+            raise
+        layout = None  # a table alone may be over the budget
+    if tables and (layout is None or layout.units):
+        layout = plan_stream([w for w in run.weights if w.name not in tables], allowance, granularity, cost, policy,
+                             shared=[n for n in run.shared if n not in tables])
+        layout.in_host = [w.name for w in run.weights if w.name in tables]
+    return layout
 
 
 class Engines:
@@ -117,7 +137,7 @@ class Engines:
         kv, scratch = round_up(kv, g), round_up(scratch, g)
         budget = dev.budget
         allowance = min(cfg.weight_bytes or budget, budget - kv - scratch)
-        layout = plan_stream(run.weights, max(0, allowance), g, self.cost, cfg.policy, shared=run.shared)
+        layout = stream_layout(run, max(0, allowance), g, self.cost, cfg.policy, dev.is_cuda)
         dev.set_zones({"weights": ZonePlan(min(budget, layout.allowance - layout.ring_bytes), 0),
                        "kv": ZonePlan(budget, kv), "scratch": ZonePlan(budget, scratch),
                        "transient": ZonePlan(budget, layout.ring_bytes)})

@@ -12,7 +12,7 @@ from .experts import MoENode, Routing, find_routing, routed_experts, routing_for
 from .files import (Files, check_external_data, copy_regular, external_data_folder, materialize, model_file, opened,
                     saving)
 from .fingerprints import MANIFEST
-from .graphs import external_info, node_inputs
+from .graphs import external_info, node_inputs, read_as_tables
 from .optimize import OPTIMIZED, OPTIMIZED_DATA
 from .ort_options import CPU_EP, CUDA_EP, choose_providers, copy_options, normalize_providers, set_config, unseen
 from .pipeline import LoadRequest, ModelMeta, prepare
@@ -27,6 +27,6 @@ __all__ = ["CPU_EP", "CUDA_EP", "DecoderSpec", "Files", "IOInfo", "LoadRequest",
            "check_bindable", "check_external_data", "choose_providers", "clear_cache", "copy_options", "copy_regular",
            "decoder_spec", "elem_name", "external_data_folder", "external_info", "find_routing", "make_workdir",
            "materialize", "model_file", "node_inputs", "normalize_providers", "numpy_dtype", "opened", "plan_segments",
-           "point_weights_at_placeholder", "prepare", "recomputed_values", "remove_workdir", "rotary_rows",
-           "routed_experts", "routing_for", "save_model", "saving", "segment_weights", "set_config", "split", "unseen",
-           "value_types", "weights_as_inputs"]
+           "point_weights_at_placeholder", "prepare", "read_as_tables", "recomputed_values", "remove_workdir",
+           "rotary_rows", "routed_experts", "routing_for", "save_model", "saving", "segment_weights", "set_config",
+           "split", "unseen", "value_types", "weights_as_inputs"]

@@ -55,6 +55,23 @@ def node_inputs(node) -> list[str]:
     return names
 
 
+def read_as_tables(model: onnx.ModelProto, names) -> list[str]:
+    """The weights of `names` that only Gathers of the main graph read, each as the table
+    (input 0) they take rows from (axis 0): an embedding. A step reads a row of such a table per
+    token, never the whole table."""
+    gathers, reads = {}, {}
+    for node in model.graph.node:
+        for n in node_inputs(node):
+            if n in names:
+                reads[n] = reads.get(n, 0) + 1
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and axis == 0 and node.input \
+                and node.input[0] in names:
+            gathers[node.input[0]] = gathers.get(node.input[0], 0) + 1
+    outputs = {o.name for o in model.graph.output}
+    return [n for n, k in gathers.items() if reads[n] == k and n not in outputs]
+
+
 def external_info(t: onnx.TensorProto) -> dict:
     """A tensor's external-data record: location, offset, length (as strings)."""
     return {e.key: e.value for e in t.external_data}

@@ -34,9 +34,11 @@ class HostStore:
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self.base = self._array.ctypes.data
         self._registered = False
+        self._device_base = self.base
         if total:
             backend.host_register(self.base, total)
             self._registered = True
+            self._device_base = backend.host_device_address(self.base)
 
     def fill_from_file(self, path: str, weights: Iterable[WeightInfo],
                        progress: Optional[Callable[[int, int], None]] = None, files: Optional[Files] = None) -> None:
@@ -66,6 +68,10 @@ class HostStore:
 
     def ptr(self, name: str) -> int:
         return self.base + self._offsets[name]
+
+    def device_address(self, name: str) -> int:
+        """Where the device's kernels read the weight in place, over the link."""
+        return self._device_base + self._offsets[name]
 
     def view(self, name: str) -> np.ndarray:
         o = self._offsets[name]
