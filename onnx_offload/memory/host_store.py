@@ -37,8 +37,12 @@ class HostStore:
         self._device_base = self.base
         if total:
             backend.host_register(self.base, total)
+            try:
+                self._device_base = backend.host_device_address(self.base)
+            except BaseException:
+                backend.host_unregister(self.base)  # the store is never returned: nothing else would
+                raise
             self._registered = True
-            self._device_base = backend.host_device_address(self.base)
 
     def fill_from_file(self, path: str, weights: Iterable[WeightInfo],
                        progress: Optional[Callable[[int, int], None]] = None, files: Optional[Files] = None) -> None:
