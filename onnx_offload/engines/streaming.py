@@ -82,10 +82,10 @@ class StreamEngine(Engine):
             for w in weights:
                 if w.name in residency.slots:
                     va = residency.slots[w.name].va
-                elif w.name in self._ring.address:
-                    va = self._ring.address[w.name]
-                else:  # plan.in_host: read in place
+                elif w.name in plan.in_host:  # read in place
                     va = store.device_address(w.name)
+                else:  # streamed: a weight the plan left out has no address, and fails here
+                    va = self._ring.address[w.name]
                 value = ortvalue_at(va, w.shape, w.dtype, device.is_cuda, device_id)
                 so.add_initializer(w.name, value)
                 self._initializer_values.append(value)
