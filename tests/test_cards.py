@@ -125,6 +125,26 @@ def test_the_advice_for_a_cache_that_does_not_fit_runs_when_followed():
         np.testing.assert_array_equal(s.generate(ids, 4), reference_greedy(model, ids, 4))
 
 
+@pytest.mark.parametrize("layout", ["gqa", "standard"])
+def test_a_cache_buffer_over_the_whole_budget_names_a_budget_that_runs(layout):
+    """The smallest budget the session names holds its weights; a generation whose one
+    cache buffer is larger than that whole budget says the budget that holds the weights
+    and the cache, and that budget runs it."""
+    model = model_of(layout)
+    ids = prompt(8, 600)
+    with pytest.raises(BudgetExceeded) as first:
+        session(model, vram_limit=64 << 10)
+    kw = advice_of(first.value)
+    with session(model, **kw) as s:
+        with pytest.raises(BudgetExceeded, match="more than the whole budget") as second:
+            s.generate(ids, 100)
+        assert s.device.ledger.snapshot().zones["kv"].committed.current == 0
+    kw = advice_of(second.value)
+    assert kw["vram_limit"] > advice_of(first.value)["vram_limit"] and "kv_bytes" in kw
+    with session(model, **kw) as s:
+        np.testing.assert_array_equal(s.generate(ids, 100), reference_greedy(model, ids, 100))
+
+
 def _saved(layout, tmp_path) -> str:
     return save_decoder(model_of(layout), str(tmp_path / "llm"),
                         config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
@@ -170,6 +190,18 @@ def test_the_cli_s_advice_holds_a_cache_that_grows_while_decoding(tmp_path):
     run = _generate(path, prompt(8, 60), "--max-new-tokens", "200", "--vram-limit", "2MiB", "--kv-bytes", "2MiB",
                     cwd=tmp_path)
     run = _generate(path, prompt(8, 60), "--max-new-tokens", "200", *_one_advice(run), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_cli_s_advice_holds_a_cache_buffer_larger_than_the_session_s_whole_budget(tmp_path):
+    # 48 rows of 620 positions: one layer's key buffer (7.6 MB) is over the whole smallest
+    # budget that holds the session (6 MiB), so no plan there holds it; the advice names the
+    # budget that does, in one round.
+    path = _saved("gqa", tmp_path)
+    args = ["--max-new-tokens", "20"]
+    run = _generate(path, prompt(48, 600), *args, "--vram-limit", "2MiB", cwd=tmp_path)
+    assert "more than the whole budget" in run.stderr, run.stderr
+    run = _generate(path, prompt(48, 600), *args, *_one_advice(run), cwd=tmp_path)
     assert run.returncode == 0, run.stderr
 
 

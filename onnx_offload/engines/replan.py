@@ -48,13 +48,16 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
         if need == have:
             return (f"the plan in force already sets aside {fmt_bytes(have[0])} for the KV cache and "
                     f"{fmt_bytes(have[1])} for the steps")
-        try:
-            engines.replan_engine(*need, f"a KV cache of up to {fmt_bytes(kv_peak)}")
-            return None
-        except StreamingUnavailable:
-            pass  # the weights stream in segments instead, below
-        except BudgetExceeded as e:
-            return str(e)
+        # Needs over the whole budget: no plan of it holds them, and the engine in force is
+        # not taken down to find that out; the advice below names the budget that does.
+        if sum(need) <= dev.budget:
+            try:
+                engines.replan_engine(*need, f"a KV cache of up to {fmt_bytes(kv_peak)}")
+                return None
+            except StreamingUnavailable:
+                pass  # the weights stream in segments instead, below
+            except BudgetExceeded as e:
+                return str(e)
     # Segments pass values between them through scratch, which the resident runner
     # never needed and whose sizes are known only once the segments run: the scratch
     # reserve the configuration gives is doubled, plus `boundary` bytes per segment.
