@@ -31,11 +31,16 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
     budget had room and the device did not, so the engine's plan sets aside more for the
     steps (as for a step that ran out), which keeps fewer weights resident. The caller
     holds the session's lock."""
-    if engines.release_kept():
-        return None  # the kept generation's bytes were the ones missing, perhaps
     cfg, dev = engines.config, engines.device
     g = dev.granularity
     zones = dev.ledger.snapshot().zones
+    # Needs over the whole budget (this buffer beside what its zone holds, the whole cache,
+    # or the step buffers): no plan of it holds them, so nothing is planned again, nor a
+    # kept generation given back, to find that out; the advice names the budget that does.
+    over = max(zones["kv"].committed.current + nbytes, kv_peak,
+               zones["scratch"].committed.current + io_peak) > dev.budget
+    if not over and engines.release_kept():
+        return None  # the kept generation's bytes were the ones missing, perhaps
     in_force = engines.plan
     kv = round_up(kv_peak, g)
     if engines.graph_possible and cfg.offload:
@@ -48,9 +53,7 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
         if need == have:
             return (f"the plan in force already sets aside {fmt_bytes(have[0])} for the KV cache and "
                     f"{fmt_bytes(have[1])} for the steps")
-        # Needs over the whole budget: no plan of it holds them, and the engine in force is
-        # not taken down to find that out; the advice below names the budget that does.
-        if sum(need) <= dev.budget:
+        if not over and sum(need) <= dev.budget:  # else the advice below, the engine kept
             try:
                 engines.replan_engine(*need, f"a KV cache of up to {fmt_bytes(kv_peak)}")
                 return None
@@ -76,7 +79,7 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
     # Segments planned with less set aside for the cache than this generation needs (a
     # shorter one came first): planned again, as a session new to this length would be.
     short = in_force.streaming and kv > in_force.zones["kv"].reserve
-    if (pinned or short) and cfg.offload and cfg.engine != "graph":
+    if (pinned or short) and cfg.offload and cfg.engine != "graph" and not over:
         kept = configured
         now = round_up(zones["kv"].committed.current + nbytes, g)
 

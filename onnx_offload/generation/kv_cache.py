@@ -58,13 +58,9 @@ class DeviceBuffers:
         nbytes = max(1, nbytes_of(shape, dtype))
         ledger = self.device.ledger
         if nbytes > ledger.snapshot().budget:
-            # No plan makes room for it in this budget; the shortage's answer is the budget
-            # that would (asked twice: the first call may only give back a kept generation).
-            advice = None
-            for _ in range(2 if self._shortage is not None else 0):
-                advice = self._shortage(nbytes, False)
-                if advice is not None:
-                    break
+            # No plan makes room for it in this budget: the shortage, asked, plans nothing
+            # again and answers with the budget that would.
+            advice = self._shortage(nbytes, False) if self._shortage is not None else None
             raise BudgetExceeded(f"{what or 'a buffer'} needs {nbytes} bytes, more than the whole budget: "
                                  f"{describe_zones(ledger)}. Lower the batch or the length, or raise the budget"
                                  f"{': ' + advice if advice else ''}")
