@@ -26,8 +26,8 @@ from .arguments import read_arguments
 from .dropin import InferenceSessionMembers
 from .engines import (CONTROL_FLOW_OPS, Engines, OffloadIOBinding, RunInputs, StreamingUnavailable, as_arrays,
                       choose_engine, resolve_graph_capture_enabled, shareable, structural_safety)
-from .errors import OffloadWarning, StateError, UnsupportedModel
-from .generation import GenerationMembers, first_needs, release_kept
+from .errors import BudgetExceeded, OffloadWarning, StateError, UnsupportedModel
+from .generation import GenerationMembers, default_generation, first_needs, release_kept, with_generation
 from .interrupts import deferred_interrupts
 from .loading import (CUDA_EP, LoadRequest, copy_options, make_workdir, point_weights_at_placeholder, prepare,
                       read_as_tables, remove_workdir, routing_for, unseen, weights_as_inputs)
@@ -141,6 +141,18 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
             if self._device.budget_note:
                 self._notes.append(self._device.budget_note)
             self._build(path_or_bytes, LoadProgress(progress), record_timeline)
+        except BudgetExceeded as e:
+            spec = self._decoder_spec
+            self._teardown()
+            if isinstance(spec, Exception):
+                raise
+            # A decoder's smallest budget is tried with the generation it plans for, so
+            # that the advice holds that generation too (generation.advice).
+            batch, prompt, total = default_generation(spec)
+            raise with_generation(e, lambda budget: OffloadSession(
+                path_or_bytes, sess_options, providers, provider_options, disabled_optimizers=self._disabled_optimizers,
+                config=dataclasses.replace(self.config, vram_limit=budget)), batch, prompt, total,
+                f"a generation of one sequence of up to {total} positions") from None
         except BaseException:
             self._teardown()
             raise

@@ -96,8 +96,8 @@ def test_every_budget_from_the_smallest_named_up_to_the_whole_model_gives_ort_s_
     want = reference_greedy(model, ids, 6)
     with pytest.raises(BudgetExceeded) as e:
         session(model, vram_limit=G, prefill_chunk=64)
-    least = advice_of(e.value)["vram_limit"]
-    assert e.value.smallest_budget == least and e.value.reason and "pass" not in e.value.reason
+    least = e.value.smallest_budget  # the session's; the advice holds a sequence of the model's context too
+    assert 0 < least < advice_of(e.value)["vram_limit"] and e.value.reason and "pass" not in e.value.reason
     whole = weight_bytes(model) + (8 << 20)
     budgets = [least] + [int(least + (whole - least) * k / 5) // G * G for k in range(1, 6)]
     for budget in budgets:
@@ -109,6 +109,22 @@ def test_every_budget_from_the_smallest_named_up_to_the_whole_model_gives_ort_s_
                 with session(model, prefill_chunk=64, **kw) as t:
                     got = t.generate(ids, 6)
             np.testing.assert_array_equal(got, want, err_msg=f"budget {budget}")
+            assert s.close().committed == 0
+
+
+@pytest.mark.parametrize("layout", ["gqa", "standard"])
+def test_the_advice_of_a_budget_too_small_for_the_session_holds_a_sequence_of_its_context(layout):
+    """One round: the session's advice names the budget and reserves that also hold a
+    generation of one sequence up to the context the session plans for (its prompt in
+    chunks, or decoding to that length), and following it, such generations run."""
+    model = model_of(layout)
+    with pytest.raises(BudgetExceeded, match="one sequence of up to 4096 positions") as e:
+        session(model, vram_limit=64 << 10, prefill_chunk=256)
+    kw = advice_of(e.value)
+    assert set(kw) == {"vram_limit", "kv_bytes", "scratch_bytes"} and kw["vram_limit"] > e.value.smallest_budget
+    for ids, new in ((prompt(1, 3000), 8), (prompt(1, 600), 8), (prompt(1, 8), 300)):
+        with session(model, prefill_chunk=256, **kw) as s:
+            np.testing.assert_array_equal(s.generate(ids, new), reference_greedy(model, ids, new))
             assert s.close().committed == 0
 
 
@@ -127,20 +143,20 @@ def test_the_advice_for_a_cache_that_does_not_fit_runs_when_followed():
 
 @pytest.mark.parametrize("layout", ["gqa", "standard"])
 def test_a_cache_buffer_over_the_whole_budget_names_a_budget_that_runs(layout):
-    """The smallest budget the session names holds its weights; a generation whose one
-    cache buffer is larger than that whole budget says the budget that holds the weights
-    and the cache, and that budget runs it."""
+    """The smallest budget that holds the session holds its weights; a generation whose
+    one cache buffer is larger than that whole budget says the budget that holds the
+    weights and the cache, and that budget runs it."""
     model = model_of(layout)
     ids = prompt(8, 600)
     with pytest.raises(BudgetExceeded) as first:
         session(model, vram_limit=64 << 10)
-    kw = advice_of(first.value)
-    with session(model, **kw) as s:
+    least = first.value.smallest_budget
+    with session(model, vram_limit=least) as s:
         with pytest.raises(BudgetExceeded, match="more than the whole budget") as second:
             s.generate(ids, 100)
         assert s.device.ledger.snapshot().zones["kv"].committed.current == 0
     kw = advice_of(second.value)
-    assert kw["vram_limit"] > advice_of(first.value)["vram_limit"] and "kv_bytes" in kw
+    assert kw["vram_limit"] > least and "kv_bytes" in kw
     with session(model, **kw) as s:
         np.testing.assert_array_equal(s.generate(ids, 100), reference_greedy(model, ids, 100))
 

@@ -8,11 +8,9 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
 import numpy as np
 
-from ..config import fmt_bytes
 from ..errors import BudgetExceeded
 from .cli_args import (check_config_flags, check_feeds, config_kwargs, device_kind, load_feeds, load_tokenizer,
                        make_feeds, parse_prompt_ids, provider)
@@ -53,40 +51,19 @@ def cmd_run(args) -> int:
 
 def _advice_for(error, model: str, provider_name: str, kw: dict, ids: np.ndarray, new: int):
     """The error of a budget too small for the session, with advice that also holds this
-    generation's KV cache and step buffers. A Python caller's generation tells its own
-    sizes when it starts; this command knows them already, so the budget the session
-    needs is tried: a session made there checks the generation's arguments, then
-    allocates its cache as its last step holds it (a cache that grows while decoding,
-    grown as decoding grows it; nothing runs). Where that is short, its error (the
-    budget, KV and scratch reserves that hold both) is the one given; where the
-    arguments cannot run at any budget, theirs is. One round of advice then runs."""
+    generation's KV cache and step buffers (generation.advice): the command knows its
+    generation, so the budget the session needs is tried with it, and one round of
+    advice runs. Where the arguments cannot run at any budget, their error is given."""
+    from ..generation import with_generation
     from ..generation.sampling import check_generate_args
     from ..session import OffloadSession
-    least = error.smallest_budget
-    if not least or kw.get("devices"):
+    if kw.get("devices"):
         return error
     batch, prompt = ids.shape
-    total = prompt + max(new - 1, 0)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the probe's own notes are not the command's
-            with OffloadSession(model, providers=[provider_name], **{**kw, "vram_limit": least}) as probe:
-                check_generate_args(probe, ids, new, None)
-                gen = probe._new_generation(probe.decoder_spec, batch, prompt, total)
-                try:
-                    with probe._step():
-                        while getattr(gen.cache, "room", total) < total:
-                            gen.cache.ensure(gen.cache.room + 1)
-                finally:
-                    gen.close()
-    except BudgetExceeded as short:
-        return BudgetExceeded(f"{error.reason} The smallest budget that holds the session, {fmt_bytes(least)}, "
-                              f"leaves this generation short: {short}")
-    except (ValueError, TypeError) as bad:  # the generation's arguments, which no budget runs
-        return bad
-    except Exception:  # noqa: BLE001 - the probe says nothing more than the error it was for
-        return error
-    return error
+    return with_generation(error, lambda budget: OffloadSession(model, providers=[provider_name],
+                                                                **{**kw, "vram_limit": budget}),
+                           batch, prompt, prompt + max(new - 1, 0), "this generation",
+                           check=lambda probe: check_generate_args(probe, ids, new, None))
 
 
 def cmd_generate(args) -> int:
@@ -119,8 +96,10 @@ def cmd_generate(args) -> int:
         ids = parse_prompt_ids(args.prompt_ids)
     kind = device_kind(args)
     kw = config_kwargs(args)
+    from ..generation import own_probe
     try:
-        s = OffloadSession(args.model, providers=[provider(kind)], **kw)
+        with own_probe():  # the advice of a budget too small is tried with this generation, below
+            s = OffloadSession(args.model, providers=[provider(kind)], **kw)
     except BudgetExceeded as e:
         raise _advice_for(e, args.model, provider(kind), kw, ids, args.max_new_tokens) from None
     with s:
