@@ -63,3 +63,28 @@ def test_the_users_call_on_a_card_smaller_than_the_model(model_path, batch, tmp_
         if peak is not None:
             peak.close()
         card.close()
+
+
+def test_the_advice_of_a_budget_too_small_for_the_session_runs_a_sequence_on_cuda(model_path, tmp_path):
+    """CUDA: the advice of a budget too small for the session, followed, runs the streaming
+    engine and generates a prompt in chunks without a second round, plain ORT's tokens."""
+    import re
+    from onnx_offload import BudgetExceeded
+    path, model = model_path
+    ids = np.random.default_rng(3).integers(0, SHAPE["vocab"], (1, 700))
+    want = {True: reference_greedy(model, ids, 8, providers=[CUDA]),
+            False: reference_greedy(model, ids, 8, providers=[CUDA], optimized=False)}
+    kw = dict(providers=[CUDA], offload=True, vmm=True, cache_dir=str(tmp_path / "cache"), prefill_chunk=256)
+    with pytest.raises(BudgetExceeded) as e:
+        OffloadSession(path, vram_limit=64 << 20, **kw)
+    m = re.search(r"pass ((?:\w+=\d+(?:, )?)+)", str(e.value))
+    assert m, str(e.value)
+    advice = {k: int(v) for k, v in (p.split("=") for p in m.group(1).rstrip(", ").split(", "))}
+    assert advice["vram_limit"] < weight_bytes(model), str(e.value)  # the weights stream
+    with OffloadSession(path, **advice, **kw) as s:
+        got = s.generate(ids, 8)
+        exported = any("as it was exported" in n for n in s.stats().notes)
+        np.testing.assert_array_equal(got, want[not exported])
+        assert s.engine == "graph", s.stats().notes
+        final = s.close()
+    assert final.committed == 0
