@@ -68,6 +68,8 @@ def with_generation(error: BudgetExceeded, make: Callable[[int], object], batch:
                 finally:
                     gen.close()
     except BudgetExceeded as short:
+        if short.device_full:  # the device, not the budget, was short: nothing to advise beyond the error
+            return error
         advised = BudgetExceeded(f"{error.reason} The smallest budget that runs it with this configuration is "
                                  f"{fmt_bytes(least)} ({least} bytes), which leaves {what} short: {short}")
         advised.smallest_budget, advised.reason = least, error.reason
