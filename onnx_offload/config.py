@@ -39,9 +39,12 @@ ENV_CACHE_DIR = "ONNX_OFFLOAD_CACHE_DIR"
 ENGINES = ("auto", "graph", "segments")
 ENV_EXPERTS = "ONNX_OFFLOAD_EXPERTS"
 # How a mixture-of-experts model's experts stream: "routed", only those its router picks
-# for the step; "dense", every expert every step; "auto", routed where the kernels are
-# known to read only the routed experts (the CPU execution provider), else dense.
-EXPERTS = ("auto", "routed", "dense")
+# for the step; "dense", every expert every step; "in_place", the streaming engine (CUDA)
+# leaves each stack of experts in pinned host memory and ORT's MoE kernel reads the picked
+# experts there, over the link (dense where that engine does not run); "auto", routed
+# where the kernels are known to read only the routed experts (the CPU execution
+# provider), else dense.
+EXPERTS = ("auto", "routed", "dense", "in_place")
 
 MiB = 1 << 20
 GiB = 1 << 30

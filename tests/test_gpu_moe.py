@@ -92,3 +92,23 @@ def test_by_default_a_cuda_session_streams_the_experts_whole_and_says_how_to_rou
         np.testing.assert_array_equal(s.generate(ids, 8), want)
         assert s.stats().counters.expert_accesses == 0
         assert any("experts='routed'" in n for n in s.stats().notes)
+
+
+def test_experts_in_place_are_read_from_host_memory_by_the_captured_moe_kernel(monkeypatch):
+    """experts="in_place": the streaming engine leaves the stacks the budget cannot hold
+    in pinned host memory, and the captured MoE kernel reads the picked experts there."""
+    monkeypatch.setenv("ORT_FORCE_DETERMINISTIC_MOE", "1")  # see CHILD
+    model = gpt_oss(**SHAPE)
+    ids = np.random.default_rng(1).integers(0, SHAPE["vocab"], (1, 8))
+    want = reference_greedy(model, ids, 8, providers=[CUDA])
+    with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True,
+                        weight_bytes=int(weight_bytes(model) * 0.25), experts="in_place") as s:
+        got = s.generate(ids, 8)
+        plan = s._engines.runner.plan
+        assert s.engine == "graph"
+        stacks = [n for n in plan.in_host if n.endswith((".fc1", ".fc2"))]
+        assert stacks and not set(stacks) & set(plan.streamed), plan.in_host
+        assert s.stats().graph_steps > 0
+        np.testing.assert_array_equal(got, want)
+        final = s.close()
+    assert final.committed == 0

@@ -373,7 +373,7 @@ def test_a_budget_below_a_stack_of_experts_is_a_typed_error_whose_advice_runs():
 
 
 def test_the_bench_moe_rows_run_in_processes_of_their_own(tmp_path):
-    """`bench moe`'s rows, routed and dense, on a small gpt-oss-shaped model: the same
+    """`bench moe`'s rows, routed, dense and in place, on a small gpt-oss-shaped model: the same
     tokens, plain ORT's, and fewer bytes a token routed."""
     from onnx_offload.models import save_decoder
     from onnx_offload.tools.bench_decode import in_process_of_its_own
@@ -382,9 +382,35 @@ def test_the_bench_moe_rows_run_in_processes_of_their_own(tmp_path):
     ids = prompt(1, 6, seed=2)
     rows = {e: in_process_of_its_own("bench_moe", "streamed_row", path=path, ids=ids.tolist(), new=12, kind="cpu",
                                      fraction=0.25, weights=weight_bytes(model), experts=e)
-            for e in ("routed", "dense")}
+            for e in ("routed", "dense", "in_place")}
     want = reference_greedy(model, ids, 12)[:, ids.shape[1]:]
     for r in rows.values():
         np.testing.assert_array_equal(r["tokens"], want)
     assert 0 < rows["routed"]["bytes_per_token"] < rows["dense"]["bytes_per_token"]
+    # On the CPU nothing is read in place: in_place streams the experts whole, as dense.
+    assert rows["in_place"]["in_place_bytes"] == 0 and rows["in_place"]["engine"] == rows["dense"]["engine"]
     assert rows["routed"]["expert_bytes"] > rows["routed"]["expert_resident"] >= 0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_experts_in_place_name_the_stacks_the_streaming_engine_reads_where_they_are(preset):
+    from onnx_offload.loading import read_in_place
+    model = model_of(preset)
+    weights = weights_table(model)
+    stacks = read_in_place(model, weights, "in_place")
+    assert stacks == list(find_routing(model, weights).stacks)
+    assert {s.rsplit(".", 1)[-1] for s in stacks} == {"fc1", "fc2"}
+    assert all(read_in_place(model, weights, mode) == [] for mode in ("auto", "routed", "dense"))
+
+
+def test_experts_in_place_on_the_cpu_stream_whole_and_say_why():
+    """The CPU execution provider runs segments, where nothing is read in place: the
+    experts stream whole, the tokens are plain ORT's, and a note says what in_place needs."""
+    model = model_of("gpt-oss")
+    want = reference_greedy(model, prompt(), 4)
+    with session(model, 0.25, experts="in_place") as s:
+        np.testing.assert_array_equal(s.generate(prompt(), 4), want)
+        assert s.stats().counters.expert_accesses == 0
+        assert any("experts='in_place' needs the streaming engine" in n for n in s.stats().notes)
+        final = s.close()
+    assert final.committed == 0

@@ -519,7 +519,7 @@ def test_a_table_stays_in_host_memory_only_once_the_weights_stream():
     weights = [dataclasses.replace(w, nbytes=w.nbytes // 4) if w.name == "lm_head" else w
                for w in tinyllama_weights()]
     total = sum(w.nbytes for w in weights)
-    run = types.SimpleNamespace(weights=weights, tables=["embed"], shared=["rotary"])
+    run = types.SimpleNamespace(weights=weights, tables=["embed"], stacks=[], shared=["rotary"])
     at = {f: stream_layout(run, int(total * f), G, cost(weights), "planned", True) for f in (0.03, 0.25, 0.75)}
     for f, layout in at.items():
         assert layout.in_host == ["embed"] and "embed" not in layout.resident + layout.streamed, f
@@ -532,6 +532,58 @@ def test_a_table_stays_in_host_memory_only_once_the_weights_stream():
     whole = stream_layout(run, 2 * total, G, cost(weights), "planned", True)
     assert whole.in_host == [] and not whole.units and "embed" in whole.resident
     small = [dataclasses.replace(weights[0], nbytes=200)] + weights[1:]
-    run_small = types.SimpleNamespace(weights=small, tables=["embed"], shared=["rotary"])
+    run_small = types.SimpleNamespace(weights=small, tables=["embed"], stacks=[], shared=["rotary"])
     assert stream_layout(run_small, int(total * 0.25), G, cost(small), "planned", True).in_host == []
     assert stream_layout(run, int(total * 0.25), G, cost(weights), "planned", False).in_host == []
+
+
+def moe_weights(layers=12, experts=32):
+    """A gpt-oss-shape decoder's weights (fp16, hidden 1024, 32 experts) in reading order:
+    each layer's attention, router, and one MoE node reading its fc1 and fc2 stacks and
+    their biases first (the same first use)."""
+    sizes, use = [("embed", 8000 * 1024 * 2, 0)], 1
+    for i in range(layers):
+        for n, b in ((f"l{i}.qkv", 1024 * 1536 * 2), (f"l{i}.o", 1024 * 1024 * 2), (f"l{i}.router", 1024 * experts * 2)):
+            sizes.append((n, b, use))
+            use += 1
+        sizes += [(f"l{i}.fc1", experts * 2048 * 1024 * 2, use), (f"l{i}.fc1_bias", experts * 2048 * 2, use),
+                  (f"l{i}.fc2", experts * 1024 * 1024 * 2, use), (f"l{i}.fc2_bias", experts * 1024 * 2, use)]
+        use += 1
+    sizes += [("lm_head", 8000 * 1024 * 2, use)]
+    return [WeightInfo(n, np.dtype(np.float16), (b // 2,), b, 0, u) for n, b, u in sizes]
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5, 0.9])
+def test_stacks_of_experts_read_in_place_leave_the_budget_to_the_other_weights_first(fraction):
+    """experts="in_place": once the weights stream, each stack of experts stays in host
+    memory, read in place, or is resident whole; it never streams. A stack comes back to the
+    device only where the budget holds it beside every weight it held without it."""
+    import types
+    from onnx_offload.engines.switch import stream_layout
+    weights = moe_weights()
+    size = {w.name: w.nbytes for w in weights}
+    total = sum(size.values())
+    stacks = [w.name for w in weights if w.name.endswith((".fc1", ".fc2"))]
+    run = types.SimpleNamespace(weights=weights, tables=["embed"], stacks=stacks, shared=[])
+    allowance = int(total * fraction)
+    layout = stream_layout(run, allowance, G, cost(weights), "planned", True)
+    away = types.SimpleNamespace(weights=weights, tables=["embed"] + stacks, stacks=[], shared=[])
+    all_away = stream_layout(away, allowance, G, cost(weights), "planned", True)
+    assert set(all_away.in_host) == {"embed"} | set(stacks)
+    assert not set(stacks) & set(layout.streamed)
+    assert set(layout.in_host) | set(layout.resident) >= set(stacks)
+    assert set(layout.streamed) <= set(all_away.streamed)  # no other weight gave way to a stack
+    assert cost(weights)(layout.resident) + layout.ring_bytes <= allowance
+    back = [n for n in stacks if n in layout.resident]
+    dense = total - sum(size[n] for n in stacks) - size["embed"]
+    if fraction >= 0.25:  # the other weights fit with room for stacks
+        assert dense < allowance and not layout.streamed and back
+    if fraction == 0.9:
+        assert len(back) > len(stacks) // 2
+    # The stacks' bytes resident or in host; what is left in host does not fit beside.
+    left = [n for n in stacks if n in layout.in_host]
+    assert all(cost(weights)(layout.resident + [n]) + layout.ring_bytes > allowance for n in left) or layout.streamed
+    # Not on the CPU, and not a stack under a granule.
+    assert stream_layout(run, allowance, G, cost(weights), "planned", False).in_host == []
+    everything = stream_layout(run, 2 * total, G, cost(weights), "planned", True)
+    assert everything.in_host == [] and not everything.units

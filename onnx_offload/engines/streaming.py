@@ -60,10 +60,12 @@ class StreamEngine(Engine):
                                                   f"input-shape signature and adds the page-ins to that graph")
         self.notes: List[str] = []
         if plan.in_host:
-            table = sum(self.info[n].nbytes for n in plan.in_host)
-            self.notes.append(f"{len(plan.in_host)} table(s) only Gathers read ({', '.join(plan.in_host[:3])}; "
-                              f"{table} bytes) stay in pinned host memory, read in place a row a token: their "
-                              f"device bytes go to other weights")
+            held = sum(self.info[n].nbytes for n in plan.in_host)
+            self.notes.append(f"{len(plan.in_host)} weight(s) stay in pinned host memory and are read there, over "
+                              f"the link ({', '.join(plan.in_host[:3])}{', ...' if len(plan.in_host) > 3 else ''}; "
+                              f"{held} bytes): a table only Gathers read, a row a token; a stack of experts "
+                              f"(experts='in_place'), the experts a token picks. Their device bytes go to other "
+                              f"weights")
         self.steps = 0
         self.graph_steps = 0
         self.last_step = Counters()

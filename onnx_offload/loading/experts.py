@@ -124,19 +124,35 @@ def routed_experts(logits: np.ndarray, k: int, experts: int) -> List[int]:
     return np.flatnonzero((p >= threshold).any(axis=0)).tolist()
 
 
+def read_in_place(model: onnx.ModelProto, weights: Sequence[WeightInfo], mode: str) -> List[str]:
+    """The expert stacks the streaming engine leaves in pinned host memory for experts
+    "in_place": those that could stream by expert (read by their MoE node alone, experts
+    of ROUTED_MIN_BYTES or more). The kernel reads a step's picked experts there, whatever
+    its own rule for which rows it reads; a bias or a smaller stack stays with the weights."""
+    if mode != "in_place":
+        return []
+    routing = find_routing(model, weights)
+    return list(routing.stacks) if routing is not None else []
+
+
 def routing_for(model: onnx.ModelProto, weights: Sequence[WeightInfo], mode: str, on_cuda: bool,
                 stable: bool) -> tuple:
     """(the routing a session streams its experts by, or None; why a MoE model's experts
     stream whole, or ""), for the configuration's `experts`: "routed" wherever weights
     stream behind stable addresses; "auto" on the CPU execution provider, where the
-    kernels are known to read only the routed experts; "dense" never."""
+    kernels are known to read only the routed experts; "dense" and "in_place" never (the
+    streaming engine reads "in_place" stacks where they are, see read_in_place)."""
     if mode == "dense":
         return None, ""
+    if mode == "in_place":
+        return None, ("" if on_cuda and stable else
+                      "the experts stream whole: experts='in_place' needs the streaming engine (CUDA, vmm=True)")
     routing = find_routing(model, weights)
     if not stable:
         return None, ("the experts stream whole: routing them needs stable addresses (vmm=True)"
                       if routing is not None and mode == "routed" else "")
     if routing is not None and mode == "auto" and on_cuda:
-        return None, ("the experts stream whole on CUDA: experts='routed' pages in only the experts the router "
-                      "picks, in segments (engine='segments')")
+        return None, ("the experts stream whole on CUDA: experts='in_place' leaves them in pinned host memory, "
+                      "where the streaming engine's MoE kernel reads only the picked ones; experts='routed' pages "
+                      "in only the experts the router picks, in segments (engine='segments')")
     return routing, ""
