@@ -583,7 +583,41 @@ def test_stacks_of_experts_read_in_place_leave_the_budget_to_the_other_weights_f
     # The stacks' bytes resident or in host; what is left in host does not fit beside.
     left = [n for n in stacks if n in layout.in_host]
     assert all(cost(weights)(layout.resident + [n]) + layout.ring_bytes > allowance for n in left) or layout.streamed
-    # Not on the CPU, and not a stack under a granule.
+    # Not on the CPU.
     assert stream_layout(run, allowance, G, cost(weights), "planned", False).in_host == []
     everything = stream_layout(run, 2 * total, G, cost(weights), "planned", True)
     assert everything.in_host == [] and not everything.units
+
+
+def test_a_stack_of_experts_under_a_granule_is_read_in_place_too_never_streamed():
+    """experts="in_place": a stack under a granule (a small model's, 2 MiB granules) never
+    streams either: streamed, it copies all its experts every step where read in place the
+    kernel reads the picked ones; it stays resident where the budget holds it beside every
+    weight it held without it, else in host memory. A stack not among the weights, or
+    listed twice, changes nothing; an empty one stays resident (it parts the weights around
+    it into items of their own, see plan_stream)."""
+    import types
+    from onnx_offload.engines.switch import stream_layout
+    weights = [dataclasses.replace(w, nbytes=w.nbytes // 16) if w.name.endswith((".fc1", ".fc2")) else w
+               for w in moe_weights(layers=6, experts=4)]
+    stacks = [w.name for w in weights if w.name.endswith((".fc1", ".fc2"))]
+    assert all(w.nbytes < G for w in weights if w.name in stacks)
+    total = sum(w.nbytes for w in weights)
+    run = types.SimpleNamespace(weights=weights, tables=["embed"], stacks=stacks, shared=[])
+    hostile = types.SimpleNamespace(weights=weights, tables=["embed"], stacks=stacks + stacks[:2] + ["nowhere"],
+                                    shared=[])
+    others = [w for w in weights if w.name not in stacks and w.name != "embed"]
+    for step in range(26, 100, 2):  # from the ring the largest weight needs
+        allowance = total * step // 100
+        layout = stream_layout(run, allowance, G, cost(weights), "planned", True)
+        assert not set(stacks) & set(layout.streamed), step
+        assert set(layout.in_host) | set(layout.resident) >= set(stacks), step
+        assert set(layout.streamed) <= set(plan_stream(others, allowance, G, cost(weights), "planned").streamed)
+        assert cost(weights)(layout.resident) + layout.ring_bytes <= allowance
+        again = stream_layout(hostile, allowance, G, cost(weights), "planned", True)
+        assert (again.resident, again.streamed, again.in_host) == (layout.resident, layout.streamed, layout.in_host)
+    use = next(w.first_use for w in weights if w.name == "l2.fc1")
+    empty = weights + [WeightInfo("l2.fc1_empty", np.dtype(np.float16), (0,), 0, 0, use)]
+    layout = stream_layout(types.SimpleNamespace(weights=empty, tables=["embed"], stacks=stacks + ["l2.fc1_empty"],
+                                                 shared=[]), total // 2, G, cost(empty), "planned", True)
+    assert "l2.fc1_empty" in layout.resident and not set(stacks) & set(layout.streamed)

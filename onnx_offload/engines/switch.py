@@ -66,11 +66,12 @@ def stream_layout(run: RunInputs, allowance: int, granularity: int, cost, policy
     place a row a token, and its bytes go to other weights (one under a granule frees none).
     So does a stack of experts read in place (experts="in_place"), whose MoE kernel reads a
     token's picked experts over the link: k/E of its bytes a token where streaming it would
-    copy all of them. A stack comes back to the device where the budget holds it whole
-    and every other weight it held before: byte for byte, a streamed weight costs the link
-    more than a stack read in place."""
+    copy all of them; a stack under a granule too, since streamed it would copy them all. A
+    stack comes back to the device where the budget holds it whole and every other weight
+    it held before: byte for byte, a streamed weight costs the link more than a stack read
+    in place."""
     size = {w.name: w.nbytes for w in run.weights}
-    stacks = [n for n in run.stacks if size[n] >= granularity] if on_cuda else []
+    stacks = [n for n in dict.fromkeys(run.stacks) if size.get(n)] if on_cuda else []  # an empty one: resident
     tables = {n for n in run.tables if size[n] >= granularity} if on_cuda else set()
     tables.update(stacks)
     try:
