@@ -621,3 +621,27 @@ def test_a_stack_of_experts_under_a_granule_is_read_in_place_too_never_streamed(
     layout = stream_layout(types.SimpleNamespace(weights=empty, tables=["embed"], stacks=stacks + ["l2.fc1_empty"],
                                                  shared=[]), total // 2, G, cost(empty), "planned", True)
     assert "l2.fc1_empty" in layout.resident and not set(stacks) & set(layout.streamed)
+
+
+@pytest.mark.parametrize("fraction", [0.02, 0.1, 0.5, 0.9])
+def test_stacks_read_in_place_are_planned_in_two_passes_of_plan_stream(fraction, monkeypatch):
+    """experts="in_place" at gpt-oss scale (48 stacks): stream_layout plans the weights
+    twice, with every stack and with none, not once a stack more. plan_stream takes
+    O(weights^2) (the greedy costs each trial set whole): once a stack, the plan took 1.3
+    to 1.8 s at gpt-oss-20b's 555 weights, at every engine build and replan. A stack whose
+    bytes do not fit beside the weights the plan without it keeps resident cannot come
+    back, and beside weights that are all resident it comes back where its bytes fit."""
+    import types
+    from onnx_offload.engines import switch
+    weights = moe_weights(layers=24)
+    stacks = [w.name for w in weights if w.name.endswith((".fc1", ".fc2"))]
+    calls = []
+    monkeypatch.setattr(switch, "plan_stream", lambda *a, **k: calls.append(1) or plan_stream(*a, **k))
+    allowance = int(sum(w.nbytes for w in weights) * fraction)
+    run = types.SimpleNamespace(weights=weights, tables=["embed"], stacks=stacks, shared=[])
+    layout = switch.stream_layout(run, allowance, G, cost(weights), "planned", True)
+    assert len(calls) == 2
+    assert not set(stacks) & set(layout.streamed) and set(layout.in_host) | set(layout.resident) >= set(stacks)
+    assert cost(weights)(layout.resident) + layout.ring_bytes <= allowance
+    if not layout.units:
+        assert all(cost(weights)(layout.resident + [n]) > allowance for n in layout.in_host if n in stacks)

@@ -89,11 +89,18 @@ def stream_layout(run: RunInputs, allowance: int, granularity: int, cost, policy
 
     if tables and (layout is None or layout.units):
         layout = plan_without(tables)
+        at = {w.name: (w.first_use, w.name) for w in run.weights}
         for name in stacks:
-            try:
-                trial = plan_without(tables - {name})
-            except StreamingUnavailable:
+            kept = sorted(layout.resident + [name], key=at.__getitem__)
+            if cost(kept) > allowance:  # nor can a plan that keeps it and every weight kept without it
                 continue
+            if not layout.units:  # the others are all resident: it joins them (plan_stream takes O(n^2))
+                trial = StreamPlan(kept, [], 0, allowance, [n for n in layout.in_host if n != name])
+            else:
+                try:
+                    trial = plan_without(tables - {name})
+                except StreamingUnavailable:
+                    continue
             if name in trial.resident and set(trial.streamed) <= set(layout.streamed):
                 tables.discard(name)
                 layout = trial
