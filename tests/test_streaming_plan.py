@@ -632,16 +632,46 @@ def test_stacks_read_in_place_are_planned_in_two_passes_of_plan_stream(fraction,
     bytes do not fit beside the weights the plan without it keeps resident cannot come
     back, and beside weights that are all resident it comes back where its bytes fit."""
     import types
-    from onnx_offload.engines import switch
+    from onnx_offload.engines import in_place
     weights = moe_weights(layers=24)
     stacks = [w.name for w in weights if w.name.endswith((".fc1", ".fc2"))]
     calls = []
-    monkeypatch.setattr(switch, "plan_stream", lambda *a, **k: calls.append(1) or plan_stream(*a, **k))
+    monkeypatch.setattr(in_place, "plan_stream", lambda *a, **k: calls.append(1) or plan_stream(*a, **k))
     allowance = int(sum(w.nbytes for w in weights) * fraction)
     run = types.SimpleNamespace(weights=weights, tables=["embed"], stacks=stacks, shared=[])
-    layout = switch.stream_layout(run, allowance, G, cost(weights), "planned", True)
+    layout = in_place.stream_layout(run, allowance, G, cost(weights), "planned", True)
     assert len(calls) == 2
     assert not set(stacks) & set(layout.streamed) and set(layout.in_host) | set(layout.resident) >= set(stacks)
     assert cost(weights)(layout.resident) + layout.ring_bytes <= allowance
     if not layout.units:
         assert all(cost(weights)(layout.resident + [n]) > allowance for n in layout.in_host if n in stacks)
+
+
+def test_weights_read_in_place_never_make_a_step_copy_more():
+    """Taking the tables and stacks out moves plan_stream's other choices (the weights it
+    keeps first depend on the sizes it is given): where the plan with them in host memory
+    would copy as many bytes a step as the plan without, or more, the plan without runs."""
+    import types
+    from onnx_offload.engines.switch import stream_layout
+    rng = np.random.default_rng(7)
+    worse = 0
+    for model in range(300):
+        n = int(rng.integers(2, 12))
+        sizes = [int(rng.choice([1, 3, 10, 20, 60, 150])) * MiB + int(rng.integers(0, 4096)) for _ in range(n)]
+        weights = [WeightInfo(f"w{i}", np.dtype(np.float16), (b // 2,), b, 0, i) for i, b in enumerate(sizes)]
+        picks = rng.random(n)
+        run = types.SimpleNamespace(weights=weights, tables=[], shared=[],
+                                    stacks=[w.name for w, p in zip(weights, picks) if p < 0.4])
+        plain = types.SimpleNamespace(weights=weights, tables=[], stacks=[], shared=[])
+        total = sum(sizes)
+        for allowance in np.linspace(G, total, 12).astype(int):
+            try:
+                before = stream_layout(plain, int(allowance), G, cost(weights), "planned", True)
+            except StreamingUnavailable:
+                continue
+            layout = stream_layout(run, int(allowance), G, cost(weights), "planned", True)
+            copied = sum(w.nbytes for w in weights if w.name in layout.streamed)
+            assert not layout.in_host or copied < sum(w.nbytes for w in weights if w.name in before.streamed), \
+                (model, int(allowance))
+            worse += 1
+    assert worse > 100  # budgets where the weights stream, checked

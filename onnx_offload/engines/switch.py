@@ -34,7 +34,8 @@ from .graph_capture import GraphCaptureDecision
 from .replan import engine_short, kv_short
 from .ort_sessions import SessionFactory
 from .runner import SegmentRunner
-from .stream_plan import StreamPlan, StreamingUnavailable, plan_stream
+from .in_place import stream_layout
+from .stream_plan import StreamingUnavailable
 from .streaming import StreamEngine
 
 
@@ -58,53 +59,6 @@ class RunInputs:
     routing: Optional[Routing] = None  # the MoE nodes whose experts stream by route, when weights stream
     tables: Sequence[str] = ()  # weights only Gathers read (embeddings): the streaming engine reads them in place
     stacks: Sequence[str] = ()  # expert stacks it may read in place (experts="in_place"), in first-use order
-
-
-def stream_layout(run: RunInputs, allowance: int, granularity: int, cost, policy: str, on_cuda: bool) -> StreamPlan:
-    """The streaming engine's plan for a weights budget of `allowance`. Once the weights
-    stream, on CUDA, a table that only Gathers read stays in pinned host memory, read in
-    place a row a token, and its bytes go to other weights (one under a granule frees none).
-    So does a stack of experts read in place (experts="in_place"), whose MoE kernel reads a
-    token's picked experts over the link: k/E of its bytes a token where streaming it would
-    copy all of them; a stack under a granule too, since streamed it would copy them all. A
-    stack comes back to the device where the budget holds it whole and every other weight
-    it held before: byte for byte, a streamed weight costs the link more than a stack read
-    in place."""
-    size = {w.name: w.nbytes for w in run.weights}
-    stacks = [n for n in dict.fromkeys(run.stacks) if size.get(n)] if on_cuda else []  # an empty one: resident
-    tables = {n for n in run.tables if size[n] >= granularity} if on_cuda else set()
-    tables.update(stacks)
-    try:
-        layout = plan_stream(run.weights, allowance, granularity, cost, policy, shared=run.shared)
-    except StreamingUnavailable:
-        if not tables:
-            raise
-        layout = None  # a table alone may be over the budget
-
-    def plan_without(away: Set[str]) -> StreamPlan:
-        plan = plan_stream([w for w in run.weights if w.name not in away], allowance, granularity, cost, policy,
-                           shared=[n for n in run.shared if n not in away])
-        plan.in_host = [w.name for w in run.weights if w.name in away]
-        return plan
-
-    if tables and (layout is None or layout.units):
-        layout = plan_without(tables)
-        at = {w.name: (w.first_use, w.name) for w in run.weights}
-        for name in stacks:
-            kept = sorted(layout.resident + [name], key=at.__getitem__)
-            if cost(kept) > allowance:  # nor can a plan that keeps it and every weight kept without it
-                continue
-            if not layout.units:  # the others are all resident: it joins them (plan_stream takes O(n^2))
-                trial = StreamPlan(kept, [], 0, allowance, [n for n in layout.in_host if n != name])
-            else:
-                try:
-                    trial = plan_without(tables - {name})
-                except StreamingUnavailable:
-                    continue
-            if name in trial.resident and set(trial.streamed) <= set(layout.streamed):
-                tables.discard(name)
-                layout = trial
-    return layout
 
 
 class Engines:
