@@ -43,7 +43,7 @@ ENV_EXPERTS = "ONNX_OFFLOAD_EXPERTS"
 # leaves each stack of experts in pinned host memory and ORT's MoE kernel reads the picked
 # experts there, over the link (dense where that engine does not run); "auto", routed
 # where the kernels are known to read only the routed experts (the CPU execution
-# provider), else dense.
+# provider), in_place on CUDA with stable addresses, else dense.
 EXPERTS = ("auto", "routed", "dense", "in_place")
 
 MiB = 1 << 20

@@ -169,7 +169,10 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
         self._graph_inputs, self._graph_outputs = p.graph_inputs, p.graph_outputs
         names = {w.name for w in self._weights}
         self._stable = stable = (not cfg.offload) or cfg.vmm
-        routing, dense_why = routing_for(model, self._weights, cfg.experts, self._on_cuda, stable and cfg.offload)
+        experts = cfg.experts
+        if experts == "auto" and self._on_cuda and stable and cfg.offload:
+            experts = "in_place"  # the streaming engine's MoE kernel reads the picked experts in host memory
+        routing, dense_why = routing_for(model, self._weights, experts, self._on_cuda, stable and cfg.offload)
         inputs, groups_by_target = plan_inputs(model, self._weights, stable, dev, routing.cuts if routing else ())
         plan = plan_or_explain(cfg, inputs)
         dev.apply(plan)
@@ -204,7 +207,7 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
         run = RunInputs(model, self._weights, names, groups_by_target, shared, stable, capture,
                         [o.name for o in self._graph_outputs], self._feed_inputs, self._graph_inputs, inputs,
                         record_timeline, self._workdir, routing, read_as_tables(model, names),
-                        read_in_place(model, self._weights, cfg.experts))
+                        read_in_place(model, self._weights, experts))
         self._engines = Engines(dev, self._store, self._meter, cfg, self._options, self._cuda_options, run, plan,
                                 self._notes, lambda: release_kept(self), self.close)
         try:

@@ -140,8 +140,9 @@ def routing_for(model: onnx.ModelProto, weights: Sequence[WeightInfo], mode: str
     """(the routing a session streams its experts by, or None; why a MoE model's experts
     stream whole, or ""), for the configuration's `experts`: "routed" wherever weights
     stream behind stable addresses; "auto" on the CPU execution provider, where the
-    kernels are known to read only the routed experts; "dense" and "in_place" never (the
-    streaming engine reads "in_place" stacks where they are, see read_in_place)."""
+    kernels are known to read only the routed experts (on CUDA the session takes "auto"
+    as "in_place"); "dense" and "in_place" never (the streaming engine reads "in_place"
+    stacks where they are, see read_in_place)."""
     if mode == "dense":
         return None, ""
     if mode == "in_place":
@@ -151,8 +152,4 @@ def routing_for(model: onnx.ModelProto, weights: Sequence[WeightInfo], mode: str
     if not stable:
         return None, ("the experts stream whole: routing them needs stable addresses (vmm=True)"
                       if routing is not None and mode == "routed" else "")
-    if routing is not None and mode == "auto" and on_cuda:
-        return None, ("the experts stream whole on CUDA: experts='in_place' leaves them in pinned host memory, "
-                      "where the streaming engine's MoE kernel reads only the picked ones; experts='routed' pages "
-                      "in only the experts the router picks, in segments (engine='segments')")
     return routing, ""

@@ -46,8 +46,8 @@ def _config_flags(p) -> None:
     p.add_argument("--experts", choices=EXPERTS,
                    help=f"a mixture-of-experts model's experts: routed (only those the router picks page in), dense, "
                         f"in_place (CUDA: stacks the budget cannot hold stay in pinned host memory, where the MoE "
-                        f"kernel reads the picked experts), or auto, routed on the CPU (overrides {ENV_EXPERTS}; "
-                        f"default auto)")
+                        f"kernel reads the picked experts), or auto, routed on the CPU and in_place on CUDA "
+                        f"(overrides {ENV_EXPERTS}; default auto)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     p.add_argument("--devices", type=device_list,
                    help="split the model across these devices, a stage each (comma-separated ids, such as 0,1); "
