@@ -149,9 +149,9 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
             # A decoder's smallest budget is tried with the generation it plans for, so
             # that the advice holds that generation too (generation.advice).
             batch, prompt, total = default_generation(spec)
-            raise with_generation(e, lambda budget: OffloadSession(
+            raise with_generation(e, lambda **budget: OffloadSession(
                 path_or_bytes, sess_options, providers, provider_options, disabled_optimizers=self._disabled_optimizers,
-                config=dataclasses.replace(self.config, vram_limit=budget)), batch, prompt, total,
+                config=dataclasses.replace(self.config, **budget)), batch, prompt, total,
                 f"a generation of one sequence of up to {total} positions") from None
         except BaseException:
             self._teardown()

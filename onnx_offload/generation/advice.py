@@ -13,12 +13,14 @@ tries that one.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import warnings
 from typing import Callable, Optional
 
 from ..config import fmt_bytes
 from ..errors import BudgetExceeded
+from ..memory import StepMemoryShort
 from .loop import DEFAULT_CONTEXT
 
 _TRYING = threading.local()  # set while a probe (or a caller that probes itself) makes a session
@@ -44,38 +46,71 @@ def default_generation(spec) -> tuple:
     return 1, length, length
 
 
-def with_generation(error: BudgetExceeded, make: Callable[[int], object], batch: int, prompt: int, total: int,
+# The advice a shortage gives, as the package words it: "pass vram_limit=N, kv_bytes=M".
+_ADVICE = re.compile(r"pass ((?:(?:vram_limit|kv_bytes|scratch_bytes)=\d+(?:, )?)+)")
+TRIES = 4
+
+
+def advised(error: BaseException) -> dict:
+    """The budget keywords an error's advice names ({} for none)."""
+    m = _ADVICE.search(str(error))
+    if not m:
+        return {}
+    return {k: int(v) for k, v in (kv.split("=") for kv in m.group(1).rstrip(", ").split(", "))}
+
+
+def with_generation(error: BudgetExceeded, make: Callable[..., object], batch: int, prompt: int, total: int,
                     what: str, check: Optional[Callable[[object], None]] = None) -> BaseException:
     """`error` (a budget too small for the session, with its smallest budget), or the
-    error whose advice also holds a generation of `batch` rows, `prompt` tokens and
-    `total` positions: `make(budget)` makes the session at a budget. `check(session)`
-    checks the generation's arguments; a ValueError or TypeError of it, which no budget
-    mends, is returned instead."""
+    error whose advice holds the session and a generation of `batch` rows, `prompt`
+    tokens and `total` positions: `make(**keywords)` makes the session with budget
+    keywords. The smallest budget is tried first; a shortage there (the generation's, or
+    ORT's own memory, which the plan cannot know before ORT takes it) names what to try
+    next, and only advice that was tried is given. `check(session)` checks the
+    generation's arguments; a ValueError or TypeError of it, which no budget mends, is
+    returned instead."""
     least = error.smallest_budget
     if not least or getattr(_TRYING, "on", False):
         return error
-    try:
-        with own_probe(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the probe's own notes are not the caller's
-            with make(least) as probe:
-                if check is not None:
-                    check(probe)
-                gen = probe._new_generation(probe.decoder_spec, batch, prompt, total)
-                try:
-                    with probe._step():
-                        while getattr(gen.cache, "room", total) < total:
-                            gen.cache.ensure(gen.cache.room + 1)
-                finally:
-                    gen.close()
-    except BudgetExceeded as short:
-        if short.device_full:  # the device, not the budget, was short: nothing to advise beyond the error
+    keywords, short = {"vram_limit": least}, None
+    for _ in range(TRIES):
+        try:
+            with own_probe(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the probe's own notes are not the caller's
+                with make(**keywords) as probe:
+                    if check is not None:
+                        check(probe)
+                    gen = probe._new_generation(probe.decoder_spec, batch, prompt, total)
+                    try:
+                        with probe._step():
+                            while getattr(gen.cache, "room", total) < total:
+                                gen.cache.ensure(gen.cache.room + 1)
+                    finally:
+                        gen.close()
+        except StepMemoryShort as e:  # ORT's own memory: that much more budget
+            keywords["vram_limit"] += e.needed
+            short = e
+            continue
+        except BudgetExceeded as e:
+            more = advised(e)
+            if e.device_full or not more or all(keywords.get(k) == v for k, v in more.items()):
+                return error  # the device, not the budget, was short, or nothing new to try
+            keywords.update(more)
+            short = e
+            continue
+        except (ValueError, TypeError) as bad:
+            return bad if check is not None else error
+        except Exception:  # noqa: BLE001 - the probe says nothing more than the error it was for
             return error
-        advised = BudgetExceeded(f"{error.reason} The smallest budget that runs it with this configuration is "
-                                 f"{fmt_bytes(least)} ({least} bytes), which leaves {what} short: {short}")
-        advised.smallest_budget, advised.reason = least, error.reason
-        return advised
-    except (ValueError, TypeError) as bad:
-        return bad if check is not None else error
-    except Exception:  # noqa: BLE001 - the probe says nothing more than the error it was for
-        return error
-    return error
+        break
+    else:
+        return error  # no advice tried ran
+    if short is None:
+        return error  # the smallest budget holds the generation too
+    said = ", ".join(f"{k}={v}" for k, v in keywords.items())
+    why = str(short).split(":")[0]  # what ran short, without the advice that was tried after it
+    out = BudgetExceeded(f"{error.reason} The smallest budget that runs it with this configuration is "
+                         f"{fmt_bytes(least)} ({least} bytes), which leaves {what} short ({why}); tried, "
+                         f"{fmt_bytes(keywords['vram_limit'])} holds both: pass {said}")
+    out.smallest_budget, out.reason = least, error.reason
+    return out

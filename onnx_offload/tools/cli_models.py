@@ -60,8 +60,7 @@ def _advice_for(error, model: str, provider_name: str, kw: dict, ids: np.ndarray
     if kw.get("devices"):
         return error
     batch, prompt = ids.shape
-    return with_generation(error, lambda budget: OffloadSession(model, providers=[provider_name],
-                                                                **{**kw, "vram_limit": budget}),
+    return with_generation(error, lambda **budget: OffloadSession(model, providers=[provider_name], **{**kw, **budget}),
                            batch, prompt, prompt + max(new - 1, 0), "this generation",
                            check=lambda probe: check_generate_args(probe, ids, new, None))
 
