@@ -5,10 +5,11 @@ cache and its step buffers, whose sizes depend on the batch and the length. The 
 that holds both is found by trying it: a session made at the smallest budget allocates
 the generation's cache as its last step holds it (a cache that grows while decoding,
 grown as decoding grows it; nothing runs). Where that is short, the shortage's advice
-(the budget, KV and scratch reserves that hold both) is the one given, so that one round
-of advice runs. The constructor tries the generation the streaming engine plans for
-(one sequence of up to DEFAULT_CONTEXT positions); the CLI, which knows its generation,
-tries that one.
+(the budget, KV and scratch reserves that hold both) is tried in turn, as is a budget
+raised by what ORT took at session creation, and only advice that ran is given, so that
+one round of advice runs. The constructor tries the generation the streaming engine
+plans for (one sequence of up to DEFAULT_CONTEXT positions); the CLI, which knows its
+generation, tries that one.
 """
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def with_generation(error: BudgetExceeded, make: Callable[..., object], batch: i
                     finally:
                         gen.close()
         except StepMemoryShort as e:  # ORT's own memory: that much more budget
+            if not e.needed:
+                return error  # of unknown size: nothing to try
             keywords["vram_limit"] += e.needed
             short = e
             continue
@@ -110,7 +113,7 @@ def with_generation(error: BudgetExceeded, make: Callable[..., object], batch: i
     said = ", ".join(f"{k}={v}" for k, v in keywords.items())
     why = str(short).split(":")[0]  # what ran short, without the advice that was tried after it
     out = BudgetExceeded(f"{error.reason} The smallest budget that runs it with this configuration is "
-                         f"{fmt_bytes(least)} ({least} bytes), which leaves {what} short ({why}); tried, "
-                         f"{fmt_bytes(keywords['vram_limit'])} holds both: pass {said}")
+                         f"{fmt_bytes(least)} ({least} bytes); tried with {what}, it fell short ({why}); "
+                         f"tried, {fmt_bytes(keywords['vram_limit'])} holds both: pass {said}")
     out.smallest_budget, out.reason = least, error.reason
     return out
