@@ -128,6 +128,37 @@ def test_the_advice_of_a_budget_too_small_for_the_session_holds_a_sequence_of_it
             assert s.close().committed == 0
 
 
+def test_the_advice_is_tried_with_what_ort_takes_at_session_creation(monkeypatch):
+    """On a GPU, ORT takes memory of its own when its sessions are made, which no plan
+    counts before ORT takes it (on the host backend ORT's memory is the process's own):
+    here ORT is made to take 1 MiB more than a budget has room for, as the meter would
+    say it. The advice is the budget raised by that much and tried: followed, it runs."""
+    from onnx_offload.engines import Engines
+    from onnx_offload.memory import StepMemoryShort
+    model = model_of("gqa")
+    with pytest.raises(BudgetExceeded) as e:
+        session(model, vram_limit=64 << 10)
+    least = e.value.smallest_budget
+    ort_takes, took = 1 << 20, []
+    start = Engines.start
+
+    def taking(self, *a, **kw):
+        if self.device.budget < least + ort_takes:
+            took.append(self.device.budget)
+            raise StepMemoryShort(f"ORT took {ort_takes} bytes of device memory for its own use (its arena, "
+                                  f"workspaces), which the scratch zone has no room for: ...", ort_takes)
+        return start(self, *a, **kw)
+    monkeypatch.setattr(Engines, "start", taking)
+    with pytest.raises(BudgetExceeded) as e:
+        session(model, vram_limit=64 << 10)
+    kw = advice_of(e.value)
+    # tried at the smallest budget, where ORT's memory was short, then with it added
+    assert took == [least] and kw["vram_limit"] >= least + ort_takes and e.value.smallest_budget == least
+    ids = prompt(1, 600)
+    with session(model, **kw) as s:
+        np.testing.assert_array_equal(s.generate(ids, 4), reference_greedy(model, ids, 4))
+
+
 def test_the_advice_for_a_cache_that_does_not_fit_runs_when_followed():
     model = model_of("standard")
     ids = prompt(4, 600)
