@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from onnx_offload import OffloadSession
+from onnx_offload.generation.steps import CHUNK_NOTE
 from onnx_offload.models import weight_bytes
 from onnx_offload.models.decoder import decoder_lm
 
@@ -81,6 +82,16 @@ def test_decode_steps_replay_after_a_batch_s_prompt_in_chunks():
             before = s.stats().graph_steps
             s.generate(ids, 24)
             assert s.stats().graph_steps - before == 23  # every decode step, none of the prompt's
+        assert CHUNK_NOTE in s.stats().notes
+
+
+def test_a_prefill_chunk_of_the_prompt_s_length_runs_it_in_one_step_as_plain_ort():
+    model = model_of("gqa")
+    ids = np.random.default_rng(5).integers(0, 512, (2, 40))
+    want = reference_greedy(model, ids, 16, providers=[CUDA])
+    with OffloadSession(model.SerializeToString(), providers=[CUDA], vram_limit="2GiB", prefill_chunk=40) as s:
+        np.testing.assert_array_equal(s.generate(ids, 16), want)
+        assert CHUNK_NOTE not in s.stats().notes
 
 
 @pytest.mark.parametrize("layout", ["standard", "exact"])
