@@ -392,6 +392,23 @@ def test_the_bench_moe_rows_run_in_processes_of_their_own(tmp_path):
     assert rows["routed"]["expert_bytes"] > rows["routed"]["expert_resident"] >= 0
 
 
+def test_bench_moe_s_cuda_model_has_gpt_oss_20b_s_layer_widths_and_builds_as_it_says():
+    from onnx_offload.models import moe_lm
+    from onnx_offload.tools.bench_moe import _shape
+    wide, narrow = _shape("cuda"), _shape("cuda", "narrow")
+    assert (wide["hidden"], wide["expert_intermediate"], wide["hidden"] // wide["heads"]) == (2880, 2880, 64)
+    assert (wide["experts"], wide["top_k"]) == (32, 4) == (narrow["experts"], narrow["top_k"])
+    assert narrow["hidden"] == 1024 and _shape("cpu", "narrow") == _shape("cpu")
+    with pytest.raises(ValueError, match="widths"):
+        _shape("cuda", "wide")
+    # One layer of two experts of the default widths: each expert is 50 MB in fp16.
+    m = moe_lm(**{**{k: v for k, v in wide.items() if k != "dtype"}, "layers": 1, "experts": 2, "top_k": 1},
+               dtype=np.float16)
+    stack = {t.name: t for t in m.graph.initializer}
+    fc = sum(len(stack[f"layers.0.moe.{n}"].raw_data) for n in ("fc1", "fc2")) // 2
+    assert fc == 3 * 2880 * 2880 * 2  # SwiGLU's gate and up (fc1), and down (fc2)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_experts_in_place_name_the_stacks_the_streaming_engine_reads_where_they_are(preset):
     from onnx_offload.loading import read_in_place

@@ -36,22 +36,32 @@ FRACTIONS = (0.10, 0.25, 0.50)
 STACKS = (".moe.fc1", ".moe.fc2")  # the experts' stacked weights, as models/moe.py names them
 
 
-def _shape(kind: str) -> dict:
-    """gpt-oss-20b's proportions (32 experts, top 4, expert width = hidden) at a size the
-    device runs: 2.3 GiB of fp16 weights on CUDA, 79 MiB of fp32 on the CPU."""
+WIDTHS = ("gpt-oss-20b", "narrow")
+
+
+def _shape(kind: str, widths: str = "gpt-oss-20b") -> dict:
+    """gpt-oss-20b's proportions (32 experts, top 4, expert width = hidden). On CUDA,
+    "gpt-oss-20b": its layer widths (hidden and expert width 2880, heads of 64) in 4 layers,
+    6.5 GB of fp16 weights, each expert 50 MB; "narrow": hidden 1024 in 12 layers, 2.3 GiB,
+    each expert 6 MiB. The width matters on CUDA: ORT's MoE kernel reads the picked experts
+    in host memory faster the larger they are. On the CPU, 79 MiB of fp32."""
+    if widths not in WIDTHS:
+        raise ValueError(f"widths must be one of {', '.join(WIDTHS)}, not {widths!r}")
     base = dict(heads=16, kv_heads=4, experts=32, top_k=4, vocab=8000, max_length=512, swiglu_alpha=1.702,
                 swiglu_beta=1.0, swiglu_limit=7.0, biases=True, eps=1e-5, rope_theta=150000.0)
-    if kind == "cuda":
+    if kind != "cuda":
+        return dict(base, layers=4, hidden=256, heads=8, kv_heads=2, expert_intermediate=192, vocab=2000,
+                    dtype="float32")
+    if widths == "narrow":
         return dict(base, layers=12, hidden=1024, expert_intermediate=1024, dtype="float16")
-    return dict(base, layers=4, hidden=256, heads=8, kv_heads=2, expert_intermediate=192, vocab=2000,
-                dtype="float32")
+    return dict(base, layers=4, hidden=2880, heads=45, kv_heads=9, expert_intermediate=2880, dtype="float16")
 
 
-def build_model(kind: str, out_dir: str) -> tuple:
+def build_model(kind: str, out_dir: str, widths: str = "gpt-oss-20b") -> tuple:
     """The benchmark's model in out_dir, made once; (its path, its shape)."""
     from ..models import genai_config, moe_lm, save_decoder
-    shape = _shape(kind)
-    folder = os.path.join(out_dir, f"moe_model_{kind}")
+    shape = _shape(kind, widths)
+    folder = os.path.join(out_dir, f"moe_model_{kind}_{widths}")
     marker, path = os.path.join(folder, "shape.json"), os.path.join(folder, "model.onnx")
     if not (os.path.exists(marker) and json.load(open(marker)) == shape and os.path.exists(path)):
         model = moe_lm(dtype=np.dtype(shape["dtype"]), **{k: v for k, v in shape.items() if k != "dtype"})
@@ -104,10 +114,10 @@ def streamed_row(path: str, ids: np.ndarray, new: int, kind: str, fraction: floa
                     dense_resident=dense_resident, tokens=np.stack(tokens, 1))
 
 
-def bench_moe(kind: str, out_dir: str, prompt: int = 16, new: int = 48) -> Dict:
+def bench_moe(kind: str, out_dir: str, prompt: int = 16, new: int = 48, widths: str = "gpt-oss-20b") -> Dict:
     os.makedirs(out_dir, exist_ok=True)
     t = time.perf_counter()
-    path, shape = build_model(kind, out_dir)
+    path, shape = build_model(kind, out_dir, widths)
     print(f"  model ready in {time.perf_counter() - t:.1f} s", flush=True)
     weights = os.path.getsize(path + ".data")
     bw = pinned_h2d(kind, GiB if kind == "cuda" else 128 * MiB)
@@ -143,7 +153,8 @@ def bench_moe(kind: str, out_dir: str, prompt: int = 16, new: int = 48) -> Dict:
 
 def print_moe(res: Dict) -> str:
     s = res["shape"]
-    head = (f"bench moe ({res['kind']}): a gpt-oss-shaped decoder, {s['layers']} layers, {s['experts']} experts, "
+    head = (f"bench moe ({res['kind']}): a gpt-oss-shaped decoder, {s['layers']} layers, hidden {s['hidden']}, "
+            f"{s['experts']} experts of width {s['expert_intermediate']}, "
             f"top {s['top_k']}, {fmt_bytes(res['weights'])} of weights; batch 1; pinned H2D "
             f"{res['h2d_gbps']:.1f} GB/s (this run); anchor (plain ORT, all resident) "
             f"{res['anchor_ms']:.2f} ms/token\n")

@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     b.add_argument("--weight-gb", type=positive_float, default=8.0,
                    help="bench offload: the model's weights in GB (default 8; on the CPU at most 0.05)")
     b.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
+    b.add_argument("--widths", choices=("gpt-oss-20b", "narrow"), default="gpt-oss-20b",
+                   help="bench moe on CUDA: gpt-oss-20b's layer widths in 4 layers (default), or hidden 1024 in 12")
     b.add_argument("--int4", action="store_true",
                    help="bench compare: the model's MatMuls as int4 MatMulNBits, the streaming engine's rows only")
     b.add_argument("--devices", type=device_list,

@@ -116,7 +116,7 @@ def cmd_bench(args) -> int:
         text = print_int4(res)
     elif args.what == "moe":
         from .bench_moe import bench_moe, print_moe
-        res = bench_moe(kind, out)
+        res = bench_moe(kind, out, widths=args.widths)
         text = print_moe(res)
     elif args.what == "session":
         res = bench.bench_session(kind, out)
