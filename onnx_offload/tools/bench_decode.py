@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import onnxruntime as ort
@@ -223,13 +223,14 @@ def bench_decode(kind: str, out_dir: str, prompt: int = 128, new: int = 128,
                 shape=shape)
 
 
-def in_process_of_its_own(module: str, fn: str, **kw) -> Dict:
+def in_process_of_its_own(module: str, fn: str, env: Optional[Dict[str, str]] = None, **kw) -> Dict:
     """Runs `fn(**kw)` of the tools' `module` (bench_decode, bench_int4, ...) in a fresh
-    Python; returns its result."""
+    Python, with `env` added to its environment; returns its result."""
     # Run from a neutral folder: the source tree's package (without its built core)
     # must not shadow the installed one.
     proc = subprocess.run([sys.executable, "-m", f"{__package__}.{module}", fn, json.dumps(kw)],
-                          capture_output=True, text=True, cwd=tempfile.gettempdir())
+                          capture_output=True, text=True, cwd=tempfile.gettempdir(),
+                          env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         raise RuntimeError(f"bench: {module}.{fn} failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])

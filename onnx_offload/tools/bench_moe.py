@@ -16,7 +16,8 @@ in place, k/E of their bytes (what the kernel reads of them a token, counted by 
 ``(1 - f) * W / H2D``; the routed bound ``max(anchor, (non-resident dense weights +
 k/E x non-resident experts) / H2D)``, with the resident sets the session held at the end;
 the ratio to each; the experts' hit rate over the decode steps; whether the tokens are
-the anchor's. H2D is the pinned bandwidth measured in the same run.
+the anchor's. H2D is the pinned bandwidth measured in the same run. Every process runs
+with ORT_FORCE_DETERMINISTIC_MOE=1 (see SAME_TACTICS).
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ from .bench_decode import WARMUP, in_process_of_its_own
 
 FRACTIONS = (0.10, 0.25, 0.50)
 STACKS = (".moe.fc1", ".moe.fc2")  # the experts' stacked weights, as models/moe.py names them
+# ORT's CUDA MoE picks a GEMM tactic by timing in each session, so two sessions of one model
+# may round otherwise; with this, every row's process takes the same one and the tokens
+# compare.
+SAME_TACTICS = {"ORT_FORCE_DETERMINISTIC_MOE": "1"}
 
 
 WIDTHS = ("gpt-oss-20b", "narrow")
@@ -123,14 +128,14 @@ def bench_moe(kind: str, out_dir: str, prompt: int = 16, new: int = 48, widths: 
     bw = pinned_h2d(kind, GiB if kind == "cuda" else 128 * MiB)
     ids = np.random.default_rng(0).integers(0, shape["vocab"], (1, prompt))
     anchor = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new,
-                                   kind=kind)
+                                   kind=kind, env=SAME_TACTICS)
     print(f"  anchor: {anchor['ms_per_token']:.2f} ms/token; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)
     share = shape["top_k"] / shape["experts"]
     rows: List[Dict] = []
     for f in FRACTIONS:
-        for experts in ("routed", "dense", "in_place"):
+        for experts in ("in_place", "dense", "routed"):
             r = in_process_of_its_own("bench_moe", "streamed_row", path=path, ids=ids.tolist(), new=new, kind=kind,
-                                      fraction=f, weights=weights, experts=experts)
+                                      fraction=f, weights=weights, experts=experts, env=SAME_TACTICS)
             dense_streamed = weights - r["expert_bytes"] - r["dense_resident"]
             routed_bytes = dense_streamed + share * (r["expert_bytes"] - r["expert_resident"])
             r["read_in_place_per_token"] = share * r["in_place_bytes"]
@@ -141,8 +146,11 @@ def bench_moe(kind: str, out_dir: str, prompt: int = 16, new: int = 48, widths: 
             r["vs_routed_bound"] = r["ms_per_token"] / r["routed_bound_ms"]
             del r["tokens"]
             rows.append(r)
-            print(f"  {experts} at {f:.0%}: {r['ms_per_token']:.2f} ms/token, {fmt_bytes(r['bytes_per_token'])} a "
-                  f"token (+ {fmt_bytes(r['read_in_place_per_token'])} read in place)", flush=True)
+            print(f"  {experts} at {f:.0%} ({r['engine']}): {r['ms_per_token']:.2f} ms/token, "
+                  f"{fmt_bytes(r['bytes_per_token'])} a token (+ {fmt_bytes(r['read_in_place_per_token'])} read in "
+                  f"place), {r['vs_dense_bound']:.2f}x the dense bound, {r['vs_routed_bound']:.2f}x the routed bound "
+                  f"({r['routed_bound_ms']:.2f} ms), tokens {'=' if r['tokens_equal'] else 'DIFFER from'} the anchor's",
+                  flush=True)
     dense = {r["fraction"]: r["ms_per_token"] for r in rows if r["experts"] == "dense"}
     for r in rows:
         if r["experts"] != "dense":  # how much faster than the dense streaming of its budget
@@ -156,7 +164,7 @@ def print_moe(res: Dict) -> str:
     head = (f"bench moe ({res['kind']}): a gpt-oss-shaped decoder, {s['layers']} layers, hidden {s['hidden']}, "
             f"{s['experts']} experts of width {s['expert_intermediate']}, "
             f"top {s['top_k']}, {fmt_bytes(res['weights'])} of weights; batch 1; pinned H2D "
-            f"{res['h2d_gbps']:.1f} GB/s (this run); anchor (plain ORT, all resident) "
+            f"{res['h2d_gbps']:.1f} GB/s (this run); ORT_FORCE_DETERMINISTIC_MOE=1; anchor (plain ORT, all resident) "
             f"{res['anchor_ms']:.2f} ms/token\n")
     rows = [("plain ORT, all resident", "-", f"{res['anchor_ms']:.2f}", "-", "-", "-", "-", "-", "-", "-", "-", "yes")]
     for r in res["rows"]:
