@@ -233,6 +233,34 @@ def test_the_cli_gives_its_own_flags_as_advice_and_they_run(tmp_path):
         assert "tokens: " in run.stdout
 
 
+def test_the_cli_s_advice_across_devices_names_one_value_per_device_and_runs_in_one_round(tmp_path):
+    path = _saved("gqa", tmp_path)
+    ids, base = prompt(1, 300), ["--max-new-tokens", "4", "--prefill-chunk", "64"]
+    alone = _generate(path, ids, *base, cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr
+    # Too small for either device's stage and for the caches: one piece of advice, each
+    # budget flag a list in the order of --devices, every device's shortage tried in it.
+    run = _generate(path, ids, *base, "--devices", "0,1", "--vram-limit", "2MiB", cwd=tmp_path)
+    assert run.returncode == 2 and "BudgetExceeded" in run.stderr and len(run.stderr.strip().splitlines()) == 1, \
+        run.stderr
+    assert "vram_limit=" not in run.stderr and "its entry in a list" not in run.stderr, run.stderr
+    advice = re.findall(r"(--[\w-]+) ((?:\d+|auto),(?:\d+|auto))\b", run.stderr.split(" pass ")[-1])
+    assert advice and {flag for flag, _ in advice} >= {"--vram-limit", "--kv-bytes"}, run.stderr
+    flags = [w for pair in advice for w in pair]
+    run = _generate(path, ids, *base, "--devices", "0,1", *flags, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] == alone.stdout.split("\n")[0]  # the tokens' line
+
+
+def test_the_cli_s_budget_lists_need_devices_and_one_value_for_each(tmp_path):
+    path = _saved("gqa", tmp_path)
+    for flags, says in ((["--vram-limit", "8MiB,8MiB"], "needs --devices"),
+                        (["--devices", "0,1", "--kv-bytes", "1MiB,1MiB,1MiB"], "gives 3 values for the 2 devices"),
+                        (["--devices", "0,1", "--scratch-bytes", "1MiB,lots"], "--scratch-bytes")):
+        run = _generate(path, prompt(1, 8), "--max-new-tokens", "1", *flags, cwd=tmp_path)
+        assert run.returncode == 2 and "ValueError" in run.stderr and says in run.stderr, run.stderr
+
+
 def test_the_cli_s_advice_holds_a_cache_that_grows_while_decoding(tmp_path):
     # Standard attention's cache doubles as the generation decodes: the advice for a budget
     # too small for the session holds its last size, so one round runs.

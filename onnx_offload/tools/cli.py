@@ -51,7 +51,9 @@ def _config_flags(p) -> None:
     p.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     p.add_argument("--devices", type=device_list,
                    help="split the model across these devices, a stage each (comma-separated ids, such as 0,1); "
-                        "each device gets the budget flags' values (on the CPU each is a host backend of its own)")
+                        "each budget flag (--vram-limit, --weight-bytes, --kv-bytes, --scratch-bytes) gives every "
+                        "device its value, or one value per device in this order (such as 8GiB,12GiB; auto for "
+                        "the package's own). On the CPU each device is a host backend of its own")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -134,7 +136,8 @@ def main(argv=None) -> int:
         # The package's warnings in this command's terms, on one line, as its errors are.
         if not issubclass(category, OffloadWarning):
             return shown(message, category, *rest, **kw)
-        print(f"onnx-offload: {category.__name__}: {as_flags(' '.join(str(message).split()))}", file=sys.stderr)
+        print(f"onnx-offload: {category.__name__}: {as_flags(' '.join(str(message).split()), args)}",
+              file=sys.stderr)
     warnings.showwarning = show
     try:
         return args.fn(args)
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
             ImportError) + _ort_errors() as e:
         # OSError: FileNotFoundError, PermissionError, ...; RuntimeError and ORT's own types
         # (Fail, InvalidArgument, ...: not RuntimeErrors) from ORT.
-        print(f"onnx-offload: {type(e).__name__}: {as_flags(' '.join(str(e).split()))}", file=sys.stderr)
+        print(f"onnx-offload: {type(e).__name__}: {as_flags(' '.join(str(e).split()), args)}", file=sys.stderr)
         return 2
     finally:
         warnings.showwarning = shown

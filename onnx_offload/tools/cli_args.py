@@ -71,16 +71,35 @@ _CONFIG_FLAGS = (
 )
 
 # The configuration's keywords as this command's flags, for the advice an error gives.
-_FLAG_OF = {"vram_limit": "--vram-limit", "weight_bytes": "--weight-bytes", "kv_bytes": "--kv-bytes",
+FLAG_OF = {"vram_limit": "--vram-limit", "weight_bytes": "--weight-bytes", "kv_bytes": "--kv-bytes",
             "scratch_bytes": "--scratch-bytes", "prefill_chunk": "--prefill-chunk", "engine": "--engine",
             "experts": "--experts"}
-_KEYWORD = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")='?(\w+)'?")
+_KEYWORD = re.compile(r"\b(" + "|".join(FLAG_OF) + r")='?(\w+)'?")
 
 
-def as_flags(message: str) -> str:
+# The budget flags that take one value per device with --devices (StagedSession's lists).
+PER_DEVICE_FLAGS = ("vram_limit", "weight_bytes", "kv_bytes", "scratch_bytes")
+# A staged session's advice names one device's entry of such a list (devices.generation).
+DEVICE_ENTRY = re.compile(r"\b(" + "|".join(PER_DEVICE_FLAGS) + r")=(\w+) for device (\d+) "
+                           r"\(its entry in a list of one value per device\)")
+
+
+def as_flags(message: str, args=None) -> str:
     """An error's advice in this command's terms: `kv_bytes=N` becomes `--kv-bytes N`,
-    `offload=True` becomes `--offload`."""
-    message = _KEYWORD.sub(lambda m: f"{_FLAG_OF[m.group(1)]} {m.group(2)}", message)
+    `offload=True` becomes `--offload`. With --devices, one device's entry becomes the
+    flag's whole list, that entry changed and the others as given (auto where none was)."""
+    devices = getattr(args, "devices", None)
+    if devices:
+        def whole(m) -> str:
+            attr, value, device = m.group(1), m.group(2), int(m.group(3))
+            given = getattr(args, attr, None)
+            entries = list(given) if isinstance(given, list) else [given] * len(devices)
+            entries = ["auto" if e is None else str(e) for e in entries]
+            if device in devices:
+                entries[devices.index(device)] = value
+            return f"{FLAG_OF[attr]} {','.join(entries)}"
+        message = DEVICE_ENTRY.sub(whole, message)
+    message = _KEYWORD.sub(lambda m: f"{FLAG_OF[m.group(1)]} {m.group(2)}", message)
     return message.replace("offload=True", "--offload")
 
 
@@ -98,15 +117,28 @@ def config_kwargs(args) -> dict:
 
 
 def check_config_flags(args) -> None:
-    """The budget flags, parsed before any weight loads (their errors name the flag)."""
+    """The budget flags, parsed before any weight loads (their errors name the flag). With
+    --devices, each may be a comma-separated list of one value per device, in their order
+    (auto: the package's own for that device), which becomes the session's list."""
     from ..config import parse_bytes, parse_vram_limit
-    if args.vram_limit is not None:
-        parse_vram_limit(args.vram_limit, "--vram-limit")
-    if args.weight_bytes is not None:
-        parse_bytes(args.weight_bytes, "--weight-bytes")
-    for flag in ("kv_bytes", "scratch_bytes"):
-        if getattr(args, flag, None) is not None:
-            setattr(args, flag, parse_bytes(getattr(args, flag), "--" + flag.replace("_", "-")))
+    for attr in PER_DEVICE_FLAGS:
+        text, flag = getattr(args, attr, None), "--" + attr.replace("_", "-")
+        parse = parse_vram_limit if attr == "vram_limit" else parse_bytes
+        if text is None:
+            continue
+        if "," not in text:
+            value = parse(text, flag)
+            if attr in ("kv_bytes", "scratch_bytes"):
+                setattr(args, attr, value)
+            continue
+        devices = getattr(args, "devices", None)
+        entries = [t.strip() for t in text.split(",")]
+        if not devices:
+            raise ValueError(f"{flag} {text!r}: a list of values (one per device) needs --devices")
+        if len(entries) != len(devices):
+            raise ValueError(f"{flag} {text!r} gives {len(entries)} values for the {len(devices)} devices of "
+                             f"--devices {','.join(map(str, devices))}")
+        setattr(args, attr, [None if t == "auto" else parse(t, flag) for t in entries])
 
 
 def positive_int(text: str, least: int = 1) -> int:

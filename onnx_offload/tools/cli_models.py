@@ -12,8 +12,8 @@ import time
 import numpy as np
 
 from ..errors import BudgetExceeded
-from .cli_args import (check_config_flags, check_feeds, config_kwargs, device_kind, load_feeds, load_tokenizer,
-                       make_feeds, parse_prompt_ids, provider)
+from .cli_args import (DEVICE_ENTRY, FLAG_OF, PER_DEVICE_FLAGS, check_config_flags, check_feeds, config_kwargs,
+                       device_kind, load_feeds, load_tokenizer, make_feeds, parse_prompt_ids, provider)
 
 
 def cmd_run(args) -> int:
@@ -57,12 +57,57 @@ def _advice_for(error, model: str, provider_name: str, kw: dict, ids: np.ndarray
     from ..generation import with_generation
     from ..generation.sampling import check_generate_args
     from ..session import OffloadSession
-    if kw.get("devices"):
-        return error
     batch, prompt = ids.shape
     return with_generation(error, lambda **budget: OffloadSession(model, providers=[provider_name], **{**kw, **budget}),
                            batch, prompt, prompt + max(new - 1, 0), "this generation",
                            check=lambda probe: check_generate_args(probe, ids, new, None))
+
+
+def _staged_session(model: str, provider_name: str, kw: dict, ids: np.ndarray, new: int):
+    """With --devices: the session, once this generation's caches were allocated on every
+    device (and given back). A staged shortage names one device's entry of a budget flag
+    at a time (devices.generation.on_device); each is tried in turn, every device's, and
+    the advice given is what ran, in this command's flags: one round."""
+    from ..generation import own_probe
+    from ..generation.sampling import check_generate_args
+    from ..session import OffloadSession
+    devices, (batch, prompt) = kw["devices"], ids.shape
+    tried, first, changed = dict(kw), None, set()
+    for _ in range(4 * len(devices)):
+        s = None
+        try:
+            with own_probe():
+                s = OffloadSession(model, providers=[provider_name], **tried)
+                check_generate_args(s, ids, new, None)  # arguments no budget mends are said first
+                s._new_generation(s.decoder_spec, batch, prompt, prompt + max(new - 1, 0)).close()
+        except BudgetExceeded as e:
+            if s is not None:
+                s.close()
+            first = first or e
+            more = [(m.group(1), int(m.group(3)), int(m.group(2))) for m in DEVICE_ENTRY.finditer(str(e))]
+            fresh = False
+            for attr, device, value in more:
+                entries = tried.get(attr)
+                entries = list(entries) if isinstance(entries, list) else [entries] * len(devices)
+                if device in devices and entries[devices.index(device)] != value:
+                    entries[devices.index(device)] = value
+                    tried[attr], fresh = entries, True
+                    changed.add(attr)
+            if not fresh:
+                raise first from None  # nothing new to try: the error as it came
+            continue
+        except BaseException:
+            if s is not None:
+                s.close()
+            raise
+        if first is None:
+            return s  # the flags given hold it
+        s.close()
+        said = ", ".join(f"{FLAG_OF[a]} {','.join('auto' if v is None else str(v) for v in tried[a])}"
+                         for a in PER_DEVICE_FLAGS if a in changed)
+        raise BudgetExceeded(f"{str(first).split(': pass ')[0]}; tried with this generation ({batch} x {prompt} "
+                             f"tokens, {new} new) on every device, these flags hold it: pass {said}") from None
+    raise first
 
 
 def cmd_generate(args) -> int:
@@ -96,11 +141,14 @@ def cmd_generate(args) -> int:
     kind = device_kind(args)
     kw = config_kwargs(args)
     from ..generation import own_probe
-    try:
-        with own_probe():  # the advice of a budget too small is tried with this generation, below
-            s = OffloadSession(args.model, providers=[provider(kind)], **kw)
-    except BudgetExceeded as e:
-        raise _advice_for(e, args.model, provider(kind), kw, ids, args.max_new_tokens) from None
+    if kw.get("devices"):
+        s = _staged_session(args.model, provider(kind), kw, ids, args.max_new_tokens)
+    else:
+        try:
+            with own_probe():  # the advice of a budget too small is tried with this generation, below
+                s = OffloadSession(args.model, providers=[provider(kind)], **kw)
+        except BudgetExceeded as e:
+            raise _advice_for(e, args.model, provider(kind), kw, ids, args.max_new_tokens) from None
     with s:
         spec = s.decoder_spec  # an unsupported model fails here, before any step
         t0 = time.perf_counter()
