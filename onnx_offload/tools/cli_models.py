@@ -94,7 +94,10 @@ def _staged_session(model: str, provider_name: str, kw: dict, ids: np.ndarray, n
                     tried[attr], fresh = entries, True
                     changed.add(attr)
             if not fresh:
-                raise first from None  # nothing new to try: the error as it came
+                if e is first:
+                    raise  # nothing to try: the error as it came
+                raise BudgetExceeded(f"{str(first).split(': pass ')[0]}; with {_said(tried, changed)} this "
+                                     f"generation still fell short: {str(e).split(': pass ')[0]}") from None
             continue
         except BaseException:
             if s is not None:
@@ -103,11 +106,16 @@ def _staged_session(model: str, provider_name: str, kw: dict, ids: np.ndarray, n
         if first is None:
             return s  # the flags given hold it
         s.close()
-        said = ", ".join(f"{FLAG_OF[a]} {','.join('auto' if v is None else str(v) for v in tried[a])}"
-                         for a in PER_DEVICE_FLAGS if a in changed)
         raise BudgetExceeded(f"{str(first).split(': pass ')[0]}; tried with this generation ({batch} x {prompt} "
-                             f"tokens, {new} new) on every device, these flags hold it: pass {said}") from None
+                             f"tokens, {new} new) on every device, these flags hold it: pass "
+                             f"{_said(tried, changed)}") from None
     raise first
+
+
+def _said(tried: dict, changed: set) -> str:
+    """The budget flags `changed` names, as whole lists of one value per device."""
+    return ", ".join(f"{FLAG_OF[a]} {','.join('auto' if v is None else str(v) for v in tried[a])}"
+                     for a in PER_DEVICE_FLAGS if a in changed)
 
 
 def cmd_generate(args) -> int:
