@@ -252,6 +252,22 @@ def test_the_cli_s_advice_across_devices_names_one_value_per_device_and_runs_in_
     assert run.stdout.split("\n")[0] == alone.stdout.split("\n")[0]  # the tokens' line
 
 
+def test_the_cli_s_advice_across_devices_holds_a_cache_that_grows_while_decoding(tmp_path):
+    # Standard attention's caches grow as the generation decodes: the advice holds their
+    # last size on every device, and --devices 0 (one session) is advised as one session.
+    path = _saved("standard", tmp_path)
+    # (6 MiB holds the session and the caches at the prompt's size, not at 2000 positions.)
+    ids, base = prompt(1, 3), ["--max-new-tokens", "2000"]
+    for devices, budget in (("0,1", "6MiB"), ("0", "2MiB")):
+        run = _generate(path, ids, *base, "--devices", devices, "--vram-limit", budget, cwd=tmp_path)
+        assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+        said = run.stderr.split(" pass ")[-1]
+        flags = [w for pair in re.findall(r"(--[\w-]+) ((?:\d+|auto)(?:,(?:\d+|auto))*)\b", said) for w in pair]
+        assert "--vram-limit" in flags, run.stderr
+        run = _generate(path, ids, *base, "--devices", devices, *flags, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+
+
 def test_the_cli_s_budget_lists_need_devices_and_one_value_for_each(tmp_path):
     path = _saved("gqa", tmp_path)
     for flags, says in ((["--vram-limit", "8MiB,8MiB"], "needs --devices"),

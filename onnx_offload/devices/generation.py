@@ -288,6 +288,15 @@ class StagedGeneration:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches if c is not None)
 
+    def hold(self, total: int) -> None:
+        """Grows each stage's cache to `total` positions, as decoding would grow it (a cache of
+        fixed length holds them already): what the generation's last step holds, for a
+        probe of its budget."""
+        for s, (stage, cache) in enumerate(zip(self.session.stages, self.caches)):
+            with stage._step(), on_device(self.session.devices[s], s, len(self.session.stages)):
+                while cache is not None and getattr(cache, "room", total) < total:
+                    cache.ensure(cache.room + 1)
+
     def close(self) -> None:
         """Forgets the stages' plans of this generation's buffers, then gives every
         stage's buffers back (idempotent). Under the session's lock and each stage's, with

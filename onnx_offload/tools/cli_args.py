@@ -128,8 +128,9 @@ def check_config_flags(args) -> None:
             continue
         if "," not in text:
             value = parse(text, flag)
-            if attr in ("kv_bytes", "scratch_bytes"):
-                setattr(args, attr, value)
+            # As parsed, so that advice naming the flag's value repeats it whole ("auto"
+            # stays the word: given, it overrides the environment).
+            setattr(args, attr, text.strip() if value is None else value)
             continue
         devices = getattr(args, "devices", None)
         entries = [t.strip() for t in text.split(",")]
@@ -138,7 +139,7 @@ def check_config_flags(args) -> None:
         if len(entries) != len(devices):
             raise ValueError(f"{flag} {text!r} gives {len(entries)} values for the {len(devices)} devices of "
                              f"--devices {','.join(map(str, devices))}")
-        setattr(args, attr, [None if t == "auto" else parse(t, flag) for t in entries])
+        setattr(args, attr, [None if t.lower() == "auto" else parse(t, flag) for t in entries])
 
 
 def positive_int(text: str, least: int = 1) -> int:

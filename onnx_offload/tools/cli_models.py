@@ -64,29 +64,45 @@ def _advice_for(error, model: str, provider_name: str, kw: dict, ids: np.ndarray
 
 
 def _staged_session(model: str, provider_name: str, kw: dict, ids: np.ndarray, new: int):
-    """With --devices: the session, once this generation's caches were allocated on every
-    device (and given back). A staged shortage names one device's entry of a budget flag
-    at a time (devices.generation.on_device); each is tried in turn, every device's, and
-    the advice given is what ran, in this command's flags: one round."""
+    """With --devices (two or more): the session, once this generation's caches were
+    allocated on every device at their last size (and given back). A staged shortage
+    names one device's entry of a budget flag at a time (devices.generation.on_device);
+    each is tried in turn, every device's, and the advice given is what ran, in this
+    command's flags: one round. The probe's warnings are the user's only where the flags
+    given hold the generation."""
+    import warnings
     from ..generation import own_probe
     from ..generation.sampling import check_generate_args
     from ..session import OffloadSession
     devices, (batch, prompt) = kw["devices"], ids.shape
-    tried, first, changed = dict(kw), None, set()
+    total = prompt + max(new - 1, 0)
+    tried, first, last, changed = dict(kw), None, None, set()
+
+    def stops(e: BaseException) -> BaseException:
+        """The error that stops the flags tried (not the first, whose advice ran)."""
+        if e is first:
+            return e
+        return BudgetExceeded(f"{str(first).split(': pass ')[0]}; with {_said(tried, changed)} this generation "
+                              f"still fell short: {str(e).split(': pass ')[0]}")
+
     for _ in range(4 * len(devices)):
         s = None
         try:
-            with own_probe():
+            with own_probe(), warnings.catch_warnings(record=True) as noted:
                 s = OffloadSession(model, providers=[provider_name], **tried)
                 check_generate_args(s, ids, new, None)  # arguments no budget mends are said first
-                s._new_generation(s.decoder_spec, batch, prompt, prompt + max(new - 1, 0)).close()
+                gen = s._new_generation(s.decoder_spec, batch, prompt, total)
+                try:
+                    gen.hold(total)
+                finally:
+                    gen.close()
         except BudgetExceeded as e:
             if s is not None:
                 s.close()
-            first = first or e
-            more = [(m.group(1), int(m.group(3)), int(m.group(2))) for m in DEVICE_ENTRY.finditer(str(e))]
+            first, last = first or e, e
             fresh = False
-            for attr, device, value in more:
+            for m in DEVICE_ENTRY.finditer(str(e)):
+                attr, value, device = m.group(1), int(m.group(2)), int(m.group(3))
                 entries = tried.get(attr)
                 entries = list(entries) if isinstance(entries, list) else [entries] * len(devices)
                 if device in devices and entries[devices.index(device)] != value:
@@ -94,22 +110,21 @@ def _staged_session(model: str, provider_name: str, kw: dict, ids: np.ndarray, n
                     tried[attr], fresh = entries, True
                     changed.add(attr)
             if not fresh:
-                if e is first:
-                    raise  # nothing to try: the error as it came
-                raise BudgetExceeded(f"{str(first).split(': pass ')[0]}; with {_said(tried, changed)} this "
-                                     f"generation still fell short: {str(e).split(': pass ')[0]}") from None
+                raise stops(e) from None  # nothing new to try
             continue
         except BaseException:
             if s is not None:
                 s.close()
             raise
         if first is None:
-            return s  # the flags given hold it
+            for w in noted:  # the flags given hold it: the session's warnings are the user's
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+            return s
         s.close()
         raise BudgetExceeded(f"{str(first).split(': pass ')[0]}; tried with this generation ({batch} x {prompt} "
                              f"tokens, {new} new) on every device, these flags hold it: pass "
                              f"{_said(tried, changed)}") from None
-    raise first
+    raise stops(last)  # the tries ran out
 
 
 def _said(tried: dict, changed: set) -> str:
@@ -149,7 +164,7 @@ def cmd_generate(args) -> int:
     kind = device_kind(args)
     kw = config_kwargs(args)
     from ..generation import own_probe
-    if kw.get("devices"):
+    if len(kw.get("devices") or ()) > 1:
         s = _staged_session(args.model, provider(kind), kw, ids, args.max_new_tokens)
     else:
         try:
