@@ -66,7 +66,7 @@ def build_model(kind: str, out_dir: str, widths: str = "gpt-oss-20b") -> tuple:
     """The benchmark's model in out_dir, made once; (its path, its shape)."""
     from ..models import genai_config, moe_lm, save_decoder
     shape = _shape(kind, widths)
-    folder = os.path.join(out_dir, f"moe_model_{kind}_{widths}")
+    folder = os.path.join(out_dir, f"moe_model_{kind}" + (f"_{widths}" if kind == "cuda" else ""))
     marker, path = os.path.join(folder, "shape.json"), os.path.join(folder, "model.onnx")
     if not (os.path.exists(marker) and json.load(open(marker)) == shape and os.path.exists(path)):
         model = moe_lm(dtype=np.dtype(shape["dtype"]), **{k: v for k, v in shape.items() if k != "dtype"})
