@@ -268,6 +268,22 @@ def test_the_cli_s_advice_across_devices_holds_a_cache_that_grows_while_decoding
         assert run.returncode == 0, run.stderr
 
 
+def test_the_cli_s_advice_across_devices_holds_the_past_moved_to_a_stage_with_no_layer(tmp_path):
+    # Standard attention, split where the first stage holds no layer but reads the first
+    # layer's past for its shape: that past is moved into its scratch each step, as long
+    # as the cache. The advice holds its last size on that device too.
+    model = decoder_lm("standard", layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512,
+                       max_length=4096)
+    path = save_decoder(model, str(tmp_path / "split"), config=genai_config(2, 128, 4, 2, 512, 4096, eos_token_id=-1))
+    ids, base = prompt(8, 3), ["--max-new-tokens", "1500", "--devices", "0,1"]
+    run = _generate(path, ids, *base, "--vram-limit", "2MiB", cwd=tmp_path)
+    said = run.stderr.split(" pass ")[-1]
+    advice = dict(re.findall(r"(--[\w-]+) ((?:\d+|auto),(?:\d+|auto))\b", said))
+    assert run.returncode == 2 and advice.get("--scratch-bytes", "auto,").split(",")[0] != "auto", run.stderr
+    run = _generate(path, ids, *base, *[w for kv in advice.items() for w in kv], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+
+
 def test_the_cli_s_budget_lists_need_devices_and_one_value_for_each(tmp_path):
     path = _saved("gqa", tmp_path)
     for flags, says in ((["--vram-limit", "8MiB,8MiB"], "needs --devices"),

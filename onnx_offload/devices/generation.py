@@ -292,10 +292,24 @@ class StagedGeneration:
         """Grows each stage's cache to `total` positions, as decoding would grow it (a cache of
         fixed length holds them already): what the generation's last step holds, for a
         probe of its budget."""
-        for s, (stage, cache) in enumerate(zip(self.session.stages, self.caches)):
-            with stage._step(), on_device(self.session.devices[s], s, len(self.session.stages)):
+        stages, spec = self.session.stages, self.spec
+        for s, (stage, cache, seg) in enumerate(zip(stages, self.caches, self.session._model.segments)):
+            with stage._step(), on_device(self.session.devices[s], s, len(stages)):
                 while cache is not None and getattr(cache, "room", total) < total:
                     cache.ensure(cache.room + 1)
+                # The pasts of other stages' layers it reads, moved into its scratch each
+                # step (_foreign_past) where it has no past of its own to stand in: the
+                # last step's, as long as the cache.
+                foreign = [n for n in seg.inputs if (m := _PAST.match(n)) and self.owner.get(int(m.group(1))) != s]
+                if not foreign or (self._shape_only[s] and cache is not None):
+                    continue
+                moved = DeviceBuffers(stage.device, "scratch", shortage(stage, self._peaks[s], 1))
+                try:
+                    for _ in foreign:
+                        moved.new([self.batch, spec.kv_heads, total, spec.head_size], spec.kv_dtype,
+                                  what="a value moved from another device")
+                finally:
+                    moved.close()
 
     def close(self) -> None:
         """Forgets the stages' plans of this generation's buffers, then gives every
