@@ -83,9 +83,7 @@ def with_generation(error: BudgetExceeded, make: Callable[..., object], batch: i
                         check(probe)
                     gen = probe._new_generation(probe.decoder_spec, batch, prompt, total)
                     try:
-                        with probe._step():
-                            while getattr(gen.cache, "room", total) < total:
-                                gen.cache.ensure(gen.cache.room + 1)
+                        gen.hold(total)
                     finally:
                         gen.close()
         except StepMemoryShort as e:  # ORT's own memory: that much more budget

@@ -104,6 +104,14 @@ class Generation(PromptSteps):
         offered: generate_tokens closes one that raised.)"""
         return not self._closed and self.spec.layout == "gqa"
 
+    def hold(self, total: int) -> None:
+        """Grows the cache to `total` positions, as decoding would grow it (the shared cache
+        holds them already): what the generation's last step holds, for a probe of its
+        budget (generation.advice)."""
+        with self.session._step():
+            while getattr(self.cache, "room", total) < total:
+                self.cache.ensure(self.cache.room + 1)
+
     def close(self) -> None:
         """Gives every buffer back; idempotent, and whole even when Ctrl-C or an error
         arrives half way (the interrupt is raised once everything is back)."""
