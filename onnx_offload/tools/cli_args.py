@@ -71,10 +71,10 @@ _CONFIG_FLAGS = (
 )
 
 # The configuration's keywords as this command's flags, for the advice an error gives.
-FLAG_OF = {"vram_limit": "--vram-limit", "weight_bytes": "--weight-bytes", "kv_bytes": "--kv-bytes",
+_FLAG_OF = {"vram_limit": "--vram-limit", "weight_bytes": "--weight-bytes", "kv_bytes": "--kv-bytes",
             "scratch_bytes": "--scratch-bytes", "prefill_chunk": "--prefill-chunk", "engine": "--engine",
             "experts": "--experts"}
-_KEYWORD = re.compile(r"\b(" + "|".join(FLAG_OF) + r")='?(\w+)'?")
+_KEYWORD = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")='?(\w+)'?")
 
 
 # The budget flags that take one value per device with --devices (StagedSession's lists).
@@ -82,6 +82,16 @@ PER_DEVICE_FLAGS = ("vram_limit", "weight_bytes", "kv_bytes", "scratch_bytes")
 # A staged session's advice names one device's entry of such a list (devices.generation).
 DEVICE_ENTRY = re.compile(r"\b(" + "|".join(PER_DEVICE_FLAGS) + r")=(\w+) for device (\d+) "
                            r"\(its entry in a list of one value per device\)")
+
+
+def per_device(value, devices: list) -> list:
+    """A budget flag's value as one entry per device: its list, or the one value for each."""
+    return list(value) if isinstance(value, list) else [value] * len(devices)
+
+
+def flag_list(flag: str, entries: list) -> str:
+    """A budget flag with one value per device, as this command takes it (auto: none given)."""
+    return f"{_FLAG_OF[flag]} {','.join('auto' if e is None else str(e) for e in entries)}"
 
 
 def as_flags(message: str, args=None) -> str:
@@ -92,14 +102,12 @@ def as_flags(message: str, args=None) -> str:
     if devices:
         def whole(m) -> str:
             attr, value, device = m.group(1), m.group(2), int(m.group(3))
-            given = getattr(args, attr, None)
-            entries = list(given) if isinstance(given, list) else [given] * len(devices)
-            entries = ["auto" if e is None else str(e) for e in entries]
+            entries = per_device(getattr(args, attr, None), devices)
             if device in devices:
                 entries[devices.index(device)] = value
-            return f"{FLAG_OF[attr]} {','.join(entries)}"
+            return flag_list(attr, entries)
         message = DEVICE_ENTRY.sub(whole, message)
-    message = _KEYWORD.sub(lambda m: f"{FLAG_OF[m.group(1)]} {m.group(2)}", message)
+    message = _KEYWORD.sub(lambda m: f"{_FLAG_OF[m.group(1)]} {m.group(2)}", message)
     return message.replace("offload=True", "--offload")
 
 

@@ -12,8 +12,8 @@ import time
 import numpy as np
 
 from ..errors import BudgetExceeded
-from .cli_args import (DEVICE_ENTRY, FLAG_OF, PER_DEVICE_FLAGS, check_config_flags, check_feeds, config_kwargs,
-                       device_kind, load_feeds, load_tokenizer, make_feeds, parse_prompt_ids, provider)
+from .cli_args import (DEVICE_ENTRY, PER_DEVICE_FLAGS, check_config_flags, check_feeds, config_kwargs, device_kind,
+                       flag_list, load_feeds, load_tokenizer, make_feeds, parse_prompt_ids, per_device, provider)
 
 
 def cmd_run(args) -> int:
@@ -103,8 +103,7 @@ def _staged_session(model: str, provider_name: str, kw: dict, ids: np.ndarray, n
             fresh = False
             for m in DEVICE_ENTRY.finditer(str(e)):
                 attr, value, device = m.group(1), int(m.group(2)), int(m.group(3))
-                entries = tried.get(attr)
-                entries = list(entries) if isinstance(entries, list) else [entries] * len(devices)
+                entries = per_device(tried.get(attr), devices)
                 if device in devices and entries[devices.index(device)] != value:
                     entries[devices.index(device)] = value
                     tried[attr], fresh = entries, True
@@ -129,8 +128,7 @@ def _staged_session(model: str, provider_name: str, kw: dict, ids: np.ndarray, n
 
 def _said(tried: dict, changed: set) -> str:
     """The budget flags `changed` names, as whole lists of one value per device."""
-    return ", ".join(f"{FLAG_OF[a]} {','.join('auto' if v is None else str(v) for v in tried[a])}"
-                     for a in PER_DEVICE_FLAGS if a in changed)
+    return ", ".join(flag_list(a, tried[a]) for a in PER_DEVICE_FLAGS if a in changed)
 
 
 def cmd_generate(args) -> int:
