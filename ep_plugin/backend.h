@@ -147,6 +147,18 @@ class PhysicalBackend {
     timed(counters_->set_access, counters_->set_access_ns, [&] { do_set_access(va, bytes); return 0; });
   }
   void unmap(uint64_t va, uint64_t bytes) { timed(counters_->unmaps, counters_->unmap_ns, [&] { do_unmap(va, bytes); return 0; }); }
+  // A physical handle in host memory (on CUDA, a VMM allocation of location HOST), which
+  // maps like a device handle: a range of one reservation may hold device pages beside
+  // host pages, which the device's kernels read over the link. Not the ledger's: it
+  // commits no device memory. CudaUnavailable where the driver cannot make one.
+  uint64_t create_host(uint64_t bytes) {
+    return timed(counters_->creates, counters_->create_ns, [&] { return do_create_host(bytes); });
+  }
+  // Read and write access for the host and the device to a mapping of host handles (a
+  // view the host fills and copies from).
+  void set_host_access(uint64_t va, uint64_t bytes) {
+    timed(counters_->set_access, counters_->set_access_ns, [&] { do_set_host_access(va, bytes); return 0; });
+  }
   // Plain allocations (the cudaMalloc-per-page-in baseline), counted the same way.
   uint64_t plain_alloc(uint64_t bytes) {
     return timed(counters_->plain_allocs, counters_->plain_alloc_ns, [&] { return do_plain_alloc(bytes); });
@@ -204,6 +216,8 @@ class PhysicalBackend {
   virtual void do_map(uint64_t va, uint64_t bytes, uint64_t handle) = 0;
   virtual void do_set_access(uint64_t va, uint64_t bytes) = 0;
   virtual void do_unmap(uint64_t va, uint64_t bytes) = 0;
+  virtual uint64_t do_create_host(uint64_t bytes) = 0;
+  virtual void do_set_host_access(uint64_t va, uint64_t bytes) = 0;
   virtual uint64_t do_plain_alloc(uint64_t bytes) = 0;
   virtual void do_plain_free(uint64_t ptr, uint64_t bytes) = 0;
 

@@ -133,6 +133,9 @@ void bind_backend(py::module_& m) {
            "Test hook: the stream sleeps `ms` before its next work.")
       // Raw handle calls, for benchmarks and tests of the driver costs themselves.
       .def("create", &PhysicalBackend::create, py::arg("bytes"), Release())
+      .def("create_host", &PhysicalBackend::create_host, py::arg("bytes"), Release(),
+           "A physical handle in host memory, which maps into a reservation like a device one.")
+      .def("set_host_access", &PhysicalBackend::set_host_access, py::arg("va"), py::arg("bytes"), Release())
       .def("release", &PhysicalBackend::release, py::arg("handle"), Release())
       .def("map", &PhysicalBackend::map, py::arg("va"), py::arg("bytes"), py::arg("handle"), Release())
       .def("set_access", &PhysicalBackend::set_access, py::arg("va"), py::arg("bytes"), Release())

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -220,6 +221,20 @@ class CudaBackend : public PhysicalBackend {
     current();
     CU_CHECK(DRV(cuMemUnmap)(CUdeviceptr(va), bytes));
   }
+  uint64_t do_create_host(uint64_t bytes) override {
+    current();
+    host_prop();
+    CUmemGenericAllocationHandle h = 0;
+    CU_CHECK(DRV(cuMemCreate)(&h, bytes, &host_prop_, 0));
+    return uint64_t(h);
+  }
+  void do_set_host_access(uint64_t va, uint64_t bytes) override {
+    current();
+    host_prop();
+    CUmemAccessDesc both[2] = {access_, access_};
+    both[1].location = host_prop_.location;
+    CU_CHECK(DRV(cuMemSetAccess)(CUdeviceptr(va), bytes, both, 2));
+  }
   uint64_t do_plain_alloc(uint64_t bytes) override {
     current();
     CUdeviceptr p = 0;
@@ -233,12 +248,34 @@ class CudaBackend : public PhysicalBackend {
 
  private:
   void current() { ctx_->make_current(); }
+  // The properties of a host handle, checked once: the device must support VMM
+  // allocations of location HOST (attribute 145, CUDA 12.2 on) at the device's granularity.
+  void host_prop() {
+    std::call_once(host_once_, [&] {
+      int supported = 0;
+      CU_CHECK(DRV(cuDeviceGetAttribute)(&supported, CUdevice_attribute(145), dev_));
+      if (supported) {
+        host_prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        host_prop_.location.type = CUmemLocationType(2);  // CU_MEM_LOCATION_TYPE_HOST; its id is ignored
+        host_prop_.location.id = 0;
+        size_t g = 0;
+        CU_CHECK(DRV(cuMemGetAllocationGranularity)(&g, &host_prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+        if (g && gran_ % g == 0) host_ok_ = true;
+      }
+    });
+    if (!host_ok_)
+      throw CudaUnavailable(concat("CUDA device ", device_, " cannot map host memory into a reserved range "
+                                   "(VMM allocations of location HOST need CUDA 12.2 and a driver that supports them)"));
+  }
   int device_;
   CUdevice dev_ = 0;
   ContextRef ctx_;
   uint64_t gran_ = 0;
   CUmemAllocationProp prop_{};
   CUmemAccessDesc access_{};
+  std::once_flag host_once_;
+  bool host_ok_ = false;
+  CUmemAllocationProp host_prop_{};
 };
 
 }  // namespace

@@ -22,6 +22,7 @@ namespace offload {
   _(cuDeviceGet, 2000)                     \
   _(cuDeviceGetCount, 2000)                \
   _(cuDeviceGetName, 2000)                 \
+  _(cuDeviceGetAttribute, 2000)            \
   _(cuDeviceTotalMem, 3020)                \
   _(cuDevicePrimaryCtxRetain, 7000)        \
   _(cuDevicePrimaryCtxRelease, 11000)      \

@@ -199,15 +199,17 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
         shared = [n for n, c in readers.items() if c > 1]
         vocab, logits = (None, None) if isinstance(spec, Exception) else (spec.vocab, spec.logits_dtype)
         self._activations = activation_shape(model, names, vocab, logits)
-        self._store = HostStore(dev.backend, self._weights)
+        # Stacks read in place get host pages of their own, which their hot experts' device
+        # pages replace behind a stable address (memory.expert_pages).
+        stacks = read_in_place(model, self._weights, experts) if stable and cfg.offload else []
+        self._store = HostStore(dev.backend, self._weights, paged=stacks)
         with progress.phase("reading weights", sum(w.nbytes for w in self._weights), "B") as update:
             self._store.fill_from_file(p.data_file, self._weights, update, p.held)
         p.release()  # everything the session reads from the cache entry is read
         self._meter = OrtMemoryMeter(dev)
         run = RunInputs(model, self._weights, names, groups_by_target, shared, stable, capture,
                         [o.name for o in self._graph_outputs], self._feed_inputs, self._graph_inputs, inputs,
-                        record_timeline, self._workdir, routing, read_as_tables(model, names),
-                        read_in_place(model, self._weights, experts))
+                        record_timeline, self._workdir, routing, read_as_tables(model, names), stacks)
         self._engines = Engines(dev, self._store, self._meter, cfg, self._options, self._cuda_options, run, plan,
                                 self._notes, lambda: release_kept(self), self.close)
         try:

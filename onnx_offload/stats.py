@@ -92,9 +92,10 @@ class OffloadStats:
             ("htod", f"{fmt_bytes(c.htod_bytes)} in {c.htod_ms:.2f} ms ({fmt_bytes(c.htod_bytes_per_step)} a step)"),
         ]
         if c.expert_accesses:
+            moved = (f"{fmt_bytes(c.expert_read_bytes)} read in place over the link" if c.expert_read_bytes
+                     else f"{fmt_bytes(c.expert_htod_bytes)} paged in")
             rows.append(("routed experts: hits / misses", f"{c.expert_hits} / {c.expert_misses} "
-                                                          f"({c.expert_hit_rate:.2%} hit), "
-                                                          f"{fmt_bytes(c.expert_htod_bytes)} paged in"))
+                                                          f"({c.expert_hit_rate:.2%} hit), {moved}"))
         rows += [
             ("vram_alloc / vram_free", f"{self.vram_alloc_ms:.2f} ms / {self.vram_free_ms:.2f} ms"),
             ("driver creates / releases", f"{self.driver.creates} / {self.driver.releases}"),

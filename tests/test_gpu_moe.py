@@ -102,3 +102,40 @@ def test_experts_in_place_are_read_from_host_memory_by_the_captured_moe_kernel(m
         np.testing.assert_array_equal(got, want)
         final = s.close()
     assert final.committed == 0
+
+
+def test_the_most_picked_experts_read_in_place_hold_device_pages_and_every_pick_is_counted(monkeypatch):
+    """The stacks read in place map host pages behind a stable address; the experts the
+    budget leaves room for hold device pages there instead, and every REBALANCE_STEPS steps
+    the most picked take the place of colder ones. Each step's picks are counted from the
+    routers (hits on device pages, misses read over the link), and the tokens stay plain
+    ORT's."""
+    from onnx_offload.memory import REBALANCE_STEPS
+    monkeypatch.setenv("ORT_FORCE_DETERMINISTIC_MOE", "1")
+    model = gpt_oss(**SHAPE)
+    ids = np.random.default_rng(2).integers(0, SHAPE["vocab"], (1, 8))
+    new = 2 * REBALANCE_STEPS + 4
+    want = reference_greedy(model, ids, new, providers=[CUDA])
+    with OffloadSession(model.SerializeToString(), providers=[CUDA], offload=True, vmm=True,
+                        weight_bytes=int(weight_bytes(model) * 0.4), experts="in_place") as s:
+        runner = s._engines.runner
+        assert s.engine == "graph" and runner.experts is not None, s.stats().notes
+        pages = runner.experts
+        assert pages.resident and len(pages.resident) < len(pages.counts), s.stats().notes
+        zone = s._device.ledger.snapshot().zones["weights"]
+        assert zone.committed.current <= zone.allowance and zone.outside >= pages.committed > 0
+        got = s.generate(ids, new)
+        np.testing.assert_array_equal(got, want)
+        c = s.stats().counters
+        assert c.expert_hits > 0 and c.expert_misses > 0 and c.expert_read_bytes > 0
+        assert c.expert_accesses >= c.steps * SHAPE["top_k"] * SHAPE["layers"] // 2
+        # Between rebalances, no step moves a page.
+        def moved(*a):
+            raise AssertionError("an expert's page moved in a step between rebalances")
+        pages._steps = 0
+        monkeypatch.setattr(pages, "_to_device", moved)
+        monkeypatch.setattr(pages, "_to_host", moved)
+        np.testing.assert_array_equal(s.generate(ids, 3), want[:, :ids.shape[1] + 3])
+        monkeypatch.undo()
+        final = s.close()
+    assert final.committed == 0

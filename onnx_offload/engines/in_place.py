@@ -3,8 +3,13 @@
 experts a token), left in pinned host memory where the device reads them over the link."""
 from __future__ import annotations
 
-from typing import Set
+from typing import List, Sequence, Set
 
+import numpy as np
+import onnx
+
+from ..loading import find_routing
+from ..memory import InPlaceNode
 from .stream_plan import StreamPlan, StreamingUnavailable, plan_stream
 
 
@@ -61,3 +66,41 @@ def stream_layout(run, allowance: int, granularity: int, cost, policy: str, on_c
         if whole is not None and copied(layout) >= copied(whole):
             layout = whole
     return layout
+
+
+def in_place_nodes(model: onnx.ModelProto, weights, in_host: Sequence[str], paged) -> List[InPlaceNode]:
+    """The MoE nodes with a stack read in place from the host store's paged region
+    (`paged`: HostStore.pages), each with those stacks: their hot experts may take device
+    pages behind the stack's address (memory.expert_pages)."""
+    routing = find_routing(model, weights)
+    away = set(in_host) & set(paged.offsets)
+    nodes = []
+    for n in routing.nodes if routing is not None else ():
+        stacks = tuple(s for s in n.stacks if s in away)
+        if stacks:
+            nodes.append(InPlaceNode(n.router, n.k, n.experts, stacks))
+    return nodes
+
+
+def with_router_outputs(model: onnx.ModelProto, nodes: Sequence[InPlaceNode], weights) -> onnx.ModelProto:
+    """A copy of `model` that also outputs each node's router values, which the engine reads
+    back after a step to count the experts picked. Their type is the MoE node's T: its
+    experts' (MoE) or their scales' (QMoE), unless the model says it."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    known = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output)}
+    dtype = {w.name: w.dtype for w in weights}
+    listed = {o.name for o in out.graph.output}
+    for n in nodes:
+        if n.router in listed:
+            continue
+        node = next(x for x in model.graph.node if x.op_type in ("MoE", "QMoE") and len(x.input) > 1
+                    and x.input[1] == n.router)
+        if n.router in known and known[n.router].type.tensor_type.elem_type:
+            out.graph.output.append(known[n.router])
+        else:
+            t = dtype[node.input[3] if node.op_type == "QMoE" else node.input[2]]
+            out.graph.output.append(onnx.helper.make_tensor_value_info(
+                n.router, onnx.helper.np_dtype_to_tensor_dtype(np.dtype(t)), None))
+        listed.add(n.router)
+    return out

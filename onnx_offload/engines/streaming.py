@@ -25,9 +25,10 @@ import onnxruntime as ort
 from ..errors import StateError
 from ..loading import WeightInfo, save_model
 from ..loading import Segment
-from ..memory import Counters
+from ..memory import REBALANCE_STEPS, Counters, ExpertPages
 from .base import Engine
 from .graph_capture import GraphCaptureDecision
+from .in_place import in_place_nodes, with_router_outputs
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
 from .stream_capture import GraphBuilder, StepGraph
 from .stream_plan import StreamPlan
@@ -78,12 +79,22 @@ class StreamEngine(Engine):
         self._per_step: Optional[Counters] = None
         self._lead: Optional[tuple] = None  # the lead copies issued for the next step, if any
         self._lead_done = self._compute_done = None  # events: after the lead copies, after queued compute
+        # Stacks read in place from the host store's paged region: their hot experts on
+        # device pages behind the stack's address, the picks counted from the routers.
+        nodes = in_place_nodes(model, weights, plan.in_host, store.pages)
+        self.experts: Optional[ExpertPages] = None
+        self._routers = [n.router for n in nodes]
         try:
             self._ring.map()
+            if nodes:
+                self.experts = ExpertPages(device, store, nodes)
+                model = with_router_outputs(model, nodes, weights)
             so = factory.session_options()
             for w in weights:
                 if w.name in residency.slots:
                     va = residency.slots[w.name].va
+                elif self.experts is not None and w.name in self.experts.address:
+                    va = self.experts.address[w.name]
                 elif w.name in plan.in_host:  # read in place
                     va = store.device_address(w.name)
                 else:  # streamed: a weight the plan left out has no address, and fails here
@@ -95,15 +106,25 @@ class StreamEngine(Engine):
             mark = meter.mark()
             self.session = factory.create(path, so, False)[0]
             meter.charge_since(mark, creating=True)
+            if self.experts is not None:
+                self.experts.place()
+                self.notes.append(f"{len(self.experts.resident)} of {len(self.experts.counts)} experts read in place "
+                                  f"are resident on device pages behind their stacks' addresses "
+                                  f"({self.experts.committed} bytes); every {REBALANCE_STEPS} steps the most "
+                                  f"picked take the place of colder ones")
         except BaseException:
             self.session = None
             self._initializer_values = []
+            if self.experts is not None:
+                self.experts.close()
+                self.experts = None
             self._ring.unmap()  # the session never sees a half-built engine: give the ring back here
             raise
         segment = Segment(0, list(range(len(model.graph.node))), [w.name for w in weights], list(inputs),
                           list(graph_outputs), model)
         self.runs = [_Run(segment, self.session)]
-        self._builder = GraphBuilder(device, self.session, self._ring, store, self.info, meter, self._graph_outputs,
+        self._builder = GraphBuilder(device, self.session, self._ring, store, self.info, meter,
+                                     self._graph_outputs + [r for r in self._routers if r not in self._graph_outputs],
                                      device_id)
 
     @property
@@ -140,6 +161,8 @@ class StreamEngine(Engine):
         self.steps += 1
         self.graph_steps += 1
         self._count_step()
+        if self.experts is not None:
+            self._count_experts(g)
         # The next step's lead copies run while the caller works on this one's outputs:
         # nothing reads the granules they land in before the next launch, which waits
         # for them.
@@ -157,6 +180,19 @@ class StreamEngine(Engine):
                                       htod_bytes=streamed_bytes)
         self.residency.counters = self.residency.counters + self._per_step  # one store
         self.last_step = self._per_step
+
+    def _count_experts(self, g: StepGraph) -> None:
+        """The experts the step's routers picked, read back from the graph's outputs: hits on
+        device pages, misses read over the link. Every REBALANCE_STEPS steps, between this
+        step (ended: the host waited for it) and the next, the most picked experts take the
+        device pages of colder ones."""
+        hits, misses, read = self.experts.count({r: g.outputs[r].numpy() for r in self._routers if r in g.outputs})
+        step = self.last_step.plus(expert_accesses=hits + misses, expert_hits=hits, expert_read_bytes=read)
+        self.residency.counters = self.residency.counters.plus(expert_accesses=hits + misses, expert_hits=hits,
+                                                               expert_read_bytes=read)
+        self.last_step = step
+        if self.experts.due():
+            self.experts.rebalance()
 
     def _keep(self, sig, g: StepGraph) -> None:
         self._graphs[sig] = g
@@ -265,7 +301,12 @@ class StreamEngine(Engine):
             self.session = self._builder.session = None
             self._initializer_values = []
         finally:
-            self._ring.unmap()
+            try:
+                if self.experts is not None:
+                    self.experts.close()
+                    self.experts = None
+            finally:
+                self._ring.unmap()
 
 
 class _Run:

@@ -25,6 +25,9 @@ class Counters:
     expert_accesses: int = 0
     expert_hits: int = 0
     expert_htod_bytes: int = 0
+    # Experts read in place (experts="in_place"): a step's picks, counted as above (a hit
+    # is an expert on device pages), and the bytes of the missed ones, read over the link.
+    expert_read_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -36,7 +39,8 @@ class Counters:
 
     @property
     def expert_misses(self) -> int:
-        """Routed experts paged in (to stay, or streamed through the transient zone)."""
+        """Routed experts paged in (to stay, or streamed through the transient zone), or
+        read over the link in place."""
         return self.expert_accesses - self.expert_hits
 
     @property

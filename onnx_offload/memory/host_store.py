@@ -4,27 +4,41 @@ of the weights one node reads.
 
 It is filled straight from the optimized model's data file with ``preadv``, so the
 weights are never held twice in RAM. Page-ins copy from here.
+
+Paged weights (``paged``: the stacks of experts the streaming engine reads in place) are
+held apart, each in host handles of one granule (``backend.create_host``: on CUDA, VMM
+allocations of location HOST) mapped one after another into a reservation that the host
+and the device both read and write. The same handles map again behind a stack's stable
+address (``memory.expert_pages``), where the device pages of its hot experts may take
+their place: no byte is held twice. Where the driver cannot make host handles, they stay
+with the rest.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import numpy as np
 
 from .._core import DEFAULT_ALIGNMENT as ALIGN
+from ..errors import CudaUnavailable
 from ..loading import Files, WeightInfo, opened
 
 
 class HostStore:
-    def __init__(self, backend, weights: Iterable[WeightInfo]):
+    def __init__(self, backend, weights: Iterable[WeightInfo], paged: Iterable[str] = ()):
         self._backend = backend
         self._offsets: Dict[str, int] = {}
         self._sizes: Dict[str, int] = {}
+        weights = list(weights)
+        self.pages = PagedRegion(backend, [w for w in weights if w.name in set(paged) and w.nbytes])
         total = 0
         for w in weights:
+            if w.name in self.pages.offsets:
+                continue
             total = -(-total // ALIGN) * ALIGN
             self._offsets[w.name] = total
             self._sizes[w.name] = w.nbytes
@@ -35,6 +49,15 @@ class HostStore:
         self.base = self._array.ctypes.data
         self._registered = False
         self._device_base = self.base
+        if total:
+            try:
+                self._register(total)
+            except BaseException:
+                self.pages.close()
+                raise
+
+    def _register(self, total: int) -> None:
+        backend = self._backend
         if total:
             backend.host_register(self.base, total)
             try:
@@ -59,7 +82,7 @@ class HostStore:
                 where = w.path or path
                 if where not in fds:
                     fds[where] = stack.enter_context(opened(where, files))
-                view = memoryview(self._array)[self._offsets[w.name]:self._offsets[w.name] + w.nbytes]
+                view = memoryview(self.view(w.name))
                 got = 0
                 while got < w.nbytes:
                     n = os.preadv(fds[where], [view[got:]], w.offset + got)
@@ -68,20 +91,27 @@ class HostStore:
                     got += n
                 done += w.nbytes
                 if progress:
-                    progress(done, self.nbytes)
+                    progress(done, self.nbytes + sum(self.pages.sizes.values()))
 
     def ptr(self, name: str) -> int:
+        if name in self.pages.offsets:
+            return self.pages.address(name)
         return self.base + self._offsets[name]
 
     def device_address(self, name: str) -> int:
         """Where the device's kernels read the weight in place, over the link."""
+        if name in self.pages.offsets:
+            return self.pages.address(name)  # one address for the host and the device
         return self._device_base + self._offsets[name]
 
     def view(self, name: str) -> np.ndarray:
+        if name in self.pages.offsets:
+            return self.pages.view(name)
         o = self._offsets[name]
         return self._array[o:o + self._sizes[name]]
 
     def close(self) -> None:
+        self.pages.close()
         if self._map is None:
             return
         if self._registered:
@@ -94,6 +124,71 @@ class HostStore:
             # A view is still exported somewhere; the mapping goes with the last reference.
             pass
         self._map = None
+
+
+class PagedRegion:
+    """The paged weights of a host store: each from a granule-aligned offset of one
+    reservation, its granules host handles mapped there for the host and the device.
+    Empty where the backend has no host handles (CudaUnavailable): the store keeps them."""
+
+    def __init__(self, backend, weights: List[WeightInfo]):
+        self._backend = backend
+        self.granularity = g = backend.granularity
+        self.offsets: Dict[str, int] = {}
+        self.sizes: Dict[str, int] = {}
+        self.handles: List[int] = []  # granule i of the region
+        self.va = 0
+        self.nbytes = 0
+        total = 0
+        for w in weights:
+            self.offsets[w.name], self.sizes[w.name] = total, w.nbytes
+            total += -(-w.nbytes // g) * g
+        if not total:
+            return
+        va = backend.reserve(total)
+        self._mapped = 0
+        try:
+            for i in range(total // g):
+                self.handles.append(backend.create_host(g))
+                backend.map(va + i * g, g, self.handles[-1])
+                self._mapped += 1
+            backend.set_host_access(va, total)
+        except CudaUnavailable:
+            self._release(va, total)
+            self.offsets, self.sizes = {}, {}
+            return
+        except BaseException:
+            self._release(va, total)
+            raise
+        self.va, self.nbytes = va, total
+
+    def _release(self, va: int, total: int) -> None:
+        g = self.granularity
+        for i, h in enumerate(self.handles):
+            if i < self._mapped:
+                self._backend.unmap(va + i * g, g)
+            self._backend.release(h)
+        self.handles = []
+        self._backend.free_reservation(va, total)
+
+    def address(self, name: str) -> int:
+        return self.va + self.offsets[name]
+
+    def view(self, name: str) -> np.ndarray:
+        n = self.sizes[name]
+        return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(self.address(name))) if n else \
+            np.empty(0, np.uint8)
+
+    def granules(self, name: str) -> List[int]:
+        """The host handles of `name`'s granules, in order."""
+        first = self.offsets[name] // self.granularity
+        return self.handles[first:first + -(-self.sizes[name] // self.granularity)]
+
+    def close(self) -> None:
+        if self.nbytes:
+            self._release(self.va, self.nbytes)
+            self.va = self.nbytes = 0
+            self.offsets, self.sizes = {}, {}
 
 
 def read_bytes(backend, stream, va: int, nbytes: int) -> np.ndarray:
