@@ -58,14 +58,13 @@ class HostStore:
 
     def _register(self, total: int) -> None:
         backend = self._backend
-        if total:
-            backend.host_register(self.base, total)
-            try:
-                self._device_base = backend.host_device_address(self.base)
-            except BaseException:
-                backend.host_unregister(self.base)  # the store is never returned: nothing else would
-                raise
-            self._registered = True
+        backend.host_register(self.base, total)
+        try:
+            self._device_base = backend.host_device_address(self.base)
+        except BaseException:
+            backend.host_unregister(self.base)  # the store is never returned: nothing else would
+            raise
+        self._registered = True
 
     def fill_from_file(self, path: str, weights: Iterable[WeightInfo],
                        progress: Optional[Callable[[int, int], None]] = None, files: Optional[Files] = None) -> None:
