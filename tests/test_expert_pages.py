@@ -159,3 +159,39 @@ def test_a_cpu_session_whose_stacks_are_paged_gives_plain_ort_s_tokens():
         np.testing.assert_array_equal(s.generate(ids, 6), want)
         final = s.close()
     assert final.committed == 0
+
+
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_the_routers_as_extra_outputs_leave_the_tokens_and_have_the_node_s_type(quant):
+    """The streaming engine adds each MoE (or QMoE, int4) node's router values to the
+    graph's outputs, to count the picks: the copy runs in plain ORT with the same tokens,
+    and each router output is [tokens, experts] of the node's float type."""
+    import onnxruntime as ort
+    from onnx_offload.engines.in_place import in_place_nodes, with_router_outputs
+    from onnx_offload.memory.host_store import PagedRegion
+    model = gpt_oss(max_length=64, hidden=128, heads=8, expert_intermediate=128,
+                    **({"quant": quant} if quant else {}))
+    infos = [WeightInfo(t.name, np.dtype(onnx_dtype(t.data_type)), tuple(t.dims),
+                        int(np.prod(t.dims)) * np.dtype(onnx_dtype(t.data_type)).itemsize, 0, i)
+             for i, t in enumerate(model.graph.initializer)]
+    stacks = [w.name for w in infos if w.name.endswith((".fc1", ".fc2"))]
+    assert stacks
+
+    class Paged:  # what in_place_nodes reads of the store's paged region
+        offsets = dict.fromkeys(stacks, 0)
+    nodes = in_place_nodes(model, infos, stacks, Paged)
+    assert len(nodes) == 2 and all(set(n.stacks) <= set(stacks) for n in nodes)
+    copy = with_router_outputs(model, nodes, infos)
+    assert len(model.graph.output) + 2 == len(copy.graph.output)
+    ids = np.random.default_rng(3).integers(0, 97, (2, 5))
+    np.testing.assert_array_equal(reference_greedy(copy, ids, 5), reference_greedy(model, ids, 5))
+    s = ort.InferenceSession(copy.SerializeToString(), providers=["CPUExecutionProvider"])
+    outs = {o.name: o for o in s.get_outputs()}
+    for n in nodes:
+        assert outs[n.router].type == "tensor(float)"
+    assert PagedRegion  # the region's own behaviour is tested above
+
+
+def onnx_dtype(t):
+    import onnx
+    return onnx.helper.tensor_dtype_to_np_dtype(t)

@@ -57,6 +57,11 @@ class ExpertPages:
                                                    for e in range(n.experts)}
         self.committed = 0
         self._steps = 0
+        # Recorded after the copies into device pages: a page is unmapped only once they
+        # have ended (a copy the host backend's stream runs later would write an unmapped
+        # page, and on CUDA the copy engine would).
+        self._copied = None
+        self._pending = False
         try:
             for n in self.nodes:
                 for stack in n.stacks:
@@ -132,7 +137,18 @@ class ExpertPages:
             raise
         self._on_device[(stack, i)] = h
         self.committed += g
-        b.copy_h2d(va, self._pages.address(stack) + i * g, g, self._dev.compute_stream)
+        stream = self._dev.compute_stream
+        b.copy_h2d(va, self._pages.address(stack) + i * g, g, stream)
+        if self._copied is None:
+            self._copied = b.create_event()
+        self._copied.record(stream)
+        self._pending = True
+
+    def _copies_ended(self) -> None:
+        """Waits for the copies into device pages queued since the last wait, if any."""
+        if self._copied is not None and self._pending:
+            self._copied.synchronize()
+        self._pending = False
 
     def _remap_host(self, stack: str, i: int) -> None:
         """Granule i of `stack` maps its host handle again (its address holds no mapping)."""
@@ -143,6 +159,7 @@ class ExpertPages:
 
     def _to_host(self, stack: str, i: int) -> None:
         b, g = self._backend, self.g
+        self._copies_ended()
         h = self._on_device.pop((stack, i))
         b.unmap(self.address[stack] + i * g, g)
         self._remap_host(stack, i)
@@ -240,6 +257,7 @@ class ExpertPages:
     def close(self) -> None:
         """Every mapping and reservation released, every device page back to the ledger."""
         b, g = self._backend, self.g
+        self._copies_ended()
         for stack, va in list(self.address.items()):
             total = -(-self._size[stack] // g) * g
             for i in range(total // g):
