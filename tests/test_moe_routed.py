@@ -431,3 +431,17 @@ def test_experts_in_place_on_the_cpu_stream_whole_and_say_why():
         assert any("experts='in_place' needs the streaming engine" in n for n in s.stats().notes)
         final = s.close()
     assert final.committed == 0
+
+
+def test_bench_moe_says_where_tokens_part_from_the_anchor_s():
+    """The first new token at which any row parts (None: equal), as `bench moe` reports it
+    for each row and for plain ORT run again."""
+    from onnx_offload.tools.bench_moe import parted_at
+    a = np.array([[5, 6, 7, 8], [1, 2, 3, 4]])
+    assert parted_at(a.copy(), a) is None
+    b = a.copy()
+    b[1, 2] = 9
+    assert parted_at(b, a) == 2
+    b[0, 0] = 0
+    assert parted_at(b, a) == 0
+    assert parted_at(a[:, :3], a) == 0  # fewer tokens than the anchor's: apart from the start
