@@ -190,3 +190,15 @@ def test_the_routers_as_extra_outputs_leave_the_tokens_and_have_the_node_s_type(
     outs = {o.name: o for o in s.get_outputs()}
     for n in nodes:
         assert outs[n.router].type == "tensor(float)"
+
+
+@pytest.mark.parametrize("op, after", [("create", 3), ("map", 2), ("set_access", 1)])
+def test_a_fault_while_the_paged_region_is_made_leaves_nothing_mapped_or_held(op, after):
+    dev = Device("host", OffloadConfig(vram_limit=64 * G, host_granularity=G))
+    stack = WeightInfo("layer.fc1", np.dtype(np.uint8), (E, ROWS), E * ROWS, 0, 0)
+    dev.backend.inject_failure(op, after=after)
+    with pytest.raises((CudaDriverError, OffloadError, OSError)):
+        HostStore(dev.backend, [stack], paged=["layer.fc1"])
+    c = dev.backend.counters()
+    assert c.creates == c.releases and c.maps == c.unmaps
+    dev.close()

@@ -187,10 +187,9 @@ class StreamEngine(Engine):
         step (ended: the host waited for it) and the next, the most picked experts take the
         device pages of colder ones."""
         hits, misses, read = self.experts.count({r: g.outputs[r].numpy() for r in self._routers if r in g.outputs})
-        step = self.last_step.plus(expert_accesses=hits + misses, expert_hits=hits, expert_read_bytes=read)
-        self.residency.counters = self.residency.counters.plus(expert_accesses=hits + misses, expert_hits=hits,
-                                                               expert_read_bytes=read)
-        self.last_step = step
+        counted = dict(expert_accesses=hits + misses, expert_hits=hits, expert_read_bytes=read)
+        self.residency.counters = self.residency.counters.plus(**counted)
+        self.last_step = self.last_step.plus(**counted)
         if self.experts.due():
             self.experts.rebalance()
 

@@ -15,7 +15,8 @@ from .counters import Counters
 from .residency import ResidencyManager
 from .step_memory import StepMemoryShort, activation_shape, device_out_of_memory, is_out_of_memory, step_scratch
 
-__all__ = ["REBALANCE_STEPS", "Counters", "Device", "ExpertPages", "HostStore", "InPlaceNode", "OrtMemoryMeter", "ResidencyManager", "SLACK", "StepMemoryShort",
+__all__ = ["REBALANCE_STEPS", "Counters", "Device", "ExpertPages", "HostStore", "InPlaceNode", "OrtMemoryMeter",
+           "ResidencyManager", "SLACK", "StepMemoryShort",
            "ZonePlan", "activation_shape", "base_zones", "cuda_available", "describe_zones", "device_out_of_memory",
            "is_out_of_memory", "plan_budget", "plan_inputs", "plan_or_explain", "read_bytes", "smallest_budget",
            "step_scratch", "weights_allowance"]

@@ -26,6 +26,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..loading import routed_experts
+from .host_store import map_granules, unmap_granules
 
 REBALANCE_STEPS = 16
 ZONE = "weights"
@@ -71,22 +72,9 @@ class ExpertPages:
             raise
 
     def _map_stack(self, stack: str) -> None:
-        b, g = self._backend, self.g
-        size = self._pages.sizes[stack]
-        total = -(-size // g) * g
-        va = b.reserve(total)
-        mapped = 0
-        try:
-            for i, h in enumerate(self._pages.granules(stack)):
-                b.map(va + i * g, g, h)
-                mapped += 1
-            b.set_access(va, total)
-        except BaseException:
-            for i in range(mapped):
-                b.unmap(va + i * g, g)
-            b.free_reservation(va, total)
-            raise
-        self.address[stack], self._size[stack] = va, size
+        b = self._backend
+        self.address[stack] = map_granules(b, self._pages.granules(stack), self.g, b.set_access)
+        self._size[stack] = self._pages.sizes[stack]
 
     # ------------------------------------------------------------------ residency
     def _granules(self, key: Tuple[int, int]) -> List[Tuple[str, int]]:
@@ -101,7 +89,7 @@ class ExpertPages:
 
     def cost(self, key: Tuple[int, int]) -> int:
         """The device bytes making expert key resident would commit now."""
-        return sum(self.g for p in dict.fromkeys(self._granules(key)) if p not in self._on_device)
+        return sum(self.g for p in self._granules(key) if p not in self._on_device)
 
     def expert_bytes(self, node: int) -> int:
         """The bytes of one expert of a node, over its stacks read in place."""
@@ -175,7 +163,7 @@ class ExpertPages:
             return False
         made = []
         try:
-            for p in dict.fromkeys(self._granules(key)):
+            for p in self._granules(key):
                 if p not in self._on_device:
                     self._to_device(*p)
                     made.append(p)
@@ -259,10 +247,7 @@ class ExpertPages:
         b, g = self._backend, self.g
         self._copies_ended()
         for stack, va in list(self.address.items()):
-            total = -(-self._size[stack] // g) * g
-            for i in range(total // g):
-                b.unmap(va + i * g, g)
-            b.free_reservation(va, total)
+            unmap_granules(b, va, -(-self._size[stack] // g), g)
             del self.address[stack]
         for h in self._on_device.values():
             b.release(h)

@@ -144,31 +144,19 @@ class PagedRegion:
             total += -(-w.nbytes // g) * g
         if not total:
             return
-        va = backend.reserve(total)
-        self._mapped = 0
         try:
-            for i in range(total // g):
+            for _ in range(total // g):
                 self.handles.append(backend.create_host(g))
-                backend.map(va + i * g, g, self.handles[-1])
-                self._mapped += 1
-            backend.set_host_access(va, total)
-        except CudaUnavailable:
-            self._release(va, total)
+            self.va = map_granules(backend, self.handles, g, backend.set_host_access)
+        except BaseException as e:
+            for h in self.handles:
+                backend.release(h)
+            self.handles = []
+            if not isinstance(e, CudaUnavailable):
+                raise
             self.offsets, self.sizes = {}, {}
             return
-        except BaseException:
-            self._release(va, total)
-            raise
-        self.va, self.nbytes = va, total
-
-    def _release(self, va: int, total: int) -> None:
-        g = self.granularity
-        for i, h in enumerate(self.handles):
-            if i < self._mapped:
-                self._backend.unmap(va + i * g, g)
-            self._backend.release(h)
-        self.handles = []
-        self._backend.free_reservation(va, total)
+        self.nbytes = total
 
     def address(self, name: str) -> int:
         return self.va + self.offsets[name]
@@ -185,9 +173,38 @@ class PagedRegion:
 
     def close(self) -> None:
         if self.nbytes:
-            self._release(self.va, self.nbytes)
+            unmap_granules(self._backend, self.va, len(self.handles), self.granularity)
+            for h in self.handles:
+                self._backend.release(h)
+            self.handles = []
             self.va = self.nbytes = 0
             self.offsets, self.sizes = {}, {}
+
+
+def map_granules(backend, handles: List[int], g: int, access: Callable[[int, int], None]) -> int:
+    """A reservation of its own with `handles` mapped one after another, a granule each, and
+    `access(va, bytes)` granted over them: its address. Nothing stays mapped or reserved
+    where a step fails."""
+    va = backend.reserve(len(handles) * g)
+    mapped = 0
+    try:
+        for i, h in enumerate(handles):
+            backend.map(va + i * g, g, h)
+            mapped += 1
+        access(va, len(handles) * g)
+    except BaseException:
+        for i in range(mapped):
+            backend.unmap(va + i * g, g)
+        backend.free_reservation(va, len(handles) * g)
+        raise
+    return va
+
+
+def unmap_granules(backend, va: int, count: int, g: int) -> None:
+    """Unmaps the `count` granules map_granules mapped at `va` and frees its reservation."""
+    for i in range(count):
+        backend.unmap(va + i * g, g)
+    backend.free_reservation(va, count * g)
 
 
 def read_bytes(backend, stream, va: int, nbytes: int) -> np.ndarray:
