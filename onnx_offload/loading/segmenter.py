@@ -15,6 +15,8 @@ through device memory and back inside a step, which a captured graph cannot hold
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from typing import AbstractSet, Callable, Dict, List, Optional, Sequence
 
 import onnx
@@ -100,11 +102,34 @@ def segment_weights(model: onnx.ModelProto, group: Sequence[int], is_weight: Cal
     return [n for n in read if is_weight(n)]
 
 
+def _symbolic_shape_infer():
+    """ORT's onnxruntime/tools/symbolic_shape_infer.py (numpy, onnx, sympy and packaging are
+    all it imports), loaded from its file: importing it as onnxruntime.tools.symbolic_shape_infer
+    runs onnxruntime/tools/__init__.py, which imports torch wherever torch is installed (seconds,
+    and gigabytes of address space, for nothing the package uses)."""
+    name = "onnxruntime.tools.symbolic_shape_infer"
+    if name in sys.modules:
+        return sys.modules[name]
+    own = "onnx_offload._symbolic_shape_infer"
+    if own not in sys.modules:
+        import importlib.util
+        import onnxruntime
+        path = os.path.join(os.path.dirname(onnxruntime.__file__), "tools", "symbolic_shape_infer.py")
+        if not os.path.isfile(path):
+            raise ImportError(f"onnxruntime's symbolic shape inference is missing ({path}): reinstall onnxruntime")
+        spec = importlib.util.spec_from_file_location(own, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[own] = module
+    return sys.modules[own]
+
+
 def _symbolic(model: onnx.ModelProto) -> Optional[onnx.ModelProto]:
     """ORT's symbolic shape inference as SymbolicShapeInference.infer_shapes runs it, but
     None where that would save a debug copy of the model into the working folder and
     raise (some shapes left unknown), or decline (opset below 7)."""
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_opset
+    ssi = _symbolic_shape_infer()
+    SymbolicShapeInference, get_opset = ssi.SymbolicShapeInference, ssi.get_opset
     opset = get_opset(model)
     if not opset or opset < 7:
         return None
