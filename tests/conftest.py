@@ -108,13 +108,15 @@ def rig_factory(request):
 
 
 def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",), attention_mask=None, optimized=True,
-                     prepack=True):
+                     prepack=True, head_size=None):
     """The decode loop a user writes with plain ORT: numpy KV cache, a past that grows
     by one position per step, an attention mask of ones (or the prompt's, then ones),
     positions counting each row's tokens. Returns [batch, prompt + n]. `optimized=False`:
     ORT runs the graph as given, without its graph optimizations; `prepack=False`: its
-    kernels read the weights as they are, without prepacking them."""
+    kernels read the weights as they are, without prepacking them; `head_size`: where the
+    model leaves the past's last dimension symbolic."""
     import onnxruntime as ort
+    from onnx_offload.loading import window_caches
     from onnx_offload.engines.ortvalues import numpy_dtype
     so = ort.SessionOptions()
     if not optimized:
@@ -125,7 +127,11 @@ def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",), attenti
     names = {i.name for i in s.get_inputs()}
     outs = [o.name for o in s.get_outputs()]
     b, p = ids.shape
-    past = {i.name: np.zeros((b, i.shape[1], 0, i.shape[3]), numpy_dtype(i.type))
+    # A layer with a window-sized cache (GroupQueryAttention's sliding_window_cache) takes a
+    # past of its window's positions from the first step, as its present comes back.
+    windows = dict(window_caches(model))
+    past = {i.name: np.zeros((b, i.shape[1], windows.get(int(i.name.split(".")[1]), 0), head_size or i.shape[3]),
+                             numpy_dtype(i.type))
             for i in s.get_inputs() if i.name.startswith("past_key_values")}
     mask = np.ones((b, p), np.int64) if attention_mask is None else np.asarray(attention_mask, np.int64)
     feeds = dict(input_ids=ids, attention_mask=mask, **past)
@@ -142,3 +148,16 @@ def reference_greedy(model, ids, n, providers=("CPUExecutionProvider",), attenti
             feeds["position_ids"] = mask.sum(axis=1, keepdims=True) - 1
         feeds.update({k: r[k.replace("past_key_values", "present")] for k in past})
     return np.concatenate([ids] + [t[:, None] for t in new], axis=1)
+
+
+@pytest.fixture(scope="session")
+def builder_gpt_oss(tmp_path_factory):
+    """onnxruntime-genai's builder's int4 export of a small gpt-oss (QMoE experts, a
+    window-sized cache in its sliding-window layers, a symbolic head size), for the CUDA EP;
+    skipped where the builder cannot run."""
+    from builder_models import build, builder_missing, gpt_oss_folder
+    missing = builder_missing()
+    if missing:
+        pytest.skip(missing)
+    root = tmp_path_factory.mktemp("builder")
+    return build(gpt_oss_folder(str(root / "hf"), hidden=1024), str(root / "int4"))

@@ -184,6 +184,31 @@ def test_the_kv_zone_follows_the_cache(layout):
         assert kv_committed(s) == 0
 
 
+@pytest.mark.parametrize("weights", ["resident", "a third"])
+@pytest.mark.parametrize("length", [6, 20])
+def test_layers_with_a_window_sized_cache_give_plain_orts_tokens_past_the_window(weights, length):
+    # The builder's sliding-window layers (gpt-oss, Gemma): GroupQueryAttention with
+    # sliding_window_cache=1 keeps local_window_size positions and evicts from them itself.
+    # Prompts shorter and longer than the window, and 24 tokens past it.
+    model = decoder_lm("gqa", max_length=256, window_cache=8)
+    ids = prompt(2, length)
+    want = reference_greedy(model, ids, 24)
+    assert not np.array_equal(want, reference_greedy(model_of("gqa"), ids, 24))  # the window changes the tokens
+    kw = {} if weights == "resident" else dict(offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3)
+    with session(model, **kw) as s:
+        assert s.decoder_spec.window_caches == ((0, 8),)
+        seen = []
+        for _ in s.generate_iter(ids, 24):
+            seen.append(s.device.ledger.snapshot().zones["kv"].committed.current)
+        np.testing.assert_array_equal(s.generate(ids, 24), want)
+        # Layer 0's cache holds its window, layer 1's the whole length (the prompt and 23
+        # positions): less than both of the whole length. A position is 2 rows x 2 KV heads x
+        # 16 floats, key and value.
+        row, total = 2 * 2 * 16 * 4 * 2, length + 23
+        assert row * (total + 8) <= max(seen) < row * 2 * total
+    assert s.close().committed == 0
+
+
 def test_the_kv_cache_borrows_from_the_weights_zone():
     model = model_of("gqa")
     ids = prompt(1)

@@ -106,3 +106,31 @@ def test_left_padded_prompts_generate_as_a_plain_ort_loop(layout):
     with session(model, "a third") as s:
         np.testing.assert_array_equal(s.generate(ids, 20, attention_mask=mask), want)
         assert s.close().committed == 0
+
+
+# Measured on the H100 (ORT 1.31.1): streamed in segments, this 3-layer decoder's tokens part
+# from plain ORT's at the 4th new token (its first decode steps are right). The builder's int4
+# gpt-oss, streamed in segments with the same window-sized caches, gives plain ORT's tokens
+# (test_gpu_moe.py). The cause is not found.
+@pytest.mark.parametrize("weights", ["resident", pytest.param("a third", marks=pytest.mark.xfail(
+    reason="streamed in segments, tokens part from plain ORT's at the 4th token on the H100", strict=False))])
+def test_window_sized_caches_give_plain_orts_tokens_and_decode_steps_replay(weights, tmp_path):
+    # ORT's CUDA GroupQueryAttention takes a window-sized cache (sliding_window_cache=1) of
+    # exactly local_window_size positions, past and present one buffer: plain ORT's loop is
+    # bench decode's anchor. A prompt longer than the window, and tokens past it.
+    from onnx_offload.models.decoder import save_decoder
+    from onnx_offload.tools.bench_decode import anchor
+    shape = dict(layers=3, hidden=256, heads=8, kv_heads=2, intermediate=512, vocab=512, max_length=512,
+                 dtype="float16")
+    model = decoder_lm("gqa", **{**shape, "dtype": np.float16}, window_cache=32)
+    ids = np.random.default_rng(3).integers(0, 512, (1, 40))
+    want = anchor(save_decoder(model, str(tmp_path / "m")), shape, ids, 48, "cuda")["tokens"]
+    with session(model, weights) as s:
+        assert s.decoder_spec.window_caches == ((0, 32), (2, 32))
+        before = s.stats().graph_steps
+        np.testing.assert_array_equal(s.generate(ids, 48)[:, 40:], want)
+        # The decode steps replay, but for the first of the streamed session's, which is not
+        # run twice: its window-sized caches evict a position each run.
+        assert s.stats().graph_steps - before >= 46
+        final = s.close()
+    assert final.committed == 0

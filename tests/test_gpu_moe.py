@@ -139,3 +139,32 @@ def test_the_most_picked_experts_read_in_place_hold_device_pages_and_every_pick_
         monkeypatch.undo()
         final = s.close()
     assert final.committed == 0
+
+
+def test_the_builders_int4_gpt_oss_reads_its_experts_in_place(builder_gpt_oss, monkeypatch):
+    """onnxruntime-genai's builder's int4 gpt-oss (QMoE experts, window-sized caches), with
+    nothing set but the budget: the streaming engine reads the experts the budget leaves
+    out in place, counts their picks, and gives plain ORT's tokens."""
+    import os
+    import onnx
+    from onnx_offload.tools.bench_decode import anchor
+    monkeypatch.setenv("ORT_FORCE_DETERMINISTIC_MOE", "1")
+    path = os.path.join(builder_gpt_oss, "model.onnx")
+    model = onnx.load(path)
+    ids = np.random.default_rng(4).integers(0, 2048, (1, 140))
+    # Plain ORT's loop (past and present one buffer, as CUDA's window-sized caches need), its
+    # kernels reading the weights as they are, as the package's sessions do.
+    shape = dict(layers=4, hidden=1024, heads=16, kv_heads=2, vocab=2048, dtype="float16")
+    want = anchor(path, shape, ids, 24, "cuda", prepack=False)["tokens"]
+    with OffloadSession(builder_gpt_oss, providers=[CUDA], offload=True, vmm=True,
+                        weight_bytes=int(weight_bytes(model) * 0.5)) as s:
+        got = s.generate(ids, 24)[:, ids.shape[1]:]
+        plan = s._engines.runner.plan
+        assert s.engine == "graph", s.stats().notes
+        stacks = [n for n in plan.in_host if n.endswith(".qweight")]
+        assert stacks, (plan.in_host, s.stats().notes)
+        c = s.stats().counters
+        assert c.expert_accesses > 0 and c.expert_read_bytes > 0 and s.stats().graph_steps > 0
+        np.testing.assert_array_equal(got, want)
+        final = s.close()
+    assert final.committed == 0

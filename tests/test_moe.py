@@ -2,6 +2,8 @@
 generate() gives plain ORT's greedy tokens all resident and streamed, and each layer's stacked
 experts are one weight of the session; ORT's CPU MoE kernel reads only the routed experts'
 weights."""
+import os
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -12,7 +14,10 @@ from onnx_offload.models import expert_share, gpt_oss, qwen3_moe, weight_bytes
 from conftest import reference_greedy
 
 CPU = ["CPUExecutionProvider"]
-PRESETS = {"gpt-oss": gpt_oss, "qwen3-moe": qwen3_moe}
+# "gpt-oss windows": its even layers keep a window-sized cache of 8 positions, as the
+# builder writes gpt-oss's sliding-window layers; the tests' tokens run past the window.
+PRESETS = {"gpt-oss": gpt_oss, "qwen3-moe": qwen3_moe,
+           "gpt-oss windows": lambda **kw: gpt_oss(window_cache=8, **kw)}
 _MODELS = {}
 
 
@@ -160,3 +165,21 @@ def test_ort_s_cpu_moe_kernel_reads_only_the_routed_experts(tokens, op):
     routed = run("1,5")
     assert routed.returncode == 0 and routed.stdout.strip() == "True", routed.stderr[-2000:]
     assert run("5").returncode == -11  # expert 1 unreadable: SIGSEGV
+
+
+def test_the_builders_int4_gpt_oss_generates_plain_orts_tokens_resident_and_streamed(builder_gpt_oss):
+    import onnx
+    model = onnx.load(os.path.join(builder_gpt_oss, "model.onnx"))
+    ids = np.random.default_rng(0).integers(0, 2048, (1, 150))  # a prompt longer than the window of 128
+    with OffloadSession(builder_gpt_oss, providers=CPU, host_granularity=64 << 10) as s:
+        assert s.decoder_spec.window_caches == ((0, 128), (2, 128)) and s.decoder_spec.head_size == 64
+        np.testing.assert_array_equal(s.generate(ids, 12), reference_greedy(model, ids, 12, head_size=64))
+    # Streamed, ORT's CPU kernels read the int4 weights as they are, without prepacking them
+    # (test_int4.py): plain ORT's tokens without prepacking.
+    want = reference_greedy(model, ids, 12, head_size=64, prepack=False)
+    with OffloadSession(builder_gpt_oss, providers=CPU, host_granularity=64 << 10, offload=True, vmm=True,
+                        weight_bytes=weight_bytes(model) // 4) as s:
+        assert len(s.segments) > 1
+        np.testing.assert_array_equal(s.generate(ids, 12), want)
+        assert s.stats().counters.page_ins > 0
+    assert s.close().committed == 0

@@ -377,15 +377,23 @@ def test_the_bench_moe_rows_run_in_processes_of_their_own(tmp_path):
     tokens, plain ORT's, and fewer bytes a token routed."""
     from onnx_offload.models import save_decoder
     from onnx_offload.tools.bench_decode import in_process_of_its_own
+    from onnx_offload.tools.bench_decode import anchor
     model = model_of("gpt-oss", layers=4)
     path = save_decoder(model, str(tmp_path / "moe"))
     ids = prompt(1, 6, seed=2)
-    rows = {e: in_process_of_its_own("bench_moe", "streamed_row", path=path, ids=ids.tolist(), new=12, kind="cpu",
-                                     fraction=0.25, weights=weight_bytes(model), experts=e)
-            for e in ("routed", "dense", "in_place")}
     want = reference_greedy(model, ids, 12)[:, ids.shape[1]:]
+    # The anchor's logits, and each row fed the anchor's tokens (here its own too).
+    shape = dict(layers=4, hidden=64, heads=4, kv_heads=1, vocab=97, dtype="float32")
+    logits = str(tmp_path / "anchor.npy")
+    np.testing.assert_array_equal(anchor(path, shape, ids, 12, "cpu", logits_out=logits)["tokens"], want)
+    rows = {e: in_process_of_its_own("bench_moe", "streamed_row", path=path, ids=ids.tolist(), new=12, kind="cpu",
+                                     fraction=0.25, weights=weight_bytes(model), experts=e, forced=want.tolist(),
+                                     anchor_logits=logits)
+            for e in ("routed", "dense", "in_place")}
     for r in rows.values():
         np.testing.assert_array_equal(r["tokens"], want)
+        assert r["forced_agree"] == r["forced_steps"] == 12 and r["parted_margin"] is None
+        assert r["max_logit_diff"] < 1e-4
     assert 0 < rows["routed"]["bytes_per_token"] < rows["dense"]["bytes_per_token"]
     # On the CPU nothing is read in place: in_place streams the experts whole, as dense.
     assert rows["in_place"]["in_place_bytes"] == 0 and rows["in_place"]["engine"] == rows["dense"]["engine"]
@@ -445,3 +453,16 @@ def test_bench_moe_says_where_tokens_part_from_the_anchor_s():
     b[0, 0] = 0
     assert parted_at(b, a) == 0
     assert parted_at(a[:, :3], a) == 0  # fewer tokens than the anchor's: apart from the start
+
+
+def test_bench_moe_s_agreement_counts_the_picks_and_the_margins_where_they_differ():
+    from onnx_offload.tools.bench_moe import agreement
+    want = np.zeros((3, 1, 5), np.float32)  # [steps, batch, vocab]
+    want[:, 0, 1], want[:, 0, 2] = 2.0, 1.5  # picks 1; margin 0.5
+    want[2, 0, 2] = 1.99  # a near tie at step 2
+    got = want.copy()
+    assert agreement(got, want) == dict(forced_agree=3, forced_steps=3, max_logit_diff=0.0, parted_margin=None)
+    got[2, 0, 2] = 2.01  # step 2 picks 2
+    r = agreement(got, want)
+    assert (r["forced_agree"], r["forced_steps"]) == (2, 3)
+    assert r["max_logit_diff"] == pytest.approx(0.02) and r["parted_margin"] == pytest.approx(0.01)

@@ -88,13 +88,15 @@ class StagedGeneration:
                 self.owner.update((i, s) for i in layers)
                 # A buffer short of room asks the stage's session, which may plan its budget
                 # again so that its weights stream (as one session's generation does).
+                windows = {i: w for i, w in spec.window_caches if i in layers}
                 peak = peak_bytes("gqa" if self.shared else "exact", len(layers), batch, spec.kv_heads,
-                                  spec.head_size, spec.kv_dtype, prompt, total, stage.device.granularity)
+                                  spec.head_size, spec.kv_dtype, prompt, total, stage.device.granularity,
+                                  windows=list(windows.values()))
                 self._peaks.append(peak)
                 self._kv.append(DeviceBuffers(stage.device, "kv", shortage(stage, peak, 0)))
                 self._io.append(DeviceBuffers(stage.device, "scratch", shortage(stage, peak, 1)))
                 self._fixed.append(None)
-                args = (batch, spec.kv_heads, total, spec.head_size, spec.kv_dtype) if self.shared else \
+                args = (batch, spec.kv_heads, total, spec.head_size, spec.kv_dtype, windows) if self.shared else \
                     (batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt)
                 form = SharedKV if self.shared else ExactKV
                 with stage._step(), on_device(session.devices[s], s, len(session.stages)):

@@ -21,7 +21,7 @@ from onnx import helper
 
 from ..errors import UnsupportedModel
 from ..loading import (DecoderSpec, IOInfo, ModelMeta, Segment, check_external_data, copy_regular, decoder_spec,
-                       external_info, materialize, model_file, rotary_rows, saving, split)
+                       external_info, materialize, model_file, rotary_rows, saving, split, window_caches)
 from .balance import DeviceShare, StageSplit, split_stages
 
 
@@ -97,7 +97,7 @@ def stage_models(path_or_bytes, workdir: str, shares: Sequence[DeviceShare], min
     op_types = {n.op_type for n in model.graph.node}
     model_dir = folder if from_file else None
     try:
-        spec = decoder_spec(inputs, outputs, op_types, model_dir, rotary_rows(model))
+        spec = decoder_spec(inputs, outputs, op_types, model_dir, rotary_rows(model), window_caches(model))
     except UnsupportedModel as e:
         spec = e
     name = os.path.basename(os.fspath(path_or_bytes)) if from_file else "model (bytes)"

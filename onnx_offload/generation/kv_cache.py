@@ -127,21 +127,24 @@ def write(device, *pairs) -> None:
 
 class SharedKV:
     def __init__(self, bufs: DeviceBuffers, layers: Union[int, Sequence[int]], batch: int, kv_heads: int,
-                 length: int, head_size: int, dtype):
+                 length: int, head_size: int, dtype, windows: Optional[Dict[int, int]] = None):
+        """`windows`: layer -> positions, for the layers whose attention keeps a window-sized
+        cache (DecoderSpec.window_caches); every other layer's holds `length`."""
         self.length = length
         self._device = bufs.device
         # The layers held: all of the model's, or those of one stage of a split across devices.
         self.ids = list(range(layers)) if isinstance(layers, int) else list(layers)
-        shape = [batch, kv_heads, length, head_size]
-        self.k = [bufs.new(shape, dtype, zero=True, what=f"the KV cache (layer {i} key)") for i in self.ids]
-        self.v = [bufs.new(shape, dtype, zero=True, what=f"the KV cache (layer {i} value)") for i in self.ids]
+        windows = windows or {}
+        shapes = [[batch, kv_heads, windows.get(i, length), head_size] for i in self.ids]
+        self.k, self.v = ([bufs.new(sh, dtype, zero=True, what=f"the KV cache (layer {i} {kv})")
+                           for i, sh in zip(self.ids, shapes)] for kv in ("key", "value"))
 
     @property
     def nbytes(self) -> int:
         return sum(nbytes_of(b.shape, b.dtype) for b in self.k + self.v)
 
     def past_of(self, layer: int, kv: str) -> ort.OrtValue:
-        """Layer `layer`'s key or value buffer ('key', 'value'), of the whole length."""
+        """Layer `layer`'s key or value buffer ('key', 'value'), of the whole length (or window)."""
         k = self.ids.index(layer)
         return (self.k if kv == "key" else self.v)[k].value
 
@@ -334,26 +337,29 @@ class ExactKV(_GrowingKV):
 
 
 def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: int, dtype, prompt: int,
-               total: int, granularity: int, alignment: int = 256, chunk: int = 1) -> int:
+               total: int, granularity: int, alignment: int = 256, chunk: int = 1, windows: Sequence[int] = ()) -> int:
     """The most committed bytes the cache of one generation holds at once: the whole
-    length for the shared layout; for buckets, the last growth, when the old bucket and
-    the new one are both held (past and present of each; for the exact layout, its two
-    buffers of each). The buffers of one allocation lie one after another; each group
-    counts a granule more, for the partly used granules at its ends."""
+    length for the shared layout (a window's positions for the layers of `windows`, one
+    entry each, which are among `layers`); for buckets, the last growth, when the old
+    bucket and the new one are both held (past and present of each; for the exact layout,
+    its two buffers of each). The buffers of one allocation lie one after another; each
+    group counts a granule more, for the partly used granules at its ends."""
     row = batch * kv_heads * head_size * np.dtype(dtype).itemsize
 
-    def group(*positions):
-        nbytes = 2 * layers * sum(round_up(row * n, alignment) for n in positions)
+    def group(*positions, count=layers):
+        return 2 * count * sum(round_up(row * n, alignment) for n in positions)
+
+    def held(nbytes):
         return round_up(nbytes, granularity) + granularity
 
     if layout == "gqa":
-        return group(total)
+        return held(group(total, count=layers - len(windows)) + sum(group(w, count=1) for w in windows))
     last, first = bucket_for(total), bucket_for(prompt)
     # A bucket's present holds a step's positions more than its past: one, or a prompt chunk's.
     extra = 0 if layout == "exact" else max(1, chunk)
     if last == first:
-        return group(last, last + extra)
-    return group(last // 2, last // 2 + extra) + group(last, last + extra)
+        return held(group(last, last + extra))
+    return held(group(last // 2, last // 2 + extra)) + held(group(last, last + extra))
 
 
 def bucket_for(length: int, smallest: int = 16) -> int:

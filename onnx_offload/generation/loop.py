@@ -42,7 +42,8 @@ def kv_peak(spec: DecoderSpec, batch: int, prompt: int, total: int, granularity:
     """The most committed bytes the KV cache of a generation holds (kv_cache.peak_bytes),
     its prompt chunked as Generation chunks it."""
     return peak_bytes(spec.layout, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt, total,
-                      granularity, chunk=prompt_chunk(prompt, prefill_chunk))
+                      granularity, chunk=prompt_chunk(prompt, prefill_chunk),
+                      windows=[w for _, w in spec.window_caches])
 
 
 def chunk_rows(spec: DecoderSpec, batch: int, prompt: int, chunk: int) -> int:

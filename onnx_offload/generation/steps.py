@@ -67,7 +67,7 @@ class Generation(PromptSteps):
         try:
             if spec.layout == "gqa":
                 self.cache = SharedKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, total, spec.head_size,
-                                      spec.kv_dtype)
+                                      spec.kv_dtype, dict(spec.window_caches))
                 mask_len = total
             else:
                 form = ExactKV if spec.layout == "exact" else BucketKV
@@ -191,9 +191,12 @@ class Generation(PromptSteps):
 
         def step() -> bool:
             _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
-            if not replayed and s._runner.streaming and s._runner.capture.enabled:
+            if not replayed and s._runner.streaming and s._runner.capture.enabled and not spec.window_caches:
                 # The first step of these shapes learned the boundaries' sizes; the same step
                 # again writes the same cache positions and runs under the new plan's graphs.
+                # Not where a window-sized cache evicts a position each step: run twice, it
+                # would evict twice. There the first run's logits stand, and the next step
+                # replays.
                 _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
             return replayed
         try:

@@ -52,6 +52,9 @@ class DecoderSpec:
     pos_dtype: np.dtype = np.dtype(np.int64)
     vocab: Optional[int] = None  # the logits' last dimension, when the graph gives it
     sliding_window: Optional[int] = None  # of the attention, as config.json beside the model gives it
+    # (layer, positions) for each layer whose GroupQueryAttention keeps a window-sized cache
+    # (window_caches): its past and present hold that many positions, not the whole length
+    window_caches: tuple = ()
     # do_sample, temperature, top_k and top_p as the model's files give them (key, value) pairs:
     # the defaults of the generate() arguments a caller leaves unset
     sampling: tuple = ()
@@ -220,9 +223,9 @@ def _dim(info: Port, axis: int, fallback, what: str) -> int:
 
 
 def decoder_spec(inputs: Sequence[Port], outputs: Sequence[Port], op_types, model_dir: Optional[str],
-                 rotary_rows: Optional[int] = None) -> DecoderSpec:
+                 rotary_rows: Optional[int] = None, windows: tuple = ()) -> DecoderSpec:
     """`inputs`: the inputs a caller must feed; `rotary_rows`: the positions the model's
-    rotary table holds, where it has one."""
+    rotary table holds, where it has one; `windows`: window_caches of the model."""
     ins = {i.name: i for i in inputs}
     outs = {o.name: o for o in outputs}
     missing = [n for n in ("input_ids", "attention_mask") if n not in ins]
@@ -285,7 +288,31 @@ def decoder_spec(inputs: Sequence[Port], outputs: Sequence[Port], op_types, mode
                        min(bounds) if bounds else None, cfg.get("eos", ()), dtypes["input_ids"],
                        dtypes["attention_mask"], dtypes["position_ids"],
                        vocab if isinstance(vocab, int) and vocab > 0 else None, window,
-                       read_sampling(model_dir, cfg.get("sampling", {})))
+                       tuple(windows), read_sampling(model_dir, cfg.get("sampling", {})))
+
+
+def window_caches(model) -> tuple:
+    """(layer, positions) for each layer whose GroupQueryAttention has sliding_window_cache=1
+    (onnxruntime-genai's builder writes it for the sliding-window layers of gpt-oss, Gemma
+    and others): its past and present are window-sized and the op evicts from them itself.
+    ORT's CUDA kernel takes exactly local_window_size positions, its CPU kernel at least
+    that many: the cache holds local_window_size, whatever the generation's length."""
+    found = {}
+    for n in model.graph.node:
+        if n.op_type != "GroupQueryAttention":
+            continue
+        attrs = {a.name: a for a in n.attribute}
+        if "sliding_window_cache" not in attrs or attrs["sliding_window_cache"].i == 0:
+            continue
+        window = attrs["local_window_size"].i if "local_window_size" in attrs else -1
+        past = _PAST.match(n.input[3]) if len(n.input) > 3 else None
+        if window <= 0 or past is None:
+            raise UnsupportedModel(
+                f"generate() gives a window-sized KV cache (sliding_window_cache=1) local_window_size positions, "
+                f"fed as past_key_values.N.key: GroupQueryAttention {n.name!r} has local_window_size {window} and "
+                f"reads its past from {n.input[3] if len(n.input) > 3 else 'nothing'!r}")
+        found[int(past.group(1))] = window
+    return tuple(sorted(found.items()))
 
 
 def rotary_rows(model) -> Optional[int]:

@@ -121,9 +121,11 @@ def _mlp(g, h, p):
     return g("MatMul", [g("Mul", [silu, g("MatMul", [h, p + "up_proj"])]), p + "down_proj"])
 
 
-def _gqa_graph(g, layers, heads, kv_heads, eps, mlp=_mlp):
+def _gqa_graph(g, layers, heads, kv_heads, eps, mlp=_mlp, window_cache=None):
     """The model builder's graph: the residual runs through SkipSimplifiedLayerNormalization.
-    `mlp(g, h, prefix)` builds each layer's feed-forward part (a mixture of experts in moe.py)."""
+    `mlp(g, h, prefix)` builds each layer's feed-forward part (a mixture of experts in moe.py).
+    `window_cache`: the even layers attend to that many positions and keep a cache of that
+    many (sliding_window_cache), as the builder writes gpt-oss's sliding-window layers."""
     g.const("one", 1)
     g.const("axes_1", [1])
     mask_sum = g("ReduceSum", ["attention_mask", "axes_1"], keepdims=0)
@@ -148,7 +150,9 @@ def _gqa_graph(g, layers, heads, kv_heads, eps, mlp=_mlp):
                  [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total,
                   "cos_cache", "sin_cache"],
                  [g.name("attn"), f"present.{i}.key", f"present.{i}.value"], MS,
-                 num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0)[0]
+                 num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0,
+                 **(dict(local_window_size=window_cache, sliding_window_cache=1) if window_cache and i % 2 == 0
+                    else {}))[0]
         h, residual = skip_norm(g("MatMul", [attn, p + "o_proj"]), residual, p + "post_attention_layernorm")
         x = mlp(g, h, p)
     h = g("SkipSimplifiedLayerNormalization", [x, residual, "norm"], domain=MS, epsilon=eps)
@@ -239,16 +243,21 @@ def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids
 def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                intermediate: int = 128, vocab: int = 97, max_length: int = 128, dtype=np.float32,
                seed: int = 0, eps: float = 1e-5, rope_theta: float = 10000.0,
-               position_ids: bool = True, sliding_window: Optional[int] = None) -> onnx.ModelProto:
+               position_ids: bool = True, sliding_window: Optional[int] = None,
+               window_cache: Optional[int] = None) -> onnx.ModelProto:
     """A Llama-shaped decoder (RMSNorm, rotary, grouped-query attention, SiLU MLP) with
     random weights, in layout "gqa" (onnxruntime-genai) or "standard" (Optimum/torch.onnx).
     KV cache tensors are [batch, kv_heads, length, hidden // heads]. `position_ids=False`
     (standard only): no position_ids input; positions count from the past's length.
-    `sliding_window` (standard only): each query attends to that many keys at most."""
+    `sliding_window` (standard only): each query attends to that many keys at most.
+    `window_cache` (gqa only): the even layers attend to that many positions and their
+    cache holds that many (GroupQueryAttention's sliding_window_cache)."""
     if layout not in ("gqa", "standard"):
         raise ValueError(f"layout must be 'gqa' or 'standard', not {layout!r}")
     if (not position_ids or sliding_window) and layout != "standard":
         raise ValueError("position_ids=False and sliding_window need the standard layout")
+    if window_cache and layout != "gqa":
+        raise ValueError("window_cache needs the gqa layout")
     if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
         raise ValueError("hidden must split into heads of even size, and heads into kv_heads groups")
     dtype = np.dtype(dtype)
@@ -258,7 +267,7 @@ def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: in
 
     g = _Graph()
     if layout == "gqa":
-        _gqa_graph(g, layers, heads, kv_heads, eps)
+        _gqa_graph(g, layers, heads, kv_heads, eps, window_cache=window_cache)
     else:
         _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids, sliding_window)
     return _assemble(g, weights, layout, f"decoder_lm_{layout}", layers, kv_heads, hd, vocab, elem, position_ids)

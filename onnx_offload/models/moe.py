@@ -62,13 +62,14 @@ def _moe_spec(hidden, experts, intermediate, biases):
 def moe_lm(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, experts: int = 8, top_k: int = 2,
            expert_intermediate: int = 64, vocab: int = 97, max_length: int = 128, dtype=np.float32, seed: int = 0,
            eps: float = 1e-5, rope_theta: float = 10000.0, swiglu_alpha: float = 1.0, swiglu_beta: float = 0.0,
-           swiglu_limit: Optional[float] = None, biases: bool = False, quant: Optional[str] = None
-           ) -> onnx.ModelProto:
+           swiglu_limit: Optional[float] = None, biases: bool = False, quant: Optional[str] = None,
+           window_cache: Optional[int] = None) -> onnx.ModelProto:
     """A decoder whose MLPs are mixtures of `experts` SwiGLU experts, `top_k` of them per
     token, in onnxruntime-genai's layout (inputs, outputs and KV cache as decoder_lm("gqa")).
     `biases`: the router and the experts have biases (gpt-oss). `quant="int4"`: the experts
     as the builder's int4 models hold them, a ``com.microsoft.QMoE`` node (see quantize_experts).
-    See gpt_oss(), qwen3_moe()."""
+    `window_cache`: the even layers keep a window-sized cache, as decoder_lm's. See gpt_oss(),
+    qwen3_moe()."""
     if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
         raise ValueError("hidden must split into heads of even size, and heads into kv_heads groups")
     if not 0 < top_k <= experts:
@@ -106,7 +107,7 @@ def moe_lm(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
 
     g = _Graph()
     g.const("moe_router_rows", [-1, experts])
-    _gqa_graph(g, layers, heads, kv_heads, eps, mixture)
+    _gqa_graph(g, layers, heads, kv_heads, eps, mixture, window_cache)
     return _assemble(g, weights, "gqa", "moe_lm", layers, kv_heads, hd, vocab, elem)
 
 

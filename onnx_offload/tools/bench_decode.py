@@ -88,19 +88,32 @@ def setup(kind: str, out_dir: str, prompt: int, new: int, int4: bool = False) ->
     return path, shape, weights, bw, ids, a
 
 
-def anchor(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, warm_prompt: bool = False) -> Dict:
+def anchor(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, warm_prompt: bool = False,
+           forced: Optional[list] = None, logits_out: Optional[str] = None, prepack: bool = True) -> Dict:
     """The best plain-ORT loop: device KV shared between past and present, IOBinding bound
     once, a CUDA graph replayed per decode step (on CUDA). `warm_prompt`: the prompt runs
-    once before the timed one (ORT's first run of a shape picks kernels and grows its arena)."""
+    once before the timed one (ORT's first run of a shape picks kernels and grows its arena).
+    `forced` [batch, new]: the tokens fed after the prompt, in place of the picks (the
+    returned tokens stay the picks); `logits_out`: a .npy file for each step's logits
+    (float32 [new, batch, vocab]). A layer whose attention keeps a window-sized cache
+    (loading.window_caches) gets a buffer of the window's positions. `prepack=False`: ORT's
+    kernels read the weights as they are, as in the package's sessions."""
+    import onnx
+    from ..loading import window_caches
     dev = "cuda" if kind == "cuda" else "cpu"
     prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"})] if kind == "cuda" else ["CPUExecutionProvider"]
-    sess = ort.InferenceSession(path, providers=prov)
+    so = ort.SessionOptions()
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    sess = ort.InferenceSession(path, so, providers=prov)
+    windows = dict(window_caches(onnx.load(path, load_external_data=False)))
     dtype = np.dtype(shape["dtype"])
     b, p = ids.shape
     total = p + new
     hd = shape["hidden"] // shape["heads"]
-    kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros((b, shape["kv_heads"], total, hd), dtype), dev, 0)
-          for _ in range(2 * shape["layers"])]
+    kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros((b, shape["kv_heads"], windows.get(i // 2, total), hd), dtype),
+                                           dev, 0)
+          for i in range(2 * shape["layers"])]
 
     def bind_kv(io):
         for i in range(shape["layers"]):
@@ -118,8 +131,10 @@ def anchor(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, warm_pr
         ro = ort.RunOptions()
         ro.add_run_config_entry("gpu_graph_id", "-1")
         sess.run_with_iobinding(io, ro)
-        tok = io.get_outputs()[0].numpy()[:, -1].astype(np.float32).argmax(-1)
+        last = io.get_outputs()[0].numpy()[:, -1].astype(np.float32)
+        tok = last.argmax(-1)
         prompt_ms = (time.perf_counter() - t0) * 1e3
+    seen = [last]
     ids_v = ort.OrtValue.ortvalue_from_numpy(np.zeros((b, 1), np.int64), dev, 0)
     mask = np.zeros((b, total), np.int64)
     mask_v = ort.OrtValue.ortvalue_from_numpy(mask, dev, 0)
@@ -134,13 +149,19 @@ def anchor(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, warm_pr
     tokens, times = [tok], []
     for step in range(1, new):
         t = time.perf_counter()
-        ids_v.update_inplace(tok.reshape(b, 1).astype(np.int64))
+        fed = tok if forced is None else np.asarray(forced)[:, step - 1]
+        ids_v.update_inplace(fed.reshape(b, 1).astype(np.int64))
         mask[:, :p + step] = 1
         mask_v.update_inplace(mask)
         sess.run_with_iobinding(io, ro)
-        tok = logits_v.numpy()[:, -1].astype(np.float32).argmax(-1)
+        last = logits_v.numpy()[:, -1].astype(np.float32)
+        tok = last.argmax(-1)
         times.append((time.perf_counter() - t) * 1e3)
         tokens.append(tok)
+        if logits_out:
+            seen.append(last)
+    if logits_out:
+        np.save(logits_out, np.stack(seen))
     return dict(ms_per_token=statistics.median(times[WARMUP:]), prompt_ms=prompt_ms,
                 tokens=np.stack(tokens, 1))
 

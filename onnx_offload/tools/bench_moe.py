@@ -20,9 +20,13 @@ k/E x non-resident experts) / H2D)``, with the resident sets the session held at
 (whole stacks, and the experts read in place that hold device pages);
 the ratio to each; the experts' hit rate over the decode steps; whether the tokens are
 the anchor's, and if not, the first token at which they part, beside plain ORT run again
-(a model with near ties between its logits may part from itself). H2D is the pinned
-bandwidth measured in the same run. Every process runs with ORT_FORCE_DETERMINISTIC_MOE=1
-(see SAME_TACTICS).
+(a model with near ties between its logits may part from itself). Past the first parting
+the tokens say nothing more, so each row, and plain ORT again, also runs fed the anchor's
+tokens: the steps whose pick is the anchor's, and the largest difference of a logit from
+the anchor's (with the largest anchor margin, top logit over the next, at a step whose
+pick differs: a pick that differs where the margin is within that difference is a near
+tie, not a wrong expert). H2D is the pinned bandwidth measured in the same run. Every
+process runs with ORT_FORCE_DETERMINISTIC_MOE=1 (see SAME_TACTICS).
 """
 from __future__ import annotations
 
@@ -83,10 +87,42 @@ def build_model(kind: str, out_dir: str, widths: str = "gpt-oss-20b") -> tuple:
     return path, shape
 
 
+def forced_logits(session, ids: np.ndarray, forced: np.ndarray) -> np.ndarray:
+    """Each step's last-position logits (float32 [steps, batch, vocab]) of a greedy
+    generation fed the tokens `forced` [batch, steps] rather than its own picks."""
+    b, p = ids.shape
+    n = forced.shape[1]
+    gen = session._new_generation(session.decoder_spec, b, p, p + n - 1)
+    try:
+        # Copies: on the CPU a step's logits are a view of a buffer the next step writes.
+        seen = [np.array(gen.prompt(ids), np.float32)]
+        for step in range(n - 1):
+            seen.append(np.array(gen.decode(forced[:, step], p + step + 1)[0], np.float32))
+    except BaseException:
+        gen.close()
+        raise
+    session._park(gen)  # kept for the next generation of this shape, as generate() keeps it
+    return np.stack(seen)
+
+
+def agreement(got: np.ndarray, want: np.ndarray) -> Dict:
+    """Logits [steps, batch, vocab] of a run fed the anchor's tokens against the anchor's:
+    the steps whose picks are the anchor's, the largest difference of a logit, and the
+    largest anchor margin (top logit over the next) at a step whose pick differs."""
+    same = (got.argmax(-1) == want.argmax(-1)).all(axis=1)
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    margin = (top2[..., 1] - top2[..., 0]).max(axis=1)
+    return dict(forced_agree=int(same.sum()), forced_steps=int(same.size),
+                max_logit_diff=float(np.abs(got - want).max()),
+                parted_margin=float(margin[~same].max()) if (~same).any() else None)
+
+
 def streamed_row(path: str, ids: np.ndarray, new: int, kind: str, fraction: float, weights: int,
-                 experts: str) -> Dict:
+                 experts: str, forced: Optional[list] = None, anchor_logits: Optional[str] = None) -> Dict:
     """generate() at a weights allowance of `fraction` of the weights, the experts streamed
-    as `experts` says; the counters over the decode steps after the warm-up."""
+    as `experts` says; the counters over the decode steps after the warm-up. With `forced`
+    (the anchor's tokens) and `anchor_logits` (its logits' .npy): the agreement of the
+    logits of a generation fed those tokens."""
     from ..session import OffloadSession
     provider = "CUDAExecutionProvider" if kind == "cuda" else "CPUExecutionProvider"
     kw = dict(offload=True, vmm=True, weight_bytes=int(weights * fraction), experts=experts, cache_dir="off")
@@ -104,6 +140,7 @@ def streamed_row(path: str, ids: np.ndarray, new: int, kind: str, fraction: floa
                 c0 = s.stats().counters
         c1 = s.stats().counters
         d = c1.minus(c0)
+        agreed = agreement(forced_logits(s, ids, np.asarray(forced)), np.load(anchor_logits)) if forced else {}
         # The experts' stacks by name (the generator's); resident: what the weights zone holds
         # at the end (the streaming engine's residency holds only its resident weights).
         res = s._engines.residency
@@ -126,7 +163,7 @@ def streamed_row(path: str, ids: np.ndarray, new: int, kind: str, fraction: floa
                     read_per_token=d.expert_read_bytes / max(1, d.steps),
                     expert_hit_rate=d.expert_hit_rate, expert_accesses=d.expert_accesses,
                     expert_bytes=expert_bytes, expert_resident=expert_resident,
-                    dense_resident=dense_resident, tokens=np.stack(tokens, 1))
+                    dense_resident=dense_resident, tokens=np.stack(tokens, 1), **agreed)
 
 
 def bench_moe(kind: str, out_dir: str, prompt: int = 16, new: int = 48, widths: str = "gpt-oss-20b") -> Dict:
@@ -137,21 +174,29 @@ def bench_moe(kind: str, out_dir: str, prompt: int = 16, new: int = 48, widths: 
     weights = os.path.getsize(path + ".data")
     bw = pinned_h2d(kind, GiB if kind == "cuda" else 128 * MiB)
     ids = np.random.default_rng(0).integers(0, shape["vocab"], (1, prompt))
+    logits = os.path.join(out_dir, "moe_anchor_logits.npy")
     anchor = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new,
-                                   kind=kind, env=SAME_TACTICS)
+                                   kind=kind, env=SAME_TACTICS, logits_out=logits)
+    forced = anchor["tokens"].tolist()
     # Plain ORT once more, in a process of its own: how far its tokens hold from run to run,
-    # the yardstick for the rows' (a model with near ties may not hold its own).
+    # the yardstick for the rows' (a model with near ties may not hold its own); then fed
+    # the anchor's tokens, how far its logits hold.
     again = in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new,
                                   kind=kind, env=SAME_TACTICS)
     repeat = parted_at(again["tokens"], anchor["tokens"])
+    again_logits = os.path.join(out_dir, "moe_again_logits.npy")
+    in_process_of_its_own("bench_decode", "anchor", path=path, shape=shape, ids=ids.tolist(), new=new, kind=kind,
+                          env=SAME_TACTICS, forced=forced, logits_out=again_logits)
+    again_agreed = agreement(np.load(again_logits), np.load(logits))
     print(f"  anchor: {anchor['ms_per_token']:.2f} ms/token; pinned H2D {bw / 1e9:.1f} GB/s; plain ORT again: "
-          f"{_parted(repeat)}", flush=True)
+          f"{_parted(repeat)}; fed the anchor's tokens: {_agreed(again_agreed)}", flush=True)
     share = shape["top_k"] / shape["experts"]
     rows: List[Dict] = []
     for f in FRACTIONS:
         for experts in ("in_place", "dense", "routed"):
             r = in_process_of_its_own("bench_moe", "streamed_row", path=path, ids=ids.tolist(), new=new, kind=kind,
-                                      fraction=f, weights=weights, experts=experts, env=SAME_TACTICS)
+                                      fraction=f, weights=weights, experts=experts, env=SAME_TACTICS,
+                                      forced=forced, anchor_logits=logits)
             dense_streamed = weights - r["expert_bytes"] - r["dense_resident"]
             routed_bytes = dense_streamed + share * (r["expert_bytes"] - r["expert_resident"])
             r["read_in_place_per_token"] = r["read_per_token"]  # the missed experts' bytes, counted a step
@@ -166,14 +211,14 @@ def bench_moe(kind: str, out_dir: str, prompt: int = 16, new: int = 48, widths: 
             print(f"  {experts} at {f:.0%} ({r['engine']}): {r['ms_per_token']:.2f} ms/token, "
                   f"{fmt_bytes(r['bytes_per_token'])} a token (+ {fmt_bytes(r['read_in_place_per_token'])} read in "
                   f"place), {r['vs_dense_bound']:.2f}x the dense bound, {r['vs_routed_bound']:.2f}x the routed bound "
-                  f"({r['routed_bound_ms']:.2f} ms), tokens against the anchor's: {_parted(r['parted_at'])}",
-                  flush=True)
+                  f"({r['routed_bound_ms']:.2f} ms), tokens against the anchor's: {_parted(r['parted_at'])}; fed "
+                  f"the anchor's tokens: {_agreed(r)}", flush=True)
     dense = {r["fraction"]: r["ms_per_token"] for r in rows if r["experts"] == "dense"}
     for r in rows:
         if r["experts"] != "dense":  # how much faster than the dense streaming of its budget
             r["vs_dense"] = dense[r["fraction"]] / r["ms_per_token"]
     return dict(kind=kind, shape=shape, weights=weights, h2d_gbps=bw / 1e9, anchor_ms=anchor["ms_per_token"],
-                anchor_again_parted_at=repeat, rows=rows)
+                anchor_again_parted_at=repeat, anchor_again=again_agreed, rows=rows)
 
 
 def parted_at(tokens, anchor) -> Optional[int]:
@@ -190,6 +235,14 @@ def _parted(at: Optional[int]) -> str:
     return "equal" if at is None else f"part at token {at + 1}"
 
 
+def _agreed(r: Dict) -> str:
+    """A row's agreement with the anchor fed its tokens: picks, and the logits' difference."""
+    if "forced_agree" not in r:
+        return "-"
+    ties = f", margin <= {r['parted_margin']:.3g} where not" if r.get("parted_margin") is not None else ""
+    return f"{r['forced_agree']}/{r['forced_steps']} picks, |dlogit| <= {r['max_logit_diff']:.3g}{ties}"
+
+
 def print_moe(res: Dict) -> str:
     s = res["shape"]
     head = (f"bench moe ({res['kind']}): a gpt-oss-shaped decoder, {s['layers']} layers, hidden {s['hidden']}, "
@@ -197,9 +250,10 @@ def print_moe(res: Dict) -> str:
             f"top {s['top_k']}, {fmt_bytes(res['weights'])} of weights; batch 1; pinned H2D "
             f"{res['h2d_gbps']:.1f} GB/s (this run); ORT_FORCE_DETERMINISTIC_MOE=1; anchor (plain ORT, all resident) "
             f"{res['anchor_ms']:.2f} ms/token\n")
-    rows = [("plain ORT, all resident", "-", f"{res['anchor_ms']:.2f}", "-", "-", "-", "-", "-", "-", "-", "-", "-"),
+    rows = [("plain ORT, all resident", "-", f"{res['anchor_ms']:.2f}", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+             "-"),
             ("plain ORT again", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
-             _parted(res.get("anchor_again_parted_at")))]
+             _parted(res.get("anchor_again_parted_at")), _agreed(res.get("anchor_again", {})))]
     for r in res["rows"]:
         rows.append((f"{r['experts']} ({r['engine']})", f"{r['fraction']:.0%}", f"{r['ms_per_token']:.2f}",
                      fmt_bytes(r["bytes_per_token"]), fmt_bytes(r.get("read_in_place_per_token", 0)),
@@ -207,10 +261,11 @@ def print_moe(res: Dict) -> str:
                      f"{r['vs_dense_bound']:.2f}x", f"{r['vs_routed_bound']:.2f}x",
                      f"{r['expert_hit_rate']:.1%}" if r.get("expert_accesses", r["experts"] == "routed") else "-",
                      f"{r['vs_dense']:.2f}x" if "vs_dense" in r else "-",
-                     _parted(r.get("parted_at")) if "parted_at" in r else ("yes" if r["tokens_equal"] else "NO")))
+                     _parted(r.get("parted_at")) if "parted_at" in r else ("yes" if r["tokens_equal"] else "NO"),
+                     _agreed(r)))
     return head + table(rows, ("row", "budget", "ms/token", "streamed/token", "read in place/token", "dense bound",
-                               "routed bound",
-                               "vs dense bound", "vs routed bound", "expert hits", "vs dense", "tokens = anchor"))
+                               "routed bound", "vs dense bound", "vs routed bound", "expert hits", "vs dense",
+                               "tokens = anchor", "fed the anchor's tokens"))
 
 
 if __name__ == "__main__":
