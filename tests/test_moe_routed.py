@@ -376,8 +376,7 @@ def test_the_bench_moe_rows_run_in_processes_of_their_own(tmp_path):
     """`bench moe`'s rows, routed, dense and in place, on a small gpt-oss-shaped model: the same
     tokens, plain ORT's, and fewer bytes a token routed."""
     from onnx_offload.models import save_decoder
-    from onnx_offload.tools.bench_decode import in_process_of_its_own
-    from onnx_offload.tools.bench_decode import anchor
+    from onnx_offload.tools.bench_decode import anchor, in_process_of_its_own
     model = model_of("gpt-oss", layers=4)
     path = save_decoder(model, str(tmp_path / "moe"))
     ids = prompt(1, 6, seed=2)
