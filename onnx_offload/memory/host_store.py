@@ -33,8 +33,8 @@ class HostStore:
         self._backend = backend
         self._offsets: Dict[str, int] = {}
         self._sizes: Dict[str, int] = {}
-        weights = list(weights)
-        self.pages = PagedRegion(backend, [w for w in weights if w.name in set(paged) and w.nbytes])
+        weights, paged = list(weights), set(paged)
+        self.pages = PagedRegion(backend, [w for w in weights if w.name in paged and w.nbytes])
         total = 0
         for w in weights:
             if w.name in self.pages.offsets:
@@ -74,7 +74,7 @@ class HostStore:
         weights = list(weights)
         if not weights:
             return  # no initializer reached the threshold: ORT wrote no data file
-        done = 0
+        done, whole = 0, self.nbytes + sum(self.pages.sizes.values())
         with contextlib.ExitStack() as stack:
             fds: Dict[str, int] = {}
             for w in sorted(weights, key=lambda w: (w.path or path, w.offset)):
@@ -90,7 +90,7 @@ class HostStore:
                     got += n
                 done += w.nbytes
                 if progress:
-                    progress(done, self.nbytes + sum(self.pages.sizes.values()))
+                    progress(done, whole)
 
     def ptr(self, name: str) -> int:
         if name in self.pages.offsets:
