@@ -357,3 +357,58 @@ def test_outputs_are_complete_when_run_with_iobinding_returns(split):
             s.device.backend.enqueue_delay(s.device.compute_stream, 300)
             s.run_with_iobinding(io)
             np.testing.assert_array_equal(out.numpy(), ref.run(None, {"x": x})[0], err_msg=f"step {step}")
+
+
+# Each stage of an OffloadSession's construction made to fail in turn, after the CUDA
+# optimization pass (whose external allocator ORT's binding remembers for the process):
+# then the device's first CUDA OrtValue and a plain CUDA session made without provider
+# options must allocate and run as in a process that never saw the package.
+_FAILED_SESSION_THEN_PLAIN_ORT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import onnxruntime as ort
+    import onnx_offload
+    import onnx_offload.session as session_module
+    from onnx_offload.engines import switch
+    from onnx_offload.models import mlp_stack
+
+    stage = sys.argv[1]
+
+    class Injected(RuntimeError):
+        pass
+
+    def fail(*args, **kwargs):
+        raise Injected(stage)
+
+    if stage == "make_segment_runner":
+        switch.Engines.make_segment_runner = fail
+    else:
+        setattr(session_module, stage, fail)
+    model = mlp_stack(layers=4, hidden=512, batch=4).SerializeToString()
+    try:
+        onnx_offload.OffloadSession(model, providers=["CUDAExecutionProvider"], offload=True, vmm=True,
+                                    weight_bytes=1 << 20, engine="segments" if stage == "make_segment_runner"
+                                    else "auto", cache_dir="off")
+    except Injected:
+        pass
+    else:
+        raise SystemExit(f"the session did not fail at {stage}")
+    x = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
+    x_cuda = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
+    plain = ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
+    io = plain.io_binding()
+    io.bind_ortvalue_input("x", x_cuda)
+    io.bind_output("y", "cuda")
+    plain.run_with_iobinding(io)
+    got = io.copy_outputs_to_cpu()[0]
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    print("plain ORT ran")
+""")
+
+
+@pytest.mark.parametrize("stage", ["plan_or_explain", "HostStore", "OrtMemoryMeter", "Engines", "make_segment_runner"])
+def test_a_session_failing_at_any_stage_leaves_plain_cuda_sessions_working(stage, tmp_path):
+    r = subprocess.run([sys.executable, "-P", "-c", _FAILED_SESSION_THEN_PLAIN_ORT, stage], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0 and "plain ORT ran" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -22,6 +22,7 @@ import errno
 import os
 import resource
 import stat
+import warnings
 from typing import Dict, Optional, Sequence
 
 import onnx
@@ -29,10 +30,10 @@ import onnxruntime as ort
 from onnx import helper
 
 from .. import _core
-from ..errors import CorruptModel, OffloadError, with_ort_type
+from ..errors import CorruptModel, OffloadError, OffloadWarning, with_ort_type
 from .files import SaveFailed, disk_reason, open_regular, saving
 from .graphs import all_tensors, external_info, subgraphs
-from .ort_options import copy_options, set_config
+from .ort_options import CUDA_EP, copy_options, set_config
 
 # The files the pass writes, in the optimized model's folder (a cache entry, or the session's own).
 OPTIMIZED = "optimized.onnx"
@@ -73,7 +74,7 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
     arena = _core.Arena(device.backend, ledger, zone_va_bytes=max(free, device.granularity))
     allocator = _core.ScratchAllocator(arena, "scratch")
     index, alloc, release, empty = _core.bind_external_allocator(allocator)
-    providers = [("CUDAExecutionProvider", {
+    providers = [(CUDA_EP, {
         "device_id": str(device.config.device_id), "gpu_external_alloc": str(alloc),
         "gpu_external_free": str(release), "gpu_external_empty_cache": str(empty)}), "CPUExecutionProvider"]
     try:
@@ -87,11 +88,35 @@ def optimize_once(src: str, workdir: str, on_cuda: bool, level, min_weight_bytes
         notes.append(f"the CUDA optimization pass did not fit the free device memory ({e}); the model runs as it "
                      f"was exported, without ORT's graph optimizations")
     finally:
+        _forget_external_allocator(device.config.device_id)
         _core.unbind_external_allocator(index)
         allocator.empty_cache()
         arena.close()
     _as_exported(src, out, min_weight_bytes)
     return out
+
+
+def _forget_external_allocator(device_id: int) -> None:
+    """ORT's Python binding keeps the external allocator of the last CUDA session it
+    created in a process-wide variable, and gives it to every later CUDA session made
+    without provider options and to the first CUDA OrtValue of a device (whose allocator
+    it keeps for the process). Left pointing at the pass's allocator, which is unbound
+    next, those fail in ORT ("CUDAExternalAllocator::Alloc ... p != nullptr"). A session
+    created with provider options of its own sets that variable back to no external
+    allocator: a one-node model on the same device, made and dropped here."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "reset", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(model.SerializeToString(), so,
+                             providers=[(CUDA_EP, {"device_id": str(device_id)})])
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+        warnings.warn(f"could not clear ONNX Runtime's record of the optimization pass's external allocator "
+                      f"({e}); a CUDA session made later without provider options may fail to allocate",
+                      OffloadWarning, stacklevel=3)
 
 
 def _optimize(src: str, out: str, level, min_weight_bytes: int, providers, disabled_optimizers=(),
