@@ -1,4 +1,4 @@
-"""Draws docs/residency_timeline.png, the README's residency timeline: a 6-layer decoder
+"""Draws docs/residency_timeline.png, the residency timeline of docs/architecture.md: a 6-layer decoder
 (builder layout, random weights) under a budget of 60% of its weights on the CPU host
 backend, generating 6 tokens. Needs matplotlib (pip install 'onnx-offload[plot]')."""
 import os

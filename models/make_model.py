@@ -7,7 +7,9 @@
     python models/make_model.py llm-standard out/llm-std ...   # Optimum / torch.onnx layout
 
 An LLM (``llm``, ``llm-standard``) is a folder: model.onnx, model.onnx.data and
-genai_config.json, as onnxruntime-genai lays it out; it runs with ``onnx-offload generate``.
+genai_config.json, as onnxruntime-genai lays it out, and, where the ``tokenizers`` package is
+installed, a word-level tokenizer.json (words ``w0`` to ``w<vocab - 1>``; any other word is
+``w0``), so that ``onnx-offload generate FOLDER --prompt TEXT`` runs on it as on a real folder.
 
 The generators live in the package (``onnx_offload.models``), which its tests, demo and
 benchmarks import; this script is how a person makes a model to run with
@@ -23,6 +25,21 @@ import numpy as np
 
 from onnx_offload.models import decoder_like, mlp_stack, residual_mlp, save, transformer_block
 from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
+
+
+def write_tokenizer(folder: str, vocab: int) -> str:
+    """Writes FOLDER/tokenizer.json, a word-level tokenizer over the words w0 .. w<vocab - 1>,
+    with the tokenizers package; returns what it did, for the user."""
+    try:
+        import tokenizers
+    except ImportError:
+        return "no tokenizer.json: pip install tokenizers for one (--prompt-ids runs without it)"
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()
+    path = os.path.join(folder, "tokenizer.json")
+    tok.save(path)
+    return f"wrote {path}"
 
 
 def main(argv=None) -> int:
@@ -47,6 +64,7 @@ def main(argv=None) -> int:
         cfg = genai_config(args.layers, args.hidden, args.heads, args.kv_heads, args.vocab, args.max_length,
                            layout=layout)
         print(f"wrote {save_decoder(model, args.path, config=cfg)}")
+        print(write_tokenizer(args.path, args.vocab))
         return 0
     os.makedirs(os.path.dirname(os.path.abspath(args.path)), exist_ok=True)
     if args.kind == "decoder":

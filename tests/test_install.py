@@ -77,14 +77,14 @@ def test_the_installed_ort_is_found_from_its_own_folder():
     assert onnxruntime.__version__ in found.values()
 
 
-def test_every_image_the_readme_shows_is_in_the_repository():
+def test_every_image_the_docs_show_is_in_the_repository():
     import re
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    readme = pathlib.Path(root, "README.md").read_text()
-    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme)
+    pages = [pathlib.Path(root, "README.md")] + sorted(pathlib.Path(root, "docs").glob("*.md"))
+    images = [(page, image) for page in pages for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text())]
     assert images
-    for image in images:
-        assert os.path.isfile(os.path.join(root, image)), image
+    for page, image in images:
+        assert os.path.isfile(os.path.join(page.parent, image)), (page, image)
 
 
 def test_without_onnxruntime_the_import_names_the_extras(tmp_path):
