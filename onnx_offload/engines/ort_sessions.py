@@ -60,14 +60,33 @@ class SessionFactory:
 
     def create(self, path: str, so: ort.SessionOptions, capture: bool) -> Tuple[ort.InferenceSession, bool, str]:
         """(session, captured, why not captured). ORT refuses capture when it places
-        nodes on the CPU; such a session runs without it."""
+        nodes on the CPU; such a session runs without it. So does a session that reads
+        an input in host memory (see `host_inputs`): a replay would not read it again."""
         if not capture:
             return ort.InferenceSession(path, so, providers=self.providers(False)), False, ""
         try:
-            return ort.InferenceSession(path, so, providers=self.providers(True)), True, ""
+            session = ort.InferenceSession(path, so, providers=self.providers(True))
         except Exception as e:  # noqa: BLE001 - ORT raises its own types
             msg = str(e)
             if "CUDA Graph" not in msg:
                 raise
             why = f"ORT refused capture: {msg.strip()[:200]}"
             return ort.InferenceSession(path, so, providers=self.providers(False)), False, why
+        read_on_host = self.host_inputs(session)
+        if not read_on_host:
+            return session, True, ""
+        del session
+        why = (f"ORT reads {', '.join(read_on_host[:4])}{' ...' if len(read_on_host) > 4 else ''} in host memory "
+               f"(its nodes there run on the CPU), which a replayed graph would not read again")
+        return ort.InferenceSession(path, so, providers=self.providers(False)), False, why
+
+    def host_inputs(self, session: ort.InferenceSession) -> list:
+        """The inputs of a CUDA session that ORT takes in host memory: every node reading
+        them runs on the CPU, or reads them there (a CPU-side input of a CUDA kernel, as
+        GroupQueryAttention's total_sequence_length). The package binds every value in
+        device memory, and IOBinding copies such an input to the host when it is bound, not
+        when the session runs: a binding kept from step to step must bind them again."""
+        if not self._device.is_cuda:
+            return []
+        infos = session.get_input_memory_infos()
+        return [i.name for i, m in zip(session.get_inputs(), infos) if m.name == "Cpu"]

@@ -44,10 +44,13 @@ MEASURED_RUNS = 3
 
 
 class _SegmentRun:
-    def __init__(self, seg: Segment, session: ort.InferenceSession, captured: bool):
+    def __init__(self, seg: Segment, session: ort.InferenceSession, captured: bool, host_inputs=()):
         self.seg = seg
         self.session = session
         self.captured = captured  # created with enable_cuda_graph
+        # Inputs ORT copies to host memory when they are bound (SessionFactory.host_inputs):
+        # a binding kept for later steps binds these again before each run.
+        self.host_inputs = tuple(host_inputs)
 
 
 class SegmentRunner(Engine):
@@ -129,7 +132,7 @@ class SegmentRunner(Engine):
         # What ORT committed while creating the session: its own initializers (small
         # constants, any copy it makes) and its workspaces.
         self._meter.charge_since(mark, creating=True)
-        return _SegmentRun(seg, session, captured)
+        return _SegmentRun(seg, session, captured, self._factory.host_inputs(session))
 
     @property
     def single(self) -> ort.InferenceSession:
@@ -259,6 +262,8 @@ class SegmentRunner(Engine):
                 if io is None:
                     io = run.session.io_binding()
                     self._binder.bind(io, run.seg, plan, values, feeds, bound_outputs)
+                elif run.host_inputs:
+                    self._binder.bind_inputs(io, run.host_inputs, plan, values, feeds)
                 try:
                     run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
                 except RuntimeError as e:

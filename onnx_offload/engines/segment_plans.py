@@ -162,11 +162,7 @@ class Binder:
 
     def bind(self, io, seg: Segment, plan: Optional[Plan], values, feeds, bound_outputs) -> None:
         device_name = "cuda" if self.device.is_cuda else "cpu"
-        for name in seg.inputs:
-            if plan is not None and name in plan.buffers:
-                io.bind_ortvalue_input(name, plan.buffers[name].value)
-            else:
-                io.bind_ortvalue_input(name, values[name] if name in values else feeds[name])
+        self.bind_inputs(io, seg.inputs, plan, values, feeds)
         if not self._stable:
             self.bind_weights(io, seg)
         for name in seg.outputs:
@@ -176,6 +172,15 @@ class Binder:
                 io.bind_ortvalue_output(name, plan.buffers[name].value)
             else:
                 io.bind_output(name, device_name, self._device_id)
+
+    @staticmethod
+    def bind_inputs(io, names, plan: Optional[Plan], values, feeds) -> None:
+        """Binds `names`: a plan's fixed buffer, else this step's value or the caller's feed."""
+        for name in names:
+            if plan is not None and name in plan.buffers:
+                io.bind_ortvalue_input(name, plan.buffers[name].value)
+            else:
+                io.bind_ortvalue_input(name, values[name] if name in values else feeds[name])
 
     def bind_weights(self, io, seg: Segment) -> None:
         """Without stable addresses the weights are inputs, bound where their slots are now."""
