@@ -13,7 +13,7 @@ from onnx_offload import OffloadSession, StateError, UnsupportedModel
 from onnx_offload.devices import DeviceShare, StagedSession, split_stages
 from onnx_offload.devices.moves import StepMoves
 from onnx_offload.devices.stages import tensor_bytes
-from onnx_offload.models import mlp_stack
+from onnx_offload.models import gpt2_lm, mlp_stack
 from onnx_offload.models.decoder import decoder_lm
 
 from conftest import reference_greedy
@@ -242,6 +242,27 @@ def test_generate_across_devices_gives_plain_ort_s_tokens(layout, budget):
         mask = np.array([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
         np.testing.assert_array_equal(s.generate(padded, 4, attention_mask=mask),
                                       reference_greedy(m, padded, 4, attention_mask=mask))
+
+
+@pytest.mark.parametrize("budget", ["resident", "streaming"])
+def test_a_gpt2_mask_that_crosses_the_cut_takes_each_step_s_size(budget):
+    """GPT-2 as torch.onnx exports it: its [batch, 1, seq, total] mask crosses the cut, and
+    the later stage, a session of its own, takes it at the prompt's size and every decode
+    step's."""
+    m = gpt2_lm(layers=4, heads=4)
+    kw = dict(weight_bytes=[60000, 60000], offload=True, vmm=True) if budget == "streaming" else {}
+    with staged(m, **kw) as s:
+        assert any(n.startswith("/transformer/Where") for n in s._model.segments[1].inputs)
+        if budget == "streaming":
+            assert all(stage._runner.streaming and len(stage.segments) > 1 for stage in s.stages)
+        for ids in (np.array([[5, 6, 7, 8]]), np.random.default_rng(4).integers(0, 97, (2, 6))):
+            np.testing.assert_array_equal(s.generate(ids, 4), reference_greedy(m, ids, 4))
+        b, p = 2, 6
+        feeds = {"input_ids": np.random.default_rng(5).integers(0, 97, (b, p)),
+                 "attention_mask": np.ones((b, p), np.int64), "position_ids": np.tile(np.arange(p), (b, 1))}
+        feeds.update({i.name: np.zeros((b, 4, 0, 16), np.float32) for i in s.get_inputs() if "past" in i.name})
+        for got, want in zip(s.run(None, feeds), plain(m, feeds)):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_generate_stops_at_eos_and_an_interrupted_generation_leaves_a_usable_session():
