@@ -1,6 +1,7 @@
 """A model split across devices: on the CPU every device is a host backend of its own,
 with its own ledger, so the split, the boundary moves and the per-device ledgers run
 here the code they run on GPUs."""
+import json
 import os
 import threading
 
@@ -152,10 +153,17 @@ def test_a_bad_feed_is_refused_as_ort_refuses_it():
 
 
 @pytest.mark.parametrize("devices, error", [([0, 0], ValueError), ("01", TypeError), ([], ValueError),
-                                            ([0, -1], ValueError), ([0, True], TypeError)])
+                                            ([0, -1], ValueError), ([0, True], TypeError),
+                                            ([0, 2**31], ValueError), ([0, 2**15], ValueError)])
 def test_bad_devices_are_refused(devices, error):
     with pytest.raises(error):
         staged(mlp_stack(layers=4, hidden=64), devices=devices)
+
+
+@pytest.mark.parametrize("kw", [dict(device_id=2**31), dict(devices=[2**31]), dict(devices=[0, 2**31])])
+def test_a_device_id_onnxruntime_cannot_hold_is_refused_before_it_reaches_onnxruntime(kw):
+    with pytest.raises(ValueError, match="ONNX Runtime takes device ids up to 32767"):
+        OffloadSession(mlp_stack(layers=2, hidden=64).SerializeToString(), providers=CPU, **kw)
 
 
 def test_per_device_values_must_name_each_device():
@@ -498,3 +506,58 @@ def test_an_interrupt_while_a_generation_closes_leaves_no_stage_s_plan_behind(mo
         assert [st._runner.plan_count for st in s.stages] == [0, 0]
         assert [st.device.ledger.snapshot().zones["kv"].committed.current for st in s.stages] == [0, 0]
         np.testing.assert_array_equal(s.generate(ids, 6), reference_greedy(m, ids, 6))
+
+
+# ---------------------------------------------------------------------- as InferenceSession
+
+def test_every_public_member_of_inference_session_is_on_both_kinds_of_session():
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    members = [n for n in dir(ort.InferenceSession) if not n.startswith("_")]
+    with staged(m) as split, OffloadSession(m.SerializeToString(), providers=CPU) as one:
+        for session in (split, one):
+            assert [n for n in members if not hasattr(session, n)] == [], type(session).__name__
+
+
+def test_a_staged_session_answers_what_inference_session_answers(tmp_path, monkeypatch):
+    from onnx import TensorProto, helper
+    monkeypatch.chdir(tmp_path)
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    m.graph.input.append(helper.make_tensor_value_info("b0", TensorProto.FLOAT, [64]))  # overridable
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = "split"
+    x = np.ones((3, 64), np.float32)
+    plain_session = ort.InferenceSession(m.SerializeToString(), providers=CPU)
+    with OffloadSession(m.SerializeToString(), so, providers=CPU, devices=[0, 1], host_granularity=4096,
+                        vram_limit="64MiB") as s:
+        assert s.get_session_options() is so
+        assert [i.name for i in s.get_overridable_initializers()] == \
+            [i.name for i in plain_session.get_overridable_initializers()] == ["b0"]
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain_session.run(None, {"x": x})[0])
+        s.disable_fallback()
+        s.enable_fallback()
+        with pytest.raises(StateError, match="providers fixed"):
+            s.set_providers(CPU)
+        for member in ("get_input_memory_infos", "get_output_memory_infos"):
+            with pytest.raises(StateError, match="stages on devices"):
+                getattr(s, member)()
+        with pytest.raises(StateError, match="run_with_ort_values"):
+            s.run_with_ortvaluevector(None, [], [], [], [], [])
+        assert isinstance(s.get_tuning_results(), list)
+        assert s.create_ortvalue_from_shape_and_type([2, 3], np.float32, "cpu").shape() == [2, 3]
+        start = s.get_profiling_start_time_ns()
+        assert start == min(stage.get_profiling_start_time_ns() for stage in s.stages) > 0
+        with open(s.end_profiling()) as f:
+            events = json.load(f)
+    # One file holds both stages' kernels; no stage's own file is left beside it.
+    assert {e["args"]["offload_stage"] for e in events if e.get("cat") == "Node"} == {0, 1}
+    assert [p.name.endswith("_merged.json") for p in tmp_path.glob("split*.json")] == [True]
+
+
+def test_the_optimum_route_reads_the_c_session_of_a_staged_session():
+    from onnx_offload.optimum_model import _SessionForOptimum
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    with staged(m) as s:
+        wrapped = _SessionForOptimum(s, "model.onnx")
+        assert type(wrapped._sess).__name__ == "InferenceSession"  # ORT's C session, as Optimum reads it
+        assert [i.name for i in wrapped.get_inputs()] == ["x"]

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 import onnxruntime as ort
 
-from ..config import OffloadConfig
+from ..config import MAX_DEVICE_ID, OffloadConfig
 from ..dropin import run_async
 from ..engines import GraphCaptureDecision, as_arrays, as_ortvalue, check_feeds
 from ..errors import StateError
@@ -31,6 +31,7 @@ from ..loading import external_data_folder, make_workdir, remove_workdir
 from ..memory import weights_allowance
 from ..session import ClosedAtExit, OffloadSession, session_arguments
 from .balance import DeviceShare
+from .dropin import StagedMembers
 from .generation import StagedGeneration, on_device, shortage
 from .moves import StepMoves
 from .stages import stage_models
@@ -53,6 +54,8 @@ def check_devices(devices) -> List[int]:
         d = operator.index(d)
         if d < 0:
             raise ValueError(f"device ids are >= 0, got {d}")
+        if d > MAX_DEVICE_ID:
+            raise ValueError(f"device id {d} is out of range: ONNX Runtime takes device ids up to {MAX_DEVICE_ID}")
         ids.append(d)
     if not ids:
         raise ValueError("devices names no device")
@@ -61,7 +64,7 @@ def check_devices(devices) -> List[int]:
     return ids
 
 
-class StagedSession(ClosedAtExit, GenerationMembers):
+class StagedSession(ClosedAtExit, StagedMembers, GenerationMembers):
     """A model over several devices. Made by ``OffloadSession(..., devices=[0, 1])``; the
     other arguments are OffloadSession's, and ``vram_limit``, ``weight_bytes``,
     ``kv_bytes`` and ``scratch_bytes`` may each be a list with one value per device."""
@@ -71,6 +74,8 @@ class StagedSession(ClosedAtExit, GenerationMembers):
                  **config_kwargs):
         self._lock = threading.RLock()
         self._pid = os.getpid()
+        self._cwd = os.getcwd()  # where ORT writes relative file names (profiles)
+        self._user_options = sess_options
         self._closed, self.stages, self._workdir = True, [], None
         self.devices = ids = check_devices(devices)
         per = {k: config_kwargs.pop(k) for k in PER_DEVICE if isinstance(config_kwargs.get(k), (list, tuple))}
@@ -127,7 +132,9 @@ class StagedSession(ClosedAtExit, GenerationMembers):
         return self._model.meta
 
     def get_session_options(self):
-        return self.stages[0].get_session_options()
+        """The SessionOptions as the caller gave them (ORT's defaults when none were)."""
+        self._check_open()
+        return self._user_options if self._user_options is not None else ort.SessionOptions()
 
     def get_provider_options(self) -> dict:
         """The first device's (each stage's names its own device_id)."""

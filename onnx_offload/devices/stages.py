@@ -32,6 +32,7 @@ class StagedModel:
     split: StageSplit
     inputs: List[IOInfo]  # the model's inputs a caller feeds
     required: List[str]  # those a caller must feed (not of optional type)
+    overridable: List[IOInfo]  # initializers the model also lists as inputs
     outputs: List[IOInfo]
     decoder: Union[DecoderSpec, Exception]  # the layout generate() runs, or why it cannot
     meta: ModelMeta
@@ -89,6 +90,7 @@ def stage_models(path_or_bytes, workdir: str, shares: Sequence[DeviceShare], min
     inputs = [IOInfo(v) for v in model.graph.input if v.name not in inits]
     required = [v.name for v in model.graph.input if v.name not in inits and not v.type.HasField("optional_type")]
     outputs = [IOInfo(v) for v in model.graph.output]
+    overridable = [IOInfo(v) for v in model.graph.input if v.name in inits]
     made = {o for node in model.graph.node for o in node.output}
     unmade = [o.name for o in outputs if o.name not in made]
     if unmade:
@@ -101,4 +103,4 @@ def stage_models(path_or_bytes, workdir: str, shares: Sequence[DeviceShare], min
     except UnsupportedModel as e:
         spec = e
     name = os.path.basename(os.fspath(path_or_bytes)) if from_file else "model (bytes)"
-    return StagedModel(paths, segments, cut, inputs, required, outputs, spec, ModelMeta.of(model), name)
+    return StagedModel(paths, segments, cut, inputs, required, overridable, outputs, spec, ModelMeta.of(model), name)
