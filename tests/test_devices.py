@@ -186,8 +186,12 @@ def test_a_model_file_s_data_is_read_from_a_copy_and_stays_the_caller_s_to_load(
               size_threshold=0)
     x = np.ones((8, 128), np.float32)
     with OffloadSession(path, providers=CPU, devices=[0, 1], host_granularity=4096, vram_limit="64MiB") as s:
-        copied = os.path.join(s._workdir, "stages", "m.data")
-        assert os.stat(copied).st_ino != os.stat(tmp_path / "m.data").st_ino
+        # The stages read the optimized model's data file, written in the session's folder.
+        folder = os.path.join(s._workdir, "stages")
+        assert "optimized.onnx.data" in os.listdir(folder)
+        theirs = os.stat(tmp_path / "m.data").st_ino
+        assert all(os.stat(os.path.join(folder, f)).st_ino != theirs for f in os.listdir(folder))
+        assert os.stat(tmp_path / "m.data").st_nlink == 1
         # onnx.load refuses a data file with several hard links; the caller's has one.
         np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain(onnx.load(path), {"x": x})[0])
 
@@ -561,3 +565,65 @@ def test_the_optimum_route_reads_the_c_session_of_a_staged_session():
         wrapped = _SessionForOptimum(s, "model.onnx")
         assert type(wrapped._sess).__name__ == "InferenceSession"  # ORT's C session, as Optimum reads it
         assert [i.name for i in wrapped.get_inputs()] == ["x"]
+
+
+# ---------------------------------------------------------------------- the optimized model
+
+def decoder_feeds(model, b=2, p=5):
+    """A prompt's feeds for a decoder made by the models package: an empty past."""
+    names = {i.name: i for i in ort.InferenceSession(model.SerializeToString(), providers=CPU).get_inputs()}
+    feeds = {"input_ids": np.random.default_rng(6).integers(0, 97, (b, p)), "attention_mask": np.ones((b, p), np.int64)}
+    if "position_ids" in names:
+        feeds["position_ids"] = np.tile(np.arange(p), (b, 1))
+    feeds.update({n: np.zeros((b, i.shape[1], 0, i.shape[3]), np.float32) for n, i in names.items() if "past" in n})
+    return feeds
+
+
+@pytest.mark.parametrize("model", ["gpt2", "standard", "gqa"])
+def test_the_whole_optimized_model_is_written_and_the_stages_run_its_kernels(model, tmp_path):
+    """optimized_model_filepath gets the whole model as ORT optimizes it (what a session on
+    one device writes), not a stage's part of it; the stages run that optimized graph, so
+    their outputs are plain ORT's to the bit."""
+    m = gpt2_lm() if model == "gpt2" else decoder_lm(model, layers=4)
+    feeds = decoder_feeds(m)
+    want = plain(m, feeds)
+    options = {}
+    for kind in ("split", "one"):
+        options[kind] = so = ort.SessionOptions()
+        so.optimized_model_filepath = str(tmp_path / f"{kind}.onnx")
+    with OffloadSession(m.SerializeToString(), options["split"], providers=CPU, devices=[0, 1],
+                        host_granularity=4096, vram_limit="64MiB") as s:
+        assert len({tuple(seg.inputs) for seg in s._model.segments}) == 2
+        got = s.run(None, feeds)
+    OffloadSession(m.SerializeToString(), options["one"], providers=CPU).close()
+    assert sorted(os.listdir(tmp_path)) == ["one.onnx", "split.onnx"]  # no stage wrote a file of its own
+    written, one = onnx.load(str(tmp_path / "split.onnx")), onnx.load(str(tmp_path / "one.onnx"))
+    assert [i.name for i in written.graph.input] == [i.name for i in m.graph.input]
+    assert [o.name for o in written.graph.output] == [o.name for o in m.graph.output]
+    assert [n.op_type for n in written.graph.node] == [n.op_type for n in one.graph.node]
+    again = ort.InferenceSession(str(tmp_path / "split.onnx"), providers=CPU).run(None, feeds)
+    for name, g, a, w in zip([o.name for o in m.graph.output], got, again, want):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_where_the_whole_model_cannot_be_optimized_the_stages_optimize_their_parts(monkeypatch, tmp_path):
+    """The CUDA pass holds every weight on one device: where that does not fit, the model is
+    cut as exported and each stage optimizes its part; no optimized model of the whole
+    exists then, and asking for one is refused with the reason."""
+    from onnx_offload.devices import stages
+    why = "ORT's optimization pass of the whole model did not fit device 0's free memory (out of memory)"
+    monkeypatch.setattr(stages, "optimize_whole", lambda src, folder, whole: why)
+    m = gpt2_lm()
+    feeds = decoder_feeds(m)
+    with staged(m) as s:
+        assert s._model.optimized is None
+        assert all(why in stage.stats().notes for stage in s.stages)
+        for got, want in zip(s.run(None, feeds), plain(m, feeds)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "split.onnx")
+    with pytest.raises(UnsupportedModel, match="no optimized model of the whole exists to write"):
+        OffloadSession(m.SerializeToString(), so, providers=CPU, devices=[0, 1], host_granularity=4096,
+                       vram_limit="64MiB")
+    assert os.listdir(tmp_path) == []
