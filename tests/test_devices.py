@@ -607,6 +607,26 @@ def test_the_whole_optimized_model_is_written_and_the_stages_run_its_kernels(mod
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_cut_through_a_pattern_ort_fuses_keeps_plain_ort_s_outputs(whole, monkeypatch):
+    """Over three devices GPT-2's cut falls inside the tanh GELU that ORT fuses (FastGelu):
+    the whole model's optimized graph, cut, runs plain ORT's fused kernel, to the bit;
+    stages that optimize their own parts cannot fuse across the cut and run the GELU
+    unfused, within float32 rounding of it."""
+    from onnx_offload.devices import stages
+    if not whole:
+        monkeypatch.setattr(stages, "optimize_whole", lambda src, folder, pass_: "each stage optimizes its part")
+    m = gpt2_lm()
+    feeds = decoder_feeds(m)
+    with staged(m, devices=(0, 1, 2)) as s:
+        got = s.run(None, feeds)
+    for name, g, w in zip([o.name for o in m.graph.output], got, plain(m, feeds)):
+        if whole:
+            np.testing.assert_array_equal(g, w, err_msg=name)
+        else:
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_where_the_whole_model_cannot_be_optimized_the_stages_optimize_their_parts(monkeypatch, tmp_path):
     """The CUDA pass holds every weight on one device: where that does not fit, the model is
     cut as exported and each stage optimizes its part; no optimized model of the whole
