@@ -31,6 +31,7 @@ from ..interrupts import deferred_interrupts
 from ..loading import (copy_options, external_data_folder, make_workdir, optimization_level, remove_workdir,
                        unseen, write_optimized)
 from ..memory import weights_allowance
+from ..progress import LoadProgress
 from ..session import ClosedAtExit, OffloadSession, session_arguments
 from .balance import DeviceShare
 from .dropin import StagedMembers
@@ -107,7 +108,7 @@ class StagedSession(ClosedAtExit, StagedMembers, GenerationMembers):
             whole = WholePass(first.on_cuda, optimization_level(first.config.optimization_level, sess_options),
                               first.config, sorted(config_kwargs.get("disabled_optimizers") or ()),
                               copy_options(sess_options) if sess_options is not None else None)
-            with on_device(ids[0], 0, len(ids)):
+            with on_device(ids[0], 0, len(ids)), LoadProgress(progress).phase("optimizing the whole model"):
                 self._model = m = stage_models(path_or_bytes, self._workdir, shares, whole,
                                                external_data_folder(sess_options))
             self._decoder_spec = m.decoder
