@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import onnxruntime as ort
 
-from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag, parse_index
+from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_device_id, parse_flag, parse_index
 from .errors import CudaUnavailable, OffloadWarning
 from .loading import CUDA_EP, choose_providers, normalize_providers
 
@@ -47,7 +47,7 @@ def read_arguments(providers, provider_options, config: Optional[OffloadConfig],
         given |= {f for f in ("device_id", "vram_limit") if getattr(config, f) != getattr(OffloadConfig(), f)}
     taken = {}
     if "device_id" in cuda_given and "device_id" not in given and on_cuda:
-        taken["device_id"] = parse_index(cuda_given["device_id"], "device_id (CUDA provider option)")
+        taken["device_id"] = parse_device_id(cuda_given["device_id"], "device_id (CUDA provider option)")
     if "gpu_mem_limit" in cuda_given and "vram_limit" not in given and on_cuda:
         taken["vram_limit"] = parse_index(cuda_given["gpu_mem_limit"], "gpu_mem_limit (CUDA provider option)")
     if taken:

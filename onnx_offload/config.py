@@ -190,8 +190,12 @@ def parse_cache_dir(value, name: str = ENV_CACHE_DIR) -> str:
     return os.path.expanduser(text)
 
 
+# ONNX Runtime holds a device id in 16 bits (OrtDevice::DeviceId, an int16_t).
+MAX_DEVICE_ID = 2**15 - 1
+
+
 def parse_index(value, name: str) -> int:
-    """A device index: a non-negative integer, or its digits (as provider options give it)."""
+    """A non-negative integer, or its digits (as provider options give it)."""
     n = integer(value)
     if n is None and isinstance(value, str) and value.strip().isdigit():
         n = int(value)
@@ -199,6 +203,14 @@ def parse_index(value, name: str) -> int:
         raise ValueError(f"{name}={value!r} is not valid: expected a non-negative integer")
     if n < 0:
         raise ValueError(f"{name}={value!r} is not valid: expected a non-negative integer")
+    return n
+
+
+def parse_device_id(value, name: str) -> int:
+    """A device index: parse_index's, no larger than ONNX Runtime takes."""
+    n = parse_index(value, name)
+    if n > MAX_DEVICE_ID:
+        raise ValueError(f"{name}={value!r} is out of range: ONNX Runtime takes device ids up to {MAX_DEVICE_ID}")
     return n
 
 
@@ -283,7 +295,7 @@ class OffloadConfig:
                 raise ValueError(f"zone_va_bytes={self.zone_va_bytes} cannot be reserved: it must be between 1 "
                                  f"and {(1 << 47) // 4} bytes (four zones share a process's 2**47 bytes of address "
                                  f"space)")
-        self.device_id = parse_index(self.device_id, "device_id")
+        self.device_id = parse_device_id(self.device_id, "device_id")
         classes = self.handle_classes
         if not isinstance(classes, (tuple, list)) or not all(
                 integer(c) is not None and c > 0 for c in classes):

@@ -128,26 +128,8 @@ class InferenceSessionMembers:
             files = [run.session.end_profiling() for run in runs]
             # ORT names the file relative to the working directory the session was made in.
             files = [(os.path.join(self._cwd, f) if f else "", t) for f, t in zip(files, starts)]
-            files = [(f, t) for f, t in files if f]
-            if len(files) <= 1:
-                return files[0][0] if files else ""
-            first = min(t for _, t in files)
-            events = []
-            for k, (path, start) in enumerate(files):
-                with open(path) as f:
-                    for event in json.load(f):
-                        if isinstance(event.get("ts"), (int, float)):
-                            event["ts"] += (start - first) / 1000.0  # ORT's ts: microseconds from its start
-                        event.setdefault("args", {})["offload_segment"] = k
-                        events.append(event)
             prefix = self._user_options.profile_file_prefix if self._user_options is not None else ""
-            stamp = time.strftime("%Y-%m-%d_%H-%M-%S") + f"-{time.time_ns() % 10**9:09d}"
-            merged = os.path.join(self._cwd, f"{prefix or 'onnxruntime_profile_'}_{stamp}_merged.json")
-            with open(merged, "w") as f:
-                json.dump(events, f)
-            for path, _ in files:
-                os.remove(path)
-            return merged
+            return merge_profiles(files, self._cwd, prefix, "offload_segment")
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None) -> List[ort.OrtValue]:
         """As InferenceSession.run_with_ort_values: OrtValues in, OrtValues out (each in
@@ -226,6 +208,33 @@ class InferenceSessionMembers:
         callback(outputs, user_data, error message), the message empty on success."""
         self._check_open()
         run_async(self, self._required_inputs, output_names, input_feed, callback, user_data, run_options)
+
+
+def merge_profiles(files, cwd: str, prefix: str, tag: str) -> str:
+    """One profile of several ORT profiles, `files` as [(path or '', the profile's start
+    in ns)]: each event's time moved onto the earliest profile's clock, and its args
+    naming (as `tag`) the index of the profile it came from. The parts are removed; a
+    single profile is returned as it is, none as ''. The merged file is named as ORT
+    names a profile (`prefix`, or ORT's own), in `cwd`."""
+    files = [(f, t) for f, t in files if f]
+    if len(files) <= 1:
+        return files[0][0] if files else ""
+    first = min(t for _, t in files)
+    events = []
+    for k, (path, start) in enumerate(files):
+        with open(path) as f:
+            for event in json.load(f):
+                if isinstance(event.get("ts"), (int, float)):
+                    event["ts"] += (start - first) / 1000.0  # ORT's ts: microseconds from its start
+                event.setdefault("args", {})[tag] = k
+                events.append(event)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S") + f"-{time.time_ns() % 10**9:09d}"
+    merged = os.path.join(cwd, f"{prefix or 'onnxruntime_profile_'}_{stamp}_merged.json")
+    with open(merged, "w") as f:
+        json.dump(events, f)
+    for path, _ in files:
+        os.remove(path)
+    return merged
 
 
 def run_async(session, required, output_names, input_feed, callback, user_data, run_options) -> None:

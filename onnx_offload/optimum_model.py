@@ -28,7 +28,10 @@ class _SessionForOptimum:
 
     @property
     def _sess(self):
-        return self._offload._live_runner().single._sess
+        from .devices import StagedSession
+        # A session split across devices: its first stage's (Optimum only reads it).
+        session = self._offload.stages[0] if isinstance(self._offload, StagedSession) else self._offload
+        return session._live_runner().single._sess
 
     def __getattr__(self, name):
         return getattr(self._offload, name)

@@ -1,6 +1,7 @@
 """A model split across devices: on the CPU every device is a host backend of its own,
 with its own ledger, so the split, the boundary moves and the per-device ledgers run
 here the code they run on GPUs."""
+import json
 import os
 import threading
 
@@ -13,7 +14,7 @@ from onnx_offload import OffloadSession, StateError, UnsupportedModel
 from onnx_offload.devices import DeviceShare, StagedSession, split_stages
 from onnx_offload.devices.moves import StepMoves
 from onnx_offload.devices.stages import tensor_bytes
-from onnx_offload.models import mlp_stack
+from onnx_offload.models import gpt2_lm, mlp_stack
 from onnx_offload.models.decoder import decoder_lm
 
 from conftest import reference_greedy
@@ -152,10 +153,17 @@ def test_a_bad_feed_is_refused_as_ort_refuses_it():
 
 
 @pytest.mark.parametrize("devices, error", [([0, 0], ValueError), ("01", TypeError), ([], ValueError),
-                                            ([0, -1], ValueError), ([0, True], TypeError)])
+                                            ([0, -1], ValueError), ([0, True], TypeError),
+                                            ([0, 2**31], ValueError), ([0, 2**15], ValueError)])
 def test_bad_devices_are_refused(devices, error):
     with pytest.raises(error):
         staged(mlp_stack(layers=4, hidden=64), devices=devices)
+
+
+@pytest.mark.parametrize("kw", [dict(device_id=2**31), dict(devices=[2**31]), dict(devices=[0, 2**31])])
+def test_a_device_id_onnxruntime_cannot_hold_is_refused_before_it_reaches_onnxruntime(kw):
+    with pytest.raises(ValueError, match="ONNX Runtime takes device ids up to 32767"):
+        OffloadSession(mlp_stack(layers=2, hidden=64).SerializeToString(), providers=CPU, **kw)
 
 
 def test_per_device_values_must_name_each_device():
@@ -178,8 +186,12 @@ def test_a_model_file_s_data_is_read_from_a_copy_and_stays_the_caller_s_to_load(
               size_threshold=0)
     x = np.ones((8, 128), np.float32)
     with OffloadSession(path, providers=CPU, devices=[0, 1], host_granularity=4096, vram_limit="64MiB") as s:
-        copied = os.path.join(s._workdir, "stages", "m.data")
-        assert os.stat(copied).st_ino != os.stat(tmp_path / "m.data").st_ino
+        # The stages read the optimized model's data file, written in the session's folder.
+        folder = os.path.join(s._workdir, "stages")
+        assert "optimized.onnx.data" in os.listdir(folder)
+        theirs = os.stat(tmp_path / "m.data").st_ino
+        assert all(os.stat(os.path.join(folder, f)).st_ino != theirs for f in os.listdir(folder))
+        assert os.stat(tmp_path / "m.data").st_nlink == 1
         # onnx.load refuses a data file with several hard links; the caller's has one.
         np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain(onnx.load(path), {"x": x})[0])
 
@@ -242,6 +254,27 @@ def test_generate_across_devices_gives_plain_ort_s_tokens(layout, budget):
         mask = np.array([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
         np.testing.assert_array_equal(s.generate(padded, 4, attention_mask=mask),
                                       reference_greedy(m, padded, 4, attention_mask=mask))
+
+
+@pytest.mark.parametrize("budget", ["resident", "streaming"])
+def test_a_gpt2_mask_that_crosses_the_cut_takes_each_step_s_size(budget):
+    """GPT-2 as torch.onnx exports it: its [batch, 1, seq, total] mask crosses the cut, and
+    the later stage, a session of its own, takes it at the prompt's size and every decode
+    step's."""
+    m = gpt2_lm(layers=4, heads=4)
+    kw = dict(weight_bytes=[60000, 60000], offload=True, vmm=True) if budget == "streaming" else {}
+    with staged(m, **kw) as s:
+        assert any(n.startswith("/transformer/Where") for n in s._model.segments[1].inputs)
+        if budget == "streaming":
+            assert all(stage._runner.streaming and len(stage.segments) > 1 for stage in s.stages)
+        for ids in (np.array([[5, 6, 7, 8]]), np.random.default_rng(4).integers(0, 97, (2, 6))):
+            np.testing.assert_array_equal(s.generate(ids, 4), reference_greedy(m, ids, 4))
+        b, p = 2, 6
+        feeds = {"input_ids": np.random.default_rng(5).integers(0, 97, (b, p)),
+                 "attention_mask": np.ones((b, p), np.int64), "position_ids": np.tile(np.arange(p), (b, 1))}
+        feeds.update({i.name: np.zeros((b, 4, 0, 16), np.float32) for i in s.get_inputs() if "past" in i.name})
+        for got, want in zip(s.run(None, feeds), plain(m, feeds)):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_generate_stops_at_eos_and_an_interrupted_generation_leaves_a_usable_session():
@@ -477,3 +510,140 @@ def test_an_interrupt_while_a_generation_closes_leaves_no_stage_s_plan_behind(mo
         assert [st._runner.plan_count for st in s.stages] == [0, 0]
         assert [st.device.ledger.snapshot().zones["kv"].committed.current for st in s.stages] == [0, 0]
         np.testing.assert_array_equal(s.generate(ids, 6), reference_greedy(m, ids, 6))
+
+
+# ---------------------------------------------------------------------- as InferenceSession
+
+def test_every_public_member_of_inference_session_is_on_both_kinds_of_session():
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    members = [n for n in dir(ort.InferenceSession) if not n.startswith("_")]
+    with staged(m) as split, OffloadSession(m.SerializeToString(), providers=CPU) as one:
+        for session in (split, one):
+            assert [n for n in members if not hasattr(session, n)] == [], type(session).__name__
+
+
+def test_a_staged_session_answers_what_inference_session_answers(tmp_path, monkeypatch):
+    from onnx import TensorProto, helper
+    monkeypatch.chdir(tmp_path)
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    m.graph.input.append(helper.make_tensor_value_info("b0", TensorProto.FLOAT, [64]))  # overridable
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = "split"
+    x = np.ones((3, 64), np.float32)
+    plain_session = ort.InferenceSession(m.SerializeToString(), providers=CPU)
+    with OffloadSession(m.SerializeToString(), so, providers=CPU, devices=[0, 1], host_granularity=4096,
+                        vram_limit="64MiB") as s:
+        assert s.get_session_options() is so
+        assert [i.name for i in s.get_overridable_initializers()] == \
+            [i.name for i in plain_session.get_overridable_initializers()] == ["b0"]
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain_session.run(None, {"x": x})[0])
+        s.disable_fallback()
+        s.enable_fallback()
+        with pytest.raises(StateError, match="providers fixed"):
+            s.set_providers(CPU)
+        for member in ("get_input_memory_infos", "get_output_memory_infos"):
+            with pytest.raises(StateError, match="stages on devices"):
+                getattr(s, member)()
+        with pytest.raises(StateError, match="run_with_ort_values"):
+            s.run_with_ortvaluevector(None, [], [], [], [], [])
+        assert isinstance(s.get_tuning_results(), list)
+        assert s.create_ortvalue_from_shape_and_type([2, 3], np.float32, "cpu").shape() == [2, 3]
+        start = s.get_profiling_start_time_ns()
+        assert start == min(stage.get_profiling_start_time_ns() for stage in s.stages) > 0
+        with open(s.end_profiling()) as f:
+            events = json.load(f)
+    # One file holds both stages' kernels; no stage's own file is left beside it.
+    assert {e["args"]["offload_stage"] for e in events if e.get("cat") == "Node"} == {0, 1}
+    assert [p.name.endswith("_merged.json") for p in tmp_path.glob("split*.json")] == [True]
+
+
+def test_the_optimum_route_reads_the_c_session_of_a_staged_session():
+    from onnx_offload.optimum_model import _SessionForOptimum
+    m = mlp_stack(layers=4, hidden=64, batch=3)
+    with staged(m) as s:
+        wrapped = _SessionForOptimum(s, "model.onnx")
+        assert type(wrapped._sess).__name__ == "InferenceSession"  # ORT's C session, as Optimum reads it
+        assert [i.name for i in wrapped.get_inputs()] == ["x"]
+
+
+# ---------------------------------------------------------------------- the optimized model
+
+def decoder_feeds(model, b=2, p=5):
+    """A prompt's feeds for a decoder made by the models package: an empty past."""
+    names = {i.name: i for i in ort.InferenceSession(model.SerializeToString(), providers=CPU).get_inputs()}
+    feeds = {"input_ids": np.random.default_rng(6).integers(0, 97, (b, p)), "attention_mask": np.ones((b, p), np.int64)}
+    if "position_ids" in names:
+        feeds["position_ids"] = np.tile(np.arange(p), (b, 1))
+    feeds.update({n: np.zeros((b, i.shape[1], 0, i.shape[3]), np.float32) for n, i in names.items() if "past" in n})
+    return feeds
+
+
+@pytest.mark.parametrize("model", ["gpt2", "standard", "gqa"])
+def test_the_whole_optimized_model_is_written_and_the_stages_run_its_kernels(model, tmp_path):
+    """optimized_model_filepath gets the whole model as ORT optimizes it (what a session on
+    one device writes), not a stage's part of it; the stages run that optimized graph, so
+    their outputs are plain ORT's to the bit."""
+    m = gpt2_lm() if model == "gpt2" else decoder_lm(model, layers=4)
+    feeds = decoder_feeds(m)
+    want = plain(m, feeds)
+    options = {}
+    for kind in ("split", "one"):
+        options[kind] = so = ort.SessionOptions()
+        so.optimized_model_filepath = str(tmp_path / f"{kind}.onnx")
+    with OffloadSession(m.SerializeToString(), options["split"], providers=CPU, devices=[0, 1],
+                        host_granularity=4096, vram_limit="64MiB") as s:
+        assert len({tuple(seg.inputs) for seg in s._model.segments}) == 2
+        got = s.run(None, feeds)
+    OffloadSession(m.SerializeToString(), options["one"], providers=CPU).close()
+    assert sorted(os.listdir(tmp_path)) == ["one.onnx", "split.onnx"]  # no stage wrote a file of its own
+    written, one = onnx.load(str(tmp_path / "split.onnx")), onnx.load(str(tmp_path / "one.onnx"))
+    assert [i.name for i in written.graph.input] == [i.name for i in m.graph.input]
+    assert [o.name for o in written.graph.output] == [o.name for o in m.graph.output]
+    assert [n.op_type for n in written.graph.node] == [n.op_type for n in one.graph.node]
+    again = ort.InferenceSession(str(tmp_path / "split.onnx"), providers=CPU).run(None, feeds)
+    for name, g, a, w in zip([o.name for o in m.graph.output], got, again, want):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_cut_through_a_pattern_ort_fuses_keeps_plain_ort_s_outputs(whole, monkeypatch):
+    """Over three devices GPT-2's cut falls inside the tanh GELU that ORT fuses (FastGelu):
+    the whole model's optimized graph, cut, runs plain ORT's fused kernel, to the bit;
+    stages that optimize their own parts cannot fuse across the cut and run the GELU
+    unfused, within float32 rounding of it."""
+    from onnx_offload.devices import stages
+    if not whole:
+        monkeypatch.setattr(stages, "optimize_whole", lambda src, folder, pass_: "each stage optimizes its part")
+    m = gpt2_lm()
+    feeds = decoder_feeds(m)
+    with staged(m, devices=(0, 1, 2)) as s:
+        got = s.run(None, feeds)
+    for name, g, w in zip([o.name for o in m.graph.output], got, plain(m, feeds)):
+        if whole:
+            np.testing.assert_array_equal(g, w, err_msg=name)
+        else:
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_where_the_whole_model_cannot_be_optimized_the_stages_optimize_their_parts(monkeypatch, tmp_path):
+    """The CUDA pass holds every weight on one device: where that does not fit, the model is
+    cut as exported and each stage optimizes its part; no optimized model of the whole
+    exists then, and asking for one is refused with the reason."""
+    from onnx_offload.devices import stages
+    why = "ORT's optimization pass of the whole model did not fit device 0's free memory (out of memory)"
+    monkeypatch.setattr(stages, "optimize_whole", lambda src, folder, whole: why)
+    m = gpt2_lm()
+    feeds = decoder_feeds(m)
+    with staged(m) as s:
+        assert s._model.optimized is None
+        assert all(why in stage.stats().notes for stage in s.stages)
+        for got, want in zip(s.run(None, feeds), plain(m, feeds)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "split.onnx")
+    with pytest.raises(UnsupportedModel, match="no optimized model of the whole exists to write"):
+        OffloadSession(m.SerializeToString(), so, providers=CPU, devices=[0, 1], host_granularity=4096,
+                       vram_limit="64MiB")
+    assert os.listdir(tmp_path) == []

@@ -63,3 +63,15 @@ def test_the_route_reads_the_folder_s_generation_config(exported):
         assert model.generation_config.eos_token_id == 255
     finally:
         model.offload_session.close()
+
+
+def test_the_route_runs_a_session_split_across_devices(exported):
+    ids = torch.tensor(np.random.default_rng(1).integers(1, 250, (1, 6)))
+    plain = ORTModelForCausalLM.from_pretrained(exported, provider="CPUExecutionProvider", use_io_binding=False)
+    want = plain.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    model = causal_lm(exported, providers=CPU, devices=[0, 1], vram_limit="64MiB", host_granularity=4096)
+    try:
+        assert len(model.offload_session.stages) == 2
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8), want)
+    finally:
+        model.offload_session.close()

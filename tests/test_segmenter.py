@@ -86,3 +86,27 @@ def test_boundary_types_of_contrib_ops_come_from_ort_s_own_inference():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
                           ir_version=8)
     assert value_types(m)["y"].tensor_type.elem_type == TensorProto.INT32
+
+
+def test_a_graph_input_of_unknown_sizes_keeps_them_unknown_where_inference_merges_them():
+    """A mask [b, 1, s, t] fed with no sizes, added to scores of 4 heads: ORT's symbolic
+    inference merges the mask's second dimension with the heads (4), and a segment that
+    declared it so would refuse every mask of one head."""
+    from onnx import TensorProto, helper
+    rng = np.random.default_rng(0)
+    w0, w1 = (numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), n) for n in ("w0", "w1"))
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"]),
+             helper.make_node("Add", ["h", "mask"], ["scores"]),
+             helper.make_node("MatMul", ["scores", "w1"], ["y"])]
+    m = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4, "s", 32]),
+                     helper.make_tensor_value_info("mask", TensorProto.FLOAT, [None, None, None, None])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4, "s", 32])], initializer=[w0, w1]),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = {"x": rng.standard_normal((2, 4, 3, 32)).astype(np.float32),
+             "mask": rng.standard_normal((2, 1, 3, 32)).astype(np.float32)}
+    segments, outs = run_split(m, 1, feeds)
+    assert len(segments) == 2 and "mask" in segments[0].inputs
+    declared = next(i for i in segments[0].model.graph.input if i.name == "mask")
+    assert [d.HasField("dim_value") for d in declared.type.tensor_type.shape.dim] == [False] * 4
+    np.testing.assert_array_equal(outs[0], reference(m, feeds)[0])

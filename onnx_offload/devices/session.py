@@ -17,23 +17,27 @@ import dataclasses
 import operator
 import os
 import threading
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import onnxruntime as ort
 
-from ..config import OffloadConfig
+from ..config import MAX_DEVICE_ID, OffloadConfig
 from ..dropin import run_async
 from ..engines import GraphCaptureDecision, as_arrays, as_ortvalue, check_feeds
-from ..errors import StateError
+from ..errors import OffloadWarning, StateError, UnsupportedModel
 from ..generation import GenerationMembers
 from ..interrupts import deferred_interrupts
-from ..loading import external_data_folder, make_workdir, remove_workdir
+from ..loading import (copy_options, external_data_folder, make_workdir, optimization_level, remove_workdir,
+                       unseen, write_optimized)
 from ..memory import weights_allowance
+from ..progress import LoadProgress
 from ..session import ClosedAtExit, OffloadSession, session_arguments
 from .balance import DeviceShare
+from .dropin import StagedMembers
 from .generation import StagedGeneration, on_device, shortage
 from .moves import StepMoves
-from .stages import stage_models
+from .stages import WholePass, stage_models
 from .stats import StagedStats
 
 # Keywords a caller may give per device, as a list with one value for each.
@@ -53,6 +57,8 @@ def check_devices(devices) -> List[int]:
         d = operator.index(d)
         if d < 0:
             raise ValueError(f"device ids are >= 0, got {d}")
+        if d > MAX_DEVICE_ID:
+            raise ValueError(f"device id {d} is out of range: ONNX Runtime takes device ids up to {MAX_DEVICE_ID}")
         ids.append(d)
     if not ids:
         raise ValueError("devices names no device")
@@ -61,7 +67,7 @@ def check_devices(devices) -> List[int]:
     return ids
 
 
-class StagedSession(ClosedAtExit, GenerationMembers):
+class StagedSession(ClosedAtExit, StagedMembers, GenerationMembers):
     """A model over several devices. Made by ``OffloadSession(..., devices=[0, 1])``; the
     other arguments are OffloadSession's, and ``vram_limit``, ``weight_bytes``,
     ``kv_bytes`` and ``scratch_bytes`` may each be a list with one value per device."""
@@ -71,6 +77,8 @@ class StagedSession(ClosedAtExit, GenerationMembers):
                  **config_kwargs):
         self._lock = threading.RLock()
         self._pid = os.getpid()
+        self._cwd = os.getcwd()  # where ORT writes relative file names (profiles)
+        self._user_options = sess_options
         self._closed, self.stages, self._workdir = True, [], None
         self.devices = ids = check_devices(devices)
         per = {k: config_kwargs.pop(k) for k in PER_DEVICE if isinstance(config_kwargs.get(k), (list, tuple))}
@@ -90,24 +98,56 @@ class StagedSession(ClosedAtExit, GenerationMembers):
         self.moved_bytes = 0
         self._workdir = make_workdir()
         try:
-            shares = []
+            shares, first = [], None
             for i, (cfg, kw) in enumerate(zip(configs, stage_kwargs)):
                 given = {k: v for k, v in kw.items() if k not in SESSION_KEYWORDS} if cfg is None else {}
                 with on_device(ids[i], i, len(ids)):
                     args = session_arguments(providers, provider_options, cfg, given)
                     shares.append(DeviceShare(weights_allowance(args.on_cuda, args.config)))
-            self._model = m = stage_models(path_or_bytes, self._workdir, shares, args.config.min_weight_bytes,
-                                           external_data_folder(sess_options))
+                    first = args if first is None else first
+            whole = WholePass(first.on_cuda, optimization_level(first.config.optimization_level, sess_options),
+                              first.config, sorted(config_kwargs.get("disabled_optimizers") or ()),
+                              copy_options(sess_options) if sess_options is not None else None)
+            with on_device(ids[0], 0, len(ids)), LoadProgress(progress).phase("optimizing the whole model"):
+                self._model = m = stage_models(path_or_bytes, self._workdir, shares, whole,
+                                               external_data_folder(sess_options))
             self._decoder_spec = m.decoder
+            stage_options = self._write_optimized(sess_options)
+            if m.optimized:  # the stages run their parts of the optimized model as they are
+                stage_kwargs = [dict(kw, optimization_level="disable") for kw in stage_kwargs]
+                configs = [dataclasses.replace(c, optimization_level="disable") if c is not None else None
+                           for c in configs]
             for d, path, cfg, kw in zip(ids, m.paths, configs, stage_kwargs):
                 with on_device(d, len(self.stages), len(ids)):
                     session_kw = {k: v for k, v in kw.items() if k in SESSION_KEYWORDS}
-                    self.stages.append(OffloadSession(path, sess_options, providers, provider_options, config=cfg,
+                    self.stages.append(OffloadSession(path, stage_options, providers, provider_options, config=cfg,
                                                       progress=progress, **(kw if cfg is None else session_kw)))
+                    if m.note:
+                        self.stages[-1]._notes.append(m.note)
         except BaseException:
             self._teardown()
             raise
         self._closed = False
+
+    def _write_optimized(self, sess_options):
+        """Writes the whole optimized model where the caller's SessionOptions ask
+        (optimized_model_filepath), as ORT and a one-device session write it; returns the
+        SessionOptions the stages take, which ask for no file of their own part."""
+        if sess_options is None or not sess_options.optimized_model_filepath:
+            return sess_options
+        if self._model.optimized is None:
+            raise UnsupportedModel(f"optimized_model_filepath: {self._model.note}, so no optimized model of the whole "
+                                   f"exists to write; leave optimized_model_filepath unset, or write it from a "
+                                   f"session on one device of more free memory")
+        write_optimized(self._model.optimized, sess_options.optimized_model_filepath)
+        if unseen(sess_options):
+            warnings.warn("these SessionOptions were made before onnx_offload was imported, so free-dimension "
+                          "overrides, custom-op libraries and initializers added to them are not seen (only their "
+                          "properties and ORT's documented config entries are); import onnx_offload first",
+                          OffloadWarning, stacklevel=4)
+        stage_options = copy_options(sess_options)
+        stage_options.graph_optimization_level = sess_options.graph_optimization_level
+        return stage_options
 
     # ------------------------------------------------------------------ as InferenceSession
     def get_inputs(self):
@@ -127,7 +167,9 @@ class StagedSession(ClosedAtExit, GenerationMembers):
         return self._model.meta
 
     def get_session_options(self):
-        return self.stages[0].get_session_options()
+        """The SessionOptions as the caller gave them (ORT's defaults when none were)."""
+        self._check_open()
+        return self._user_options if self._user_options is not None else ort.SessionOptions()
 
     def get_provider_options(self) -> dict:
         """The first device's (each stage's names its own device_id)."""

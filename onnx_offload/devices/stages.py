@@ -1,5 +1,12 @@
 """A model cut into stage models, one per device.
 
+The model is optimized whole first, by the pass one session runs (loading.optimize_once,
+for the target provider, with the caller's options), and the optimized graph is what is
+cut: every stage runs the nodes and kernels plain ORT runs for that part of the model,
+and the whole optimized model is there to write where the caller's SessionOptions ask
+for it (optimized_model_filepath). Where the CUDA pass cannot hold the whole model on
+one device, the model is cut as exported and each stage optimizes its own part.
+
 Each stage is written as an ONNX file of its own in the session's folder: its nodes, the
 values it takes from the caller or from earlier stages, the values later stages or the
 caller read, and the initializers its nodes read. Those keep their external data
@@ -13,16 +20,30 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from ..errors import UnsupportedModel
-from ..loading import (DecoderSpec, IOInfo, ModelMeta, Segment, check_external_data, copy_regular, decoder_spec,
-                       external_info, materialize, model_file, rotary_rows, saving, split, window_caches)
+from ..errors import CorruptModel, OffloadError, UnsupportedModel
+from ..loading import (OPTIMIZED, OPTIMIZED_DATA, DecoderSpec, IOInfo, ModelMeta, Segment, check_external_data,
+                       copy_regular, decoder_spec, external_info, load_optimized, materialize, model_file,
+                       optimize_once, rotary_rows, saving, split, window_caches)
+from ..memory import Device
 from .balance import DeviceShare, StageSplit, split_stages
+
+
+@dataclasses.dataclass
+class WholePass:
+    """How the whole model is optimized before it is cut, as one session's pipeline
+    optimizes it."""
+
+    on_cuda: bool
+    level: object  # the ort.GraphOptimizationLevel
+    config: object  # the first device's OffloadConfig: the CUDA pass runs on that device
+    disabled_optimizers: List[str]
+    options: object  # the caller's SessionOptions as ORT takes them (a copy), or None
 
 
 @dataclasses.dataclass
@@ -32,10 +53,13 @@ class StagedModel:
     split: StageSplit
     inputs: List[IOInfo]  # the model's inputs a caller feeds
     required: List[str]  # those a caller must feed (not of optional type)
+    overridable: List[IOInfo]  # initializers the model also lists as inputs
     outputs: List[IOInfo]
     decoder: Union[DecoderSpec, Exception]  # the layout generate() runs, or why it cannot
     meta: ModelMeta
     name: str
+    optimized: Optional[str]  # the whole optimized model's file; None where each stage optimizes its own part
+    note: str  # why the stages optimize their own parts, or ''
 
 
 def tensor_bytes(t: onnx.TensorProto) -> int:
@@ -55,22 +79,50 @@ def tensor_bytes(t: onnx.TensorProto) -> int:
         return count
 
 
-def stage_models(path_or_bytes, workdir: str, shares: Sequence[DeviceShare], min_weight_bytes: int,
+def optimize_whole(src: str, folder: str, whole: WholePass) -> str:
+    """Optimizes the model at `src` into `folder` (OPTIMIZED and OPTIMIZED_DATA); '' once
+    it is there, else why not: the CUDA pass, which holds every weight on the device
+    once, did not fit the first device's free memory."""
+    device = Device("cuda", whole.config) if whole.on_cuda else None
+    try:
+        optimize_once(src, folder, whole.on_cuda, whole.level, whole.config.min_weight_bytes, device, None,
+                      whole.disabled_optimizers, whole.options)
+        return ""
+    except CorruptModel:
+        raise
+    except OffloadError as e:
+        if not whole.on_cuda:
+            raise
+        for name in (OPTIMIZED, OPTIMIZED_DATA):
+            if os.path.lexists(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))
+        return (f"ORT's optimization pass of the whole model did not fit device {whole.config.device_id}'s free "
+                f"memory ({e}); each stage optimizes its own part of the model as exported")
+    finally:
+        if device is not None:
+            device.close()
+
+
+def stage_models(path_or_bytes, workdir: str, shares: Sequence[DeviceShare], whole: WholePass,
                  external_folder: str) -> StagedModel:
     """The stage models of `path_or_bytes` (a model file, a model folder or bytes) over
-    devices offering `shares`, written under `workdir`."""
+    devices offering `shares`, written under `workdir`: cut from the whole model as
+    optimized by `whole` (see optimize_whole)."""
     from_file = isinstance(path_or_bytes, (str, os.PathLike))
     if from_file:
         path_or_bytes = model_file(os.fspath(path_or_bytes))
-    src, model = materialize(path_or_bytes, workdir, external_folder)
-    folder = os.path.dirname(os.path.abspath(src))
-    weights = {t.name: n for t in model.graph.initializer if (n := tensor_bytes(t)) >= min_weight_bytes}
+    src, original = materialize(path_or_bytes, workdir, external_folder)
+    stage_dir = os.path.join(workdir, "stages")
+    os.makedirs(stage_dir, exist_ok=True)
+    note = optimize_whole(src, stage_dir, whole)
+    optimized = None if note else os.path.join(stage_dir, OPTIMIZED)
+    model = original if note else load_optimized(optimized)
+    folder = os.path.dirname(os.path.abspath(src)) if note else stage_dir
+    weights = {t.name: n for t in model.graph.initializer if (n := tensor_bytes(t)) >= whole.config.min_weight_bytes}
     if not weights:
         raise UnsupportedModel("the model holds no weights to split over devices: run it on one device")
     cut = split_stages(model, weights, shares)
     segments = split(model, cut.groups, lambda n: n in weights, instead="run it on one device")
-    stage_dir = os.path.join(workdir, "stages")
-    os.makedirs(stage_dir, exist_ok=True)
     for location in check_external_data(model, folder, "the model"):
         dest = os.path.join(stage_dir, location)
         if not os.path.lexists(dest):
@@ -85,20 +137,23 @@ def stage_models(path_or_bytes, workdir: str, shares: Sequence[DeviceShare], min
         path = os.path.join(stage_dir, f"stage{seg.index}.onnx")
         onnx.save(m, path)
         paths.append(path)
-    inits = {t.name for t in model.graph.initializer}
-    inputs = [IOInfo(v) for v in model.graph.input if v.name not in inits]
-    required = [v.name for v in model.graph.input if v.name not in inits and not v.type.HasField("optional_type")]
-    outputs = [IOInfo(v) for v in model.graph.output]
+    # The inputs and outputs as the caller's model declares them, as ORT lists them.
+    inits = {t.name for t in original.graph.initializer}
+    inputs = [IOInfo(v) for v in original.graph.input if v.name not in inits]
+    required = [v.name for v in original.graph.input if v.name not in inits and not v.type.HasField("optional_type")]
+    outputs = [IOInfo(v) for v in original.graph.output]
+    overridable = [IOInfo(v) for v in original.graph.input if v.name in inits]
     made = {o for node in model.graph.node for o in node.output}
     unmade = [o.name for o in outputs if o.name not in made]
     if unmade:
         raise UnsupportedModel(f"the outputs {unmade} are made by no node of the model (an input or an initializer "
                                f"passed through); a split model returns only what its stages compute")
     op_types = {n.op_type for n in model.graph.node}
-    model_dir = folder if from_file else None
+    model_dir = os.path.dirname(os.path.abspath(os.fspath(path_or_bytes))) if from_file else None  # its config files
     try:
         spec = decoder_spec(inputs, outputs, op_types, model_dir, rotary_rows(model), window_caches(model))
     except UnsupportedModel as e:
         spec = e
     name = os.path.basename(os.fspath(path_or_bytes)) if from_file else "model (bytes)"
-    return StagedModel(paths, segments, cut, inputs, required, outputs, spec, ModelMeta.of(model), name)
+    return StagedModel(paths, segments, cut, inputs, required, overridable, outputs, spec, ModelMeta.of(original), name,
+                       optimized, note)

@@ -13,13 +13,14 @@ from .files import (Files, check_external_data, copy_regular, external_data_fold
                     saving)
 from .fingerprints import MANIFEST
 from .graphs import external_info, node_inputs, read_as_tables
-from .optimize import OPTIMIZED, OPTIMIZED_DATA
+from .optimize import OPTIMIZED, OPTIMIZED_DATA, optimization_level, optimize_once
 from .ort_options import CPU_EP, CUDA_EP, choose_providers, copy_options, normalize_providers, set_config, unseen
 from .pipeline import LoadRequest, ModelMeta, prepare
 from .segmenter import (Segment, check_bindable, elem_name, plan_segments, recomputed_values, segment_weights, split,
                         value_types)
 from .values import IOInfo, numpy_dtype
-from .weights import WeightInfo, point_weights_at_placeholder, save_model, weights_as_inputs
+from .weights import (WeightInfo, load_optimized, point_weights_at_placeholder, save_model, weights_as_inputs,
+                      write_optimized)
 from .workdir import make_workdir, remove_workdir
 
 __all__ = ["CPU_EP", "CUDA_EP", "DecoderSpec", "Files", "IOInfo", "LoadRequest", "MANIFEST", "MoENode", "ModelMeta",
@@ -30,3 +31,5 @@ __all__ = ["CPU_EP", "CUDA_EP", "DecoderSpec", "Files", "IOInfo", "LoadRequest",
            "point_weights_at_placeholder", "prepare", "read_as_tables", "read_in_place", "recomputed_values",
            "remove_workdir", "rotary_rows", "routed_experts", "routing_for", "save_model", "saving", "segment_weights",
            "set_config", "split", "unseen", "value_types", "weights_as_inputs", "window_caches"]
+# The optimization pass, for a model split across devices (optimized whole, then split).
+__all__ += ["load_optimized", "optimization_level", "optimize_once", "write_optimized"]

@@ -209,11 +209,17 @@ def dims(tensor_type) -> List:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
 
 
-def _value_info(name: str, types: Dict[str, onnx.TypeProto], shaped: bool) -> onnx.ValueInfoProto:
+def _value_info(name: str, types: Dict[str, onnx.TypeProto], shaped: bool,
+                declared: Dict[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
     """A segment's input or output. `shaped`: with the shape the model declares (a graph
-    input or output, a weight); a value passed between segments keeps the rank inference
-    gives it but no sizes, since inference may get a size wrong (a merged dimension),
-    and ORT refuses a value whose size differs from one its graph input declares."""
+    input or output as `declared` holds it, a weight); a value passed between segments
+    keeps the rank inference gives it but no sizes, since inference may get a size wrong
+    (a merged dimension), and ORT refuses a value whose size differs from one its graph
+    input declares. Inference rewrites the graph's own inputs too where it merges a
+    dimension (an input of unknown sizes broadcast against the heads of attention scores
+    becomes one of that many heads), so theirs are taken as the model declares them."""
+    if shaped and name in declared:
+        return helper.make_value_info(name, declared[name])
     if name not in types:
         raise ValueError(f"no type is known for boundary value {name!r}")
     t = types[name]
@@ -289,6 +295,7 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
                     consumers.setdefault(name, set()).add(gi)
     types = value_types(model)
     fed = {vi.name for vi in graph.input}
+    declared = {vi.name: vi.type for vi in list(graph.input) + list(graph.output) if vi.type.WhichOneof("value")}
     segments = []
     if len(groups) > 1:
         check_bindable(model, groups, consumers, types, "a split model", instead)
@@ -305,8 +312,8 @@ def split(model: onnx.ModelProto, groups: List[List[int]], is_weight: Callable[[
                    if o and (o in graph_outputs or any(c > gi for c in consumers.get(o, ())))]
         sub = helper.make_graph(
             nodes, f"{graph.name or 'graph'}_segment{gi}",
-            [_value_info(n, types, n in fed or is_weight(n)) for n in inputs + weight_inputs],
-            [_value_info(n, types, n in graph_outputs) for n in outputs],
+            [_value_info(n, types, n in fed or is_weight(n), declared) for n in inputs + weight_inputs],
+            [_value_info(n, types, n in graph_outputs, declared) for n in outputs],
             initializer=constants + [initializers[n] for n in weights if n in initializers])
         m = helper.make_model(sub, opset_imports=list(model.opset_import), ir_version=model.ir_version)
         m.producer_name = "onnx-offload"
