@@ -11,10 +11,8 @@ import dataclasses
 import warnings
 from typing import Callable, Optional
 
-import onnxruntime as ort
-
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag, parse_index
-from .errors import CudaUnavailable, OffloadWarning
+from .errors import OffloadWarning
 from .loading import CUDA_EP, choose_providers, normalize_providers
 
 
@@ -38,8 +36,6 @@ def read_arguments(providers, provider_options, config: Optional[OffloadConfig],
     for note in notes:
         warnings.warn(note, OffloadWarning, stacklevel=3)
     on_cuda = names[0] == CUDA_EP
-    if on_cuda and CUDA_EP not in ort.get_available_providers():
-        raise CudaUnavailable("this onnxruntime has no CUDA execution provider: install onnxruntime-gpu")
     # The CUDA provider's device_id and gpu_mem_limit, as ORT reads them, unless the
     # configuration names a device or a limit itself.
     given = set(config_kwargs) | ({"vram_limit"} if env_is_set(ENV_VRAM_LIMIT) else set())
