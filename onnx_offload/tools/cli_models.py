@@ -178,12 +178,13 @@ def cmd_generate(args) -> int:
         # One row's tokens print as they come (the text, with --prompt; else the ids);
         # a batch's rows print at the end. Ctrl-C keeps what came.
         stream = tok is None and len(ids) == 1
+        # generate_iter checks its arguments when called: a bad one is said before any output.
+        steps = s.generate_iter(ids, args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=eos)
         if stream:
             print("tokens: ", end="", flush=True)
         try:
-            for step in s.generate_iter(ids, args.max_new_tokens, do_sample=args.do_sample,
-                                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                        seed=args.seed, eos_token_id=eos):
+            for step in steps:
                 if first is None:
                     first = time.perf_counter() - t0
                 new.append(step)
@@ -200,6 +201,10 @@ def cmd_generate(args) -> int:
                     print("tokens: " + ",".join(str(int(t)) for t in row))
             print(f"onnx-offload: interrupted after {len(new)} new tokens", file=sys.stderr)
             return 130
+        except BaseException:
+            if stream or shown:  # the error goes on a line of its own, after the tokens that came
+                print(flush=True)
+            raise
         elapsed = time.perf_counter() - t0
         if tok is not None or stream:
             print()
