@@ -43,3 +43,31 @@ def test_an_error_part_way_through_the_tokens_goes_on_a_line_of_its_own(llm, cap
     out, err = capsys.readouterr()
     assert rc == 2 and "a step failed" in err, err
     assert out.startswith("tokens: ") and out.endswith("\n") and out.count(",") >= 1, out
+
+
+def test_generate_says_what_it_measured(llm, capsys):
+    """On the CPU, weights streamed: the budget, that nothing is saved in RAM, a decode
+    step against the bound of its streamed bytes at the measured link, what to try."""
+    import re
+    rc = main(["generate", llm, "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--cpu", "--cache-dir", "off",
+               "--vram-limit", "8MiB", "--weight-bytes", "64KiB"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert re.search(r"^budget: 8.00 MiB; .* for the model's [0-9.]+ KiB of weights$", out, re.M), out
+    assert "\nsaved: no RAM: on the CPU the host backend plays the GPU" in out, out
+    step, bound, ratio, link = re.search(r"^a decode step: ([0-9.]+) ms against its bound of ([0-9.]+) ms "
+                                         r"\(([0-9.]+)x\): [0-9.]+ KiB over the link at [0-9.]+ GB/s \(measured\) "
+                                         r"take ([0-9.]+) ms$", out, re.M).groups()
+    assert bound == link and float(ratio) == pytest.approx(float(step) / float(bound), rel=0.05, abs=0.06)
+    assert "\nnext: on the CPU, plain onnxruntime" in out, out
+
+
+@pytest.mark.gpu
+def test_the_demo_on_the_gpu_says_what_the_budget_saved_and_how_near_its_bound_the_step_ran(capsys):
+    import re
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    saved = re.search(r"saved: ([0-9.]+) MiB of GPU memory that plain ORT's weights would take", out)
+    assert saved and float(saved.group(1)) > 32, out
+    assert re.search(r"a step: [0-9.]+ ms against its bound of [0-9.]+ ms \([0-9.]+x\)", out), out
+    assert re.search(r"^  next: the step runs (at|above) its bound", out, re.M), out

@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import BudgetExceeded
 from .cli_args import (DEVICE_ENTRY, PER_DEVICE_FLAGS, check_config_flags, check_feeds, config_kwargs, device_kind,
                        flag_list, load_feeds, load_tokenizer, make_feeds, parse_prompt_ids, per_device, provider)
+from .cli_report import generation_lines
 
 
 def cmd_run(args) -> int:
@@ -218,4 +219,7 @@ def cmd_generate(args) -> int:
         print(f"{n} new tokens x batch {len(ids)} in {elapsed:.3f} s: prompt {1e3 * (first or 0):.1f} ms, "
               f"{rate:.1f} tokens/s after it ({spec.layout} layout, {len(s.segments)} segment(s), "
               f"graphs {'on' if s.graph_capture.enabled else 'off'})")
+        if not hasattr(s, "stages"):  # one device (a split model's stages report their own stats())
+            for line in generation_lines(s, 1e3 * decode / (n - 1) if n > 1 else None):
+                print(line)
     return 0
