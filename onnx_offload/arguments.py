@@ -8,10 +8,12 @@ is the caller's explicit request for capture.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Callable, Optional
 
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag, parse_index
+from .env_names import unknown_env_names
 from .errors import OffloadWarning
 from .loading import CUDA_EP, choose_providers, normalize_providers
 
@@ -29,6 +31,9 @@ def read_arguments(providers, provider_options, config: Optional[OffloadConfig],
     """The session's arguments; warns of the providers it skips or replaces."""
     if config is not None and config_kwargs:
         raise TypeError("pass either config= or configuration keywords, not both")
+    if config is None:
+        for note in unknown_env_names(os.environ):
+            warnings.warn(note, OffloadWarning, stacklevel=3)
     cfg = config if config is not None else OffloadConfig.from_env(**config_kwargs)
     names, options = normalize_providers(providers, provider_options)
     cuda_given = next((o for n, o in zip(names, options) if n == CUDA_EP), {})

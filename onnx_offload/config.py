@@ -14,15 +14,11 @@ Environment variables (the names the ONNX GenAI engine uses):
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import fractions
 import operator
 import os
 import re
-import warnings
 from typing import Mapping, Optional, Union
-
-from .errors import OffloadWarning
 
 # The residency policies (memory/policies.py implements each, and checks at import that
 # it implements these and no others).
@@ -232,7 +228,7 @@ def env_is_set(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
     return value is not None and value.strip() != ""
 
 
-_ENV_FIELDS = (
+ENV_FIELDS = (
     (ENV_OFFLOAD, "offload", parse_flag),
     (ENV_VMM, "vmm", parse_flag),
     (ENV_DEVICE_BYTES, "weight_bytes", parse_bytes),
@@ -243,34 +239,6 @@ _ENV_FIELDS = (
     (ENV_CACHE_DIR, "cache_dir", parse_cache_dir),
     (ENV_EXPERTS, "experts", parse_experts),
 )
-
-
-ENV_PREFIXES = ("ONNX_GENAI_", "ONNX_OFFLOAD_")
-_WARNED_NAMES: set = set()
-
-
-def _likeness(name: str, known: str) -> float:
-    """How alike two names are (difflib's ratio), whole or after their prefixes: the part
-    after the prefix says what the variable sets, whichever prefix it was given."""
-    def tail(n: str) -> str:
-        return next((n[len(p):] for p in ENV_PREFIXES if n.startswith(p)), n)
-    return max(difflib.SequenceMatcher(None, name, known).ratio(),
-               difflib.SequenceMatcher(None, tail(name), tail(known)).ratio())
-
-
-def unknown_env_names(env: Mapping[str, str]) -> list:
-    """A warning for each variable named as the package's (ONNX_GENAI_*, ONNX_OFFLOAD_*)
-    that it does not read, with the known name closest to it: a mistyped name is
-    otherwise ignored without a word. Each name once a process."""
-    known = [var for var, _, _ in _ENV_FIELDS]
-    notes = []
-    for name in sorted(env):
-        if name.startswith(ENV_PREFIXES) and name not in known and name not in _WARNED_NAMES:
-            _WARNED_NAMES.add(name)
-            score, close = max((_likeness(name, k), k) for k in known)
-            hint = f"did you mean {close}?" if score >= 0.75 else f"the variables it reads are {', '.join(known)}"
-            notes.append(f"{name} is not a variable onnx-offload reads, and is ignored: {hint}")
-    return notes
 
 
 @dataclasses.dataclass
@@ -352,8 +320,6 @@ class OffloadConfig:
     def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides) -> "OffloadConfig":
         """Reads the ``ONNX_GENAI_*`` variables; keyword arguments win over them."""
         env = os.environ if env is None else env
-        for note in unknown_env_names(env):
-            warnings.warn(note, OffloadWarning, stacklevel=2)
         values = {}
         # A variable that a keyword overrides is not read: its value, even one that does not
         # parse, is not the configuration's. (None overrides nothing, except cache_dir=None: off.)
@@ -361,7 +327,7 @@ class OffloadConfig:
         if given & {"cuda_graph", "graph_override"}:
             given.add("cuda_graph")  # ONNX_GENAI_CUDA_GRAPH's field; the keyword cuda_graph= sets graph_override
         granule = smallest_budget(overrides.get("host_granularity"))
-        for var, field, parse in _ENV_FIELDS:
+        for var, field, parse in ENV_FIELDS:
             if field not in given and env_is_set(var, env):
                 values[field] = parse(env[var], var, granule) if parse is parse_vram_limit else parse(env[var], var)
         if "cuda_graph" in overrides:

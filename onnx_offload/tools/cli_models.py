@@ -219,7 +219,10 @@ def cmd_generate(args) -> int:
         print(f"{n} new tokens x batch {len(ids)} in {elapsed:.3f} s: prompt {1e3 * (first or 0):.1f} ms, "
               f"{rate:.1f} tokens/s after it ({spec.layout} layout, {len(s.segments)} segment(s), "
               f"graphs {'on' if s.graph_capture.enabled else 'off'})")
-        if not hasattr(s, "stages"):  # one device (a split model's stages report their own stats())
-            for line in generation_lines(s, 1e3 * decode / (n - 1) if n > 1 else None):
-                print(line)
+        # One device (a split model's stages report their own stats()): reported once the
+        # session has given its memory back, as the link's measurement takes some.
+        report = None if hasattr(s, "stages") else (s.device.kind, s.config.device_id, s.stats())
+    if report is not None:
+        for line in generation_lines(*report, decode_ms=1e3 * decode / (n - 1) if n > 1 else None):
+            print(line)
     return 0

@@ -13,6 +13,7 @@ import resource
 from typing import List, Optional
 
 from ..config import fmt_bytes
+from ..errors import OffloadError
 
 # A step within this factor of its bound runs at the bound: what is left is the link's
 # (or the computation's) own time, which only fewer bytes a step shortens.
@@ -21,26 +22,29 @@ ON_CPU = ("next: on the CPU, plain onnxruntime runs a model that fits in RAM fas
           "memory the weights exceed: pip install 'onnx-offload[gpu]' there")
 
 
-def generation_lines(session, decode_ms: Optional[float]) -> List[str]:
-    """generate's report of a session on one device: the budget and what it saved, and a
-    decode step (`decode_ms`; None where no token came after the first) against its bound."""
-    kind = "cuda" if session.device.kind == "cuda" else "host"
-    stats = session.stats()
+def generation_lines(device_kind: str, device_id: int, stats, decode_ms: Optional[float]) -> List[str]:
+    """generate's report of a session on one device, from its `stats` (an OffloadStats):
+    the budget and what it saved, and a decode step (`decode_ms`; None where no token came
+    after the first) against its bound."""
+    kind = "cuda" if device_kind == "cuda" else "host"
     lines = budget_lines(kind, stats)
-    if decode_ms is not None:
-        moved = streamed_bytes(stats.last_step)
-        bandwidth = link_bandwidth(kind, session.config.device_id) if moved else 0.0
-        lines += bound_lines(kind, stats, decode_ms, bandwidth, what="a decode step")
-    elif kind != "cuda":
-        lines.append(ON_CPU)
-    return lines
+    if decode_ms is None:
+        return lines + ([ON_CPU] if kind != "cuda" else [])
+    if not streamed_bytes(stats.last_step):
+        return lines + bound_lines(kind, stats, decode_ms, 0.0, what="a decode step")
+    try:
+        bandwidth = link_bandwidth(kind, device_id)
+    except (OffloadError, MemoryError) as e:  # the device had no room for the measurement's buffer
+        return lines + [f"a decode step: {decode_ms:.2f} ms; its bound is not known: the link's bandwidth could not "
+                        f"be measured ({e})"]
+    return lines + bound_lines(kind, stats, decode_ms, bandwidth, what="a decode step")
 
 
 def link_bandwidth(kind: str, device: int = 0) -> float:
     """The link's bandwidth in bytes/s: pinned host memory to `device` (CUDA), or the host
     backend's copy (the CPU), measured on a buffer large enough to reach it."""
     from .bench import pinned_h2d
-    return pinned_h2d(kind, (256 << 20) if kind == "cuda" else (64 << 20), device)
+    return pinned_h2d(kind, 64 << 20, device)
 
 
 def streamed_bytes(step) -> int:
