@@ -59,7 +59,7 @@ def test_generate_says_what_it_measured(llm, capsys):
                                          r"\(([0-9.]+)x\): [0-9.]+ KiB over the link at [0-9.]+ GB/s \(measured\) "
                                          r"take ([0-9.]+) ms$", out, re.M).groups()
     assert bound == link and float(ratio) == pytest.approx(float(step) / float(bound), rel=0.05, abs=0.06)
-    assert "\nnext: on the CPU, plain onnxruntime" in out, out
+    assert "\nnext: on the CPU the host backend plays a GPU" in out, out
 
 
 @pytest.mark.gpu

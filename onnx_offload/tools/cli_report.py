@@ -18,8 +18,9 @@ from ..errors import OffloadError
 # A step within this factor of its bound runs at the bound: what is left is the link's
 # (or the computation's) own time, which only fewer bytes a step shortens.
 AT_BOUND = 1.5
-ON_CPU = ("next: on the CPU, plain onnxruntime runs a model that fits in RAM faster; streaming pays on a GPU whose "
-          "memory the weights exceed: pip install 'onnx-offload[gpu]' there")
+ON_CPU = ("next: on the CPU the host backend plays a GPU's streams with threads and waits, which cost more than its "
+          "copies; plain onnxruntime runs a model that fits in RAM faster. Streaming pays on a GPU whose memory the "
+          "weights exceed: pip install 'onnx-offload[gpu]' there")
 
 
 def generation_lines(device_kind: str, device_id: int, stats, decode_ms: Optional[float]) -> List[str]:
