@@ -8,13 +8,13 @@ is the caller's explicit request for capture.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Callable, Optional
 
-import onnxruntime as ort
-
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_device_id, parse_flag, parse_index
-from .errors import CudaUnavailable, OffloadWarning
+from .env_names import unknown_env_names
+from .errors import OffloadWarning
 from .loading import CUDA_EP, choose_providers, normalize_providers
 
 
@@ -31,6 +31,9 @@ def read_arguments(providers, provider_options, config: Optional[OffloadConfig],
     """The session's arguments; warns of the providers it skips or replaces."""
     if config is not None and config_kwargs:
         raise TypeError("pass either config= or configuration keywords, not both")
+    if config is None:
+        for note in unknown_env_names(os.environ):
+            warnings.warn(note, OffloadWarning, stacklevel=3)
     cfg = config if config is not None else OffloadConfig.from_env(**config_kwargs)
     names, options = normalize_providers(providers, provider_options)
     cuda_given = next((o for n, o in zip(names, options) if n == CUDA_EP), {})
@@ -38,8 +41,6 @@ def read_arguments(providers, provider_options, config: Optional[OffloadConfig],
     for note in notes:
         warnings.warn(note, OffloadWarning, stacklevel=3)
     on_cuda = names[0] == CUDA_EP
-    if on_cuda and CUDA_EP not in ort.get_available_providers():
-        raise CudaUnavailable("this onnxruntime has no CUDA execution provider: install onnxruntime-gpu")
     # The CUDA provider's device_id and gpu_mem_limit, as ORT reads them, unless the
     # configuration names a device or a limit itself.
     given = set(config_kwargs) | ({"vram_limit"} if env_is_set(ENV_VRAM_LIMIT) else set())

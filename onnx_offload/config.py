@@ -240,7 +240,7 @@ def env_is_set(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
     return value is not None and value.strip() != ""
 
 
-_ENV_FIELDS = (
+ENV_FIELDS = (
     (ENV_OFFLOAD, "offload", parse_flag),
     (ENV_VMM, "vmm", parse_flag),
     (ENV_DEVICE_BYTES, "weight_bytes", parse_bytes),
@@ -339,7 +339,7 @@ class OffloadConfig:
         if given & {"cuda_graph", "graph_override"}:
             given.add("cuda_graph")  # ONNX_GENAI_CUDA_GRAPH's field; the keyword cuda_graph= sets graph_override
         granule = smallest_budget(overrides.get("host_granularity"))
-        for var, field, parse in _ENV_FIELDS:
+        for var, field, parse in ENV_FIELDS:
             if field not in given and env_is_set(var, env):
                 values[field] = parse(env[var], var, granule) if parse is parse_vram_limit else parse(env[var], var)
         if "cuda_graph" in overrides:

@@ -37,11 +37,15 @@ from .stats import ReportingMembers
 
 
 def _cuda_status() -> str:
-    """'' when CUDA can run here, else why not."""
-    if CUDA_EP not in ort.get_available_providers():
-        return "this onnxruntime has no CUDA execution provider"
+    """'' when CUDA can run here, else why not. The driver is asked first: without one,
+    installing onnxruntime-gpu would not make CUDA run, so only with one is it the fix."""
     ok, why = cuda_available()
-    return "" if ok else why
+    if not ok:
+        return why
+    if CUDA_EP not in ort.get_available_providers():
+        return ("this onnxruntime is the CPU build, without a CUDA execution provider; "
+                "pip install 'onnx-offload[gpu]' installs onnxruntime-gpu, which runs this machine's GPU")
+    return ""
 
 
 def session_arguments(providers, provider_options, config, config_kwargs):

@@ -1,6 +1,7 @@
 import functools
 import os
 import shutil
+import signal
 import tempfile
 
 import numpy as np
@@ -11,6 +12,20 @@ import pytest
 _CACHE_HOME = tempfile.mkdtemp(prefix="onnx-offload-tests-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
 os.environ.pop("ONNX_OFFLOAD_CACHE_DIR", None)
+
+
+@pytest.fixture
+def ctrl_c():
+    """SIGINT raises KeyboardInterrupt during the test, as in a foreground terminal, however
+    the suite was started. A background job (`&`, nohup, some CI runners) starts with SIGINT
+    ignored: signal.raise_signal and _thread.interrupt_main then do nothing, and a child
+    process inherits the ignoring. A child started while this handler is set gets the
+    default disposition at exec instead, and Python's KeyboardInterrupt with it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def pytest_sessionfinish(session, exitstatus):

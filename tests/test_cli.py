@@ -147,12 +147,25 @@ def test_the_cache_command_reads_only_the_cache_s_own_variable(monkeypatch, tmp_
     assert str(tmp_path) in capsys.readouterr().out
 
 
-def test_the_demo_leaves_no_cache_entry_behind(tmp_path, capsys, monkeypatch):
+def test_the_demo_says_what_it_measured_and_leaves_no_cache_entry_behind(tmp_path, capsys, monkeypatch):
+    """On the CPU: the budget, that the host backend saves no RAM, the step against its
+    bound (the resident step, or the streamed bytes at the measured link), what to try."""
+    import re
     cache = tmp_path / "cache"
     monkeypatch.setenv("ONNX_OFFLOAD_CACHE_DIR", str(cache))
     rc, out = run(["demo", "--cpu"], capsys)
     assert rc == 0, out.err
     assert not cache.exists() or not any(cache.iterdir())
+    text = out.out
+    assert "budget: 16.02 MiB;" in text and "for the model's 64.06 MiB of weights" in text, text
+    assert "saved: no RAM: on the CPU the host backend plays the GPU in host memory" in text, text
+    plain = float(re.search(r"plain ORT, every weight in memory: +([0-9.]+) ms", text).group(1))
+    step, bound, ratio, link = re.search(r"a step: ([0-9.]+) ms against its bound of ([0-9.]+) ms \(([0-9.]+)x\): "
+                                         r"60.05 MiB over the link at [0-9.]+ GB/s \(measured\) take ([0-9.]+) ms",
+                                         text).groups()
+    assert float(bound) == pytest.approx(max(plain, float(link)), abs=0.011)
+    assert float(ratio) == pytest.approx(float(step) / float(bound), rel=0.05, abs=0.06)
+    assert "plain onnxruntime runs a model that fits in RAM faster" in text, text
 
 
 def test_a_test_run_takes_its_cache_folder_with_it(tmp_path):

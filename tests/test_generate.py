@@ -444,6 +444,7 @@ def test_the_next_generation_of_a_shape_runs_on_the_kept_buffers():
     assert s.close().committed == 0
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_generation_cut_short_leaves_nothing_kept(monkeypatch):
     """Ctrl-C in a step of a generation on the kept buffers, and a caller that stops
     early: the buffers go back, and the next generation runs on new ones, right."""
@@ -469,6 +470,7 @@ def test_a_generation_cut_short_leaves_nothing_kept(monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["allocating the cache", "dropping the plans"])
+@pytest.mark.usefixtures("ctrl_c")
 def test_ctrl_c_while_the_cache_is_made_or_given_back_leaks_nothing(where, monkeypatch):
     from onnx_offload.generation.kv_cache import DeviceBuffers
     from onnx_offload.engines.runner import SegmentRunner
@@ -1215,6 +1217,7 @@ def test_cli_generate_streams_one_row_and_takes_temperature_0_and_eos_ids(tmp_pa
     assert "tokens: " + ",".join(map(str, want[:2])) in out
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_cli_generate_ends_a_ctrl_c_with_130_and_the_tokens_so_far(tmp_path):
     import signal
     import subprocess

@@ -2,13 +2,14 @@
 import ctypes
 import os
 import re
+import warnings
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from onnx_offload import BudgetExceeded, CorruptModel, CudaUnavailable, OffloadSession, StateError, cuda_available
+from onnx_offload import BudgetExceeded, CorruptModel, OffloadSession, StateError, cuda_available
 from onnx_offload.errors import OffloadWarning
 from onnx_offload.models import mlp_stack, save, transformer_block, weight_bytes
 
@@ -141,10 +142,34 @@ def test_env_flags_drive_the_session(mlp, x, monkeypatch):
         OffloadSession(mlp.SerializeToString(), providers=CPU)
 
 
-@pytest.mark.skipif(cuda_available()[0], reason="checks the error on machines without CUDA")
-def test_cuda_without_a_driver_is_a_typed_error(mlp):
-    with pytest.raises(CudaUnavailable, match="driver|CUDA"):
-        OffloadSession(mlp.SerializeToString(), providers=["CUDAExecutionProvider"])
+@pytest.mark.skipif(cuda_available()[0], reason="checks the fallback on machines without CUDA")
+def test_a_cuda_only_list_without_cuda_runs_on_the_cpu_with_a_warning(mlp, x):
+    """As ORT's InferenceSession does: the warning says why CUDA cannot run, that the host
+    backend saves no RAM, and the list that runs here without a warning. Without a driver
+    it does not send the user to onnxruntime-gpu, which would not run either."""
+    for providers in (["CUDAExecutionProvider"], [("CUDAExecutionProvider", {"device_id": 0})]):
+        with pytest.warns(OffloadWarning) as caught:
+            s = OffloadSession(mlp.SerializeToString(), providers=providers, host_granularity=G)
+        text = " ".join(str(w.message) for w in caught)
+        assert "cannot run here" in text and "saves no RAM" in text and "providers=['CPUExecutionProvider']" in text
+        assert "onnxruntime-gpu" not in text and "driver" in text, text
+        with s:
+            assert s.get_providers() == ["CPUExecutionProvider"] and s.device.kind == "host"
+            np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(mlp, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OffloadSession(mlp.SerializeToString(), providers=["CPUExecutionProvider"], host_granularity=G).close()
+
+
+def test_why_cuda_cannot_run_names_onnxruntime_gpu_only_where_a_driver_is(monkeypatch):
+    """The CPU build of onnxruntime on a machine with a driver: onnxruntime-gpu is the fix.
+    Without a driver the reason is the driver, whichever onnxruntime is installed."""
+    from onnx_offload import session as session_module
+    monkeypatch.setattr(session_module, "cuda_available", lambda: (True, ""))
+    monkeypatch.setattr(session_module.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert "pip install 'onnx-offload[gpu]'" in session_module._cuda_status()
+    monkeypatch.setattr(session_module, "cuda_available", lambda: (False, "no NVIDIA driver on this machine"))
+    assert session_module._cuda_status() == "no NVIDIA driver on this machine"
 
 
 @pytest.mark.skipif(cuda_available()[0], reason="checks the fallback on machines without CUDA")

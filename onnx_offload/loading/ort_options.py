@@ -167,8 +167,8 @@ def copy_options(user: Optional[ort.SessionOptions]) -> ort.SessionOptions:
 
 def choose_providers(names: List[str], options: List[dict], cuda_status) -> Tuple[List[str], List[dict], List[str]]:
     """The providers the session runs, as ORT takes a list: the ones the package does not
-    run are skipped, and CUDA that cannot run here gives way to the CPU when the list has
-    it. Returns (names, options, what to warn about). `cuda_status()` is '' when CUDA
+    run are skipped, and CUDA that cannot run here gives way to the CPU, as ORT's
+    InferenceSession falls back to it. Returns (names, options, what to warn about). `cuda_status()` is '' when CUDA
     can run, else why not."""
     notes = []
     skipped = [n for n in names if n not in (CUDA_EP, CPU_EP)]
@@ -179,11 +179,13 @@ def choose_providers(names: List[str], options: List[dict], cuda_status) -> Tupl
         kept = [(CPU_EP, {})]
     elif skipped:
         notes.append(f"OffloadSession runs {CUDA_EP} and {CPU_EP}; skipping {', '.join(skipped)}")
-    if kept[0][0] == CUDA_EP and any(n == CPU_EP for n, _ in kept):
+    if kept[0][0] == CUDA_EP:
         why = cuda_status()
-        if why:
-            notes.append(f"{CUDA_EP} cannot run here ({why}); running on {CPU_EP}, with the host backend")
-            kept = [(n, o) for n, o in kept if n == CPU_EP]
+        if why:  # as ORT falls back to the CPU, listed or not; CUDA's options go with it
+            notes.append(f"{CUDA_EP} cannot run here ({why}); running on {CPU_EP}, with the host backend, "
+                         f"which plays the GPU in host memory and saves no RAM (providers=['{CPU_EP}'] says so "
+                         f"without this warning)")
+            kept = [(n, o) for n, o in kept if n == CPU_EP] or [(CPU_EP, {})]
     return [n for n, _ in kept], [o for _, o in kept], notes
 
 

@@ -26,6 +26,7 @@ import onnx
 from ..config import fmt_bytes
 from ..errors import OffloadWarning, UnsupportedModel
 from .cache import cache_folder, make_partial, open_entry, remove_set_aside, set_aside, sweep_partials
+from .cache_env import check_env_cache_dir, named_by_env
 from .decoder import decoder_spec, rotary_rows, window_caches
 from .files import external_data_folder, materialize, model_file
 from .fingerprints import HeldFiles, cache_key, hold_made, write_manifest
@@ -190,7 +191,12 @@ def _optimized_folder(src: str, level, own_files: bool, request: LoadRequest, he
     fingerprints and the entry's files are held open in `held`: the weights are read
     through them."""
     cfg = request.config
-    cache, why = cache_folder(cfg.cache_path) if cfg.cache_path else (None, "")
+    usable = True
+    if named_by_env(cfg.cache_dir):
+        usable, note = check_env_cache_dir(cfg.cache_dir)
+        if note:
+            _note(request, note, 4)
+    cache, why = cache_folder(cfg.cache_path) if cfg.cache_path and usable else (None, "")
     if why:
         _note(request, f"the cache folder {cfg.cache_path!r} {why}; the optimized model stays in the session's folder",
               4)

@@ -136,12 +136,14 @@ def main(argv=None) -> int:
         # The package's warnings in this command's terms, on one line, as its errors are.
         if not issubclass(category, OffloadWarning):
             return shown(message, category, *rest, **kw)
+        _flush_stdout()
         print(f"onnx-offload: {category.__name__}: {as_flags(' '.join(str(message).split()), args)}",
               file=sys.stderr)
     warnings.showwarning = show
     try:
         return args.fn(args)
     except KeyboardInterrupt:
+        _flush_stdout()
         print("onnx-offload: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
@@ -153,10 +155,20 @@ def main(argv=None) -> int:
             ImportError) + _ort_errors() as e:
         # OSError: FileNotFoundError, PermissionError, ...; RuntimeError and ORT's own types
         # (Fail, InvalidArgument, ...: not RuntimeErrors) from ORT.
+        _flush_stdout()
         print(f"onnx-offload: {type(e).__name__}: {as_flags(' '.join(str(e).split()), args)}", file=sys.stderr)
         return 2
     finally:
         warnings.showwarning = shown
+
+
+def _flush_stdout() -> None:
+    """What the command printed goes out before its error, so that a terminal or a file
+    taking both shows them in the order they came."""
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):  # the reader went away; stdout closed
+        pass
 
 
 def _ort_errors() -> tuple:

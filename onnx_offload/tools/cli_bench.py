@@ -15,6 +15,7 @@ import numpy as np
 
 from ..config import ENV_CACHE_DIR
 from .cli_args import device_kind, positive_int, provider
+from .cli_report import bound_lines, budget_lines, link_bandwidth
 
 
 def _median_ms(fn, runs: int = 5) -> float:
@@ -55,6 +56,7 @@ def cmd_demo(args) -> int:
             streamed = st.last_step.htod_bytes
             if args.stats:
                 print(st)
+    bandwidth = link_bandwidth(kind)
     err = float(np.max(np.abs(got - want)))
     ok = err <= 1e-3 and st.peak_committed <= budget
     print(f"  plain ORT, every weight in memory: {plain_ms:8.2f} ms per step")
@@ -67,8 +69,10 @@ def cmd_demo(args) -> int:
         print("demo FAILED: " + ("the outputs differ from plain ORT's" if err > 1e-3 else "the budget was exceeded"),
               file=sys.stderr)
         return 1
-    print("demo passed: the model ran within a quarter of its weights' memory and gave plain ORT's outputs"
+    print("demo passed: the model ran within a budget of a quarter of its weights and gave plain ORT's outputs"
           + ("" if args.stats else " (--stats prints the session's counters)"))
+    for line in budget_lines(kind, st) + bound_lines(kind, st, ms, bandwidth, resident_ms=plain_ms):
+        print("  " + line)
     return 0
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import BudgetExceeded
 from .cli_args import (DEVICE_ENTRY, PER_DEVICE_FLAGS, check_config_flags, check_feeds, config_kwargs, device_kind,
                        flag_list, load_feeds, load_tokenizer, make_feeds, parse_prompt_ids, per_device, provider)
+from .cli_report import generation_lines
 
 
 def cmd_run(args) -> int:
@@ -178,12 +179,13 @@ def cmd_generate(args) -> int:
         # One row's tokens print as they come (the text, with --prompt; else the ids);
         # a batch's rows print at the end. Ctrl-C keeps what came.
         stream = tok is None and len(ids) == 1
+        # generate_iter checks its arguments when called: a bad one is said before any output.
+        steps = s.generate_iter(ids, args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=eos)
         if stream:
             print("tokens: ", end="", flush=True)
         try:
-            for step in s.generate_iter(ids, args.max_new_tokens, do_sample=args.do_sample,
-                                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                        seed=args.seed, eos_token_id=eos):
+            for step in steps:
                 if first is None:
                     first = time.perf_counter() - t0
                 new.append(step)
@@ -200,6 +202,10 @@ def cmd_generate(args) -> int:
                     print("tokens: " + ",".join(str(int(t)) for t in row))
             print(f"onnx-offload: interrupted after {len(new)} new tokens", file=sys.stderr)
             return 130
+        except BaseException:
+            if stream or shown:  # the error goes on a line of its own, after the tokens that came
+                print(flush=True)
+            raise
         elapsed = time.perf_counter() - t0
         if tok is not None or stream:
             print()
@@ -213,4 +219,10 @@ def cmd_generate(args) -> int:
         print(f"{n} new tokens x batch {len(ids)} in {elapsed:.3f} s: prompt {1e3 * (first or 0):.1f} ms, "
               f"{rate:.1f} tokens/s after it ({spec.layout} layout, {len(s.segments)} segment(s), "
               f"graphs {'on' if s.graph_capture.enabled else 'off'})")
+        # One device (a split model's stages report their own stats()): reported once the
+        # session has given its memory back, as the link's measurement takes some.
+        report = None if hasattr(s, "stages") else (s.device.kind, s.config.device_id, s.stats())
+    if report is not None:
+        for line in generation_lines(*report, decode_ms=1e3 * decode / (n - 1) if n > 1 else None):
+            print(line)
     return 0

@@ -14,11 +14,15 @@ INTERRUPTS = 30
 def child_interrupts(h, policy: str, vmm: bool, count: int = INTERRUPTS, seed: int = 0) -> dict:
     import _thread
     import random
+    import signal
     import threading
     import time
 
     from onnx_offload import OffloadError
     from onnx_offload.stats import invariant_violations
+    # interrupt_main raises KeyboardInterrupt only where SIGINT has Python's handler: this
+    # process inherits SIGINT ignored where the suite was started so (`&`, nohup).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(seed)
     s = h.open_session(split=True, vmm=vmm, policy=policy)
     h.reference(0), h.reference(1)
