@@ -55,10 +55,12 @@ def chunk_rows(spec: DecoderSpec, batch: int, prompt: int, chunk: int) -> int:
 def last_logits(device, value: ort.OrtValue) -> np.ndarray:
     """The last position's logits [batch, vocab], in the model's type, of a step's logits value:
     only those rows come to the host. (A prompt's logits of every position are the
-    largest copy of its step: 131 MB for 512 tokens of a 128k vocabulary.)"""
+    largest copy of its step: 131 MB for 512 tokens of a 128k vocabulary.) The array is
+    the caller's own: on the host backend numpy() is a view of the device buffer, which
+    the next step (or the next row's prompt chunk) writes over."""
     shape = value.shape()
     if len(shape) != 3 or shape[1] == 1:
-        return last_position(np.asarray(value.numpy()))
+        return np.array(last_position(value.numpy()), copy=True)
     rows, n, vocab = shape
     dtype = numpy_dtype(value.data_type())
     row = vocab * dtype.itemsize

@@ -20,7 +20,7 @@ from ..errors import BudgetExceeded, OffloadError, OffloadWarning
 from ..interrupts import deferred_interrupts
 from ..loading import DecoderSpec
 from .kv_cache import BucketKV, DeviceBuffers, ExactKV, SharedKV, bucket_for, write
-from .loop import chunk_rows, kv_peak, last_position, prompt_chunk
+from .loop import chunk_rows, kv_peak, last_logits, prompt_chunk
 from .prompt import PromptSteps
 
 _GENERATIONS = itertools.count()  # names each generation's step plans
@@ -213,9 +213,8 @@ class Generation(PromptSteps):
         self._tokens = self._tokens + 1
         if spec.layout != "gqa":
             self.cache.append(cur)  # in order on the stream; the next step's write waits for it
-        # ORT waited for its work before returning, so the logits are complete; numpy()
-        # is a host copy of them.
-        return last_position(self.logits.value.numpy()), replayed
+        # ORT waited for its work before returning, so the logits are complete.
+        return last_logits(s.device, self.logits.value), replayed
 
     def _pad_refused(self, tokens: np.ndarray, cur: int, error: RuntimeError) -> tuple:
         """ORT failed twice on a step of the padded past (a model may size a table by the
@@ -282,5 +281,5 @@ class Generation(PromptSteps):
         s._run_bound(feeds, outputs, fixed=False)
         self._tokens = self._tokens + 1
         self.cache.advance()
-        return last_position(self.logits.value.numpy()), False
+        return last_logits(s.device, self.logits.value), False
 
