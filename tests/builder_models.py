@@ -26,7 +26,6 @@ def gpt_oss_folder(out: str, hidden: int = 512, experts: int = 8, top_k: int = 2
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     cfg = transformers.GptOssConfig(hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=layers,
                                     num_attention_heads=hidden // 64, num_key_value_heads=2, head_dim=64,
@@ -51,10 +50,44 @@ def gpt_oss_folder(out: str, hidden: int = 512, experts: int = 8, top_k: int = 2
             tensors[prefix + "_scales"] = torch.randint(119, 122, (experts, n, k // 32), generator=g,
                                                         dtype=torch.uint8)
     save_file(tensors, path, metadata={"format": "pt"})
+    _word_tokenizer(out, vocab)
+    return out
+
+
+def _word_tokenizer(out: str, vocab: int) -> None:
+    """A word-level tokenizer of `vocab` words t0, t1, ... saved into `out`."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1",
                                          bos_token="t2").save_pretrained(out)
+
+
+def phi3_longrope_folder(out: str, hidden: int = 256, heads: int = 4, layers: int = 2, vocab: int = 2048,
+                         original: int = 32, longest: int = 128, seed: int = 0) -> str:
+    """A Phi-3.5-mini-shaped checkpoint folder with random weights: transformers' Phi3 with
+    LongRoPE (short factors up to `original` positions, long ones past it, up to
+    `longest`), and a word-level tokenizer. The builder exports its rotary tables as two
+    pairs and an If on the attention mask's length."""
+    import torch
+    import transformers
+
+    half = hidden // heads // 2
+    cfg = transformers.Phi3Config(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=longest,
+        original_max_position_embeddings=original, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                      "long_factor": [1.0 + 0.5 * i for i in range(half)]})
+    torch.manual_seed(seed)
+    model = transformers.Phi3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.save_pretrained(out)
+    _word_tokenizer(out, vocab)
     return out
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from onnx_offload import OffloadSession
 from onnx_offload.generation.steps import CHUNK_NOTE
-from onnx_offload.models import weight_bytes
+from onnx_offload.models import longrope_lm, weight_bytes
 from onnx_offload.models.decoder import decoder_lm
 
 from conftest import reference_greedy
@@ -83,6 +83,21 @@ def test_decode_steps_replay_after_a_batch_s_prompt_in_chunks():
             s.generate(ids, 24)
             assert s.stats().graph_steps - before == 23  # every decode step, none of the prompt's
         assert CHUNK_NOTE in s.stats().notes
+
+
+@pytest.mark.parametrize("weights", ["resident", "a third"])
+def test_decode_steps_on_both_sides_of_a_length_threshold_give_plain_orts_tokens(weights):
+    # The builder's Phi-3.5 LongRoPE: the rotary tables switch past 64 positions. The prompt
+    # of 40 runs in one step; the decode steps feed a mask on the side of 64 that plain
+    # ORT's loop does, one shape (one captured graph) on each side.
+    model = longrope_lm("gqa", original=64, max_length=512, layers=3, hidden=256, heads=8, kv_heads=2,
+                        intermediate=512, vocab=512, dtype=np.float16)
+    ids = np.random.default_rng(6).integers(0, 512, (2, 40))
+    want = reference_greedy(model, ids, 48, providers=[CUDA])
+    with session(model, weights) as s:
+        assert s.decoder_spec.length_thresholds == (64,)
+        np.testing.assert_array_equal(s.generate(ids, 48), want)
+        np.testing.assert_array_equal(s.generate(ids, 48), want)  # replayed
 
 
 def test_a_prefill_chunk_of_the_prompt_s_length_runs_it_in_one_step_as_plain_ort():

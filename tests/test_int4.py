@@ -58,3 +58,41 @@ def test_a_bench_row_runs_in_a_process_of_its_own(model, tmp_path):
     row = in_process_of_its_own("bench_int4", "resident_row", path=path, ids=ids.tolist(), new=6, kind="cpu")
     assert row["segments"] == 1 and row["ms_per_token"] > 0
     np.testing.assert_array_equal(np.concatenate([ids, row["tokens"]], 1), reference_greedy(model, ids, 6))
+
+
+def _dequantize_matmul(elem):
+    """x [1, 256] @ DequantizeLinear(w [256, 256] of `elem`, blocks of 32 along K, no zero
+    point): ORT's optimizations fuse the pair into a MatMulNBits node."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(0)
+    lo, hi = (-8, 7) if elem == TensorProto.INT4 else (0, 15)
+    w = helper.make_tensor("w", elem, [256, 256], rng.integers(lo, hi + 1, 256 * 256).tolist())
+    scale = numpy_helper.from_array((0.01 * (1 + rng.random((8, 256)))).astype(np.float32), "scale")
+    nodes = [helper.make_node("DequantizeLinear", ["w", "scale"], ["wd"], axis=0, block_size=32),
+             helper.make_node("MatMul", ["x", "wd"], ["y"])]
+    graph = helper.make_graph(nodes, "dq_matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])], [w, scale])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("elem", ["INT4", "UINT4"])
+@pytest.mark.parametrize("weights", ["resident", "streamed"])
+def test_an_int4_initializer_dequantized_into_a_matmul_gives_plain_orts_outputs_bitwise(elem, weights):
+    import onnxruntime as ort
+    from onnx import TensorProto
+    model = _dequantize_matmul(getattr(TensorProto, elem))
+    x = np.random.default_rng(1).standard_normal((1, 256)).astype(np.float32)
+    so = ort.SessionOptions()
+    if weights == "streamed":  # a slot's weight is read where it is, never prepacked (see the module's note)
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    want = ort.InferenceSession(model, so, providers=CPU).run(None, {"x": x})[0]
+    kw = dict(weight_bytes=1, host_granularity=4096) if weights == "streamed" else {}
+    with OffloadSession(model, providers=CPU, cache_dir="off", offload=True, vmm=True, **kw) as s:
+        assert any(n.op_type == "MatMulNBits" for seg in s.segments for n in seg.model.graph.node)
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
+        if weights == "streamed":
+            assert s.stats().counters.page_ins > 0

@@ -22,27 +22,50 @@ from .sampling import Sampling
 DEFAULT_CONTEXT = 4096
 
 
-def prompt_chunk(prompt: int, prefill_chunk: int) -> int:
+def prompt_chunk(prompt: int, prefill_chunk: int, thresholds: Optional[tuple] = ()) -> int:
     """The tokens of a prompt's chunks: `prefill_chunk` for a prompt longer than it, else 0
-    (the prompt runs in one step)."""
-    return prefill_chunk if prompt > prefill_chunk else 0
+    (the prompt runs in one step), as it does for a graph that chooses by the lengths in
+    a way not read (`thresholds`, DecoderSpec.length_thresholds, None)."""
+    return prefill_chunk if prompt > prefill_chunk and thresholds is not None else 0
 
 
-def prompt_pieces(prompt: int, chunk: int) -> list:
+def prompt_pieces(prompt: int, chunk: int, thresholds: Optional[tuple] = ()) -> list:
     """(start, length) of each step of a prompt fed `chunk` tokens at a time (0: in one
     step): the remainder first, then whole chunks, so that every chunk after the first
-    has one shape (one captured graph)."""
+    has one shape (one captured graph). Where the graph chooses by the total length
+    (`thresholds`), the first step is long enough to cross the largest threshold below the
+    prompt's length: every step then sees a length on the side of each threshold that one
+    step over the whole prompt sees (the later ones, see fed_length)."""
     if not chunk:
         return [(0, prompt)]
-    first = prompt - chunk * ((prompt - 1) // chunk)
+    below = [t for t in thresholds or () if t < prompt]
+    least = below[-1] + 1 if below else 1  # the first step's fewest tokens
+    first = prompt - chunk * ((prompt - least) // chunk)
     return [(0, first)] + [(start, chunk) for start in range(first, prompt, chunk)]
+
+
+def largest_step(spec: DecoderSpec, prompt: int, prefill_chunk: int) -> int:
+    """The most tokens one step of a prompt of `prompt` tokens feeds."""
+    chunk = prompt_chunk(prompt, prefill_chunk, spec.length_thresholds)
+    return max(n for _, n in prompt_pieces(prompt, chunk, spec.length_thresholds))
+
+
+def fed_length(length: int, room: int, thresholds: Optional[tuple]) -> int:
+    """The mask length the builder layout feeds a step whose sequence holds `length`
+    positions, in a cache of `room`: the room, one shape for every step; where the graph
+    chooses by the mask's length (`thresholds`), the longest length on the side of each
+    threshold that `length` itself is, as plain ORT's loop feeds `length`; where it
+    chooses by the lengths in a way not read (None), `length` itself."""
+    if thresholds is None:
+        return length
+    return min([room] + [t for t in thresholds if t >= length])
 
 
 def kv_peak(spec: DecoderSpec, batch: int, prompt: int, total: int, granularity: int, prefill_chunk: int) -> int:
     """The most committed bytes the KV cache of a generation holds (kv_cache.peak_bytes),
     its prompt chunked as Generation chunks it."""
     return peak_bytes(spec.layout, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype, prompt, total,
-                      granularity, chunk=prompt_chunk(prompt, prefill_chunk),
+                      granularity, chunk=prompt_chunk(prompt, prefill_chunk, spec.length_thresholds),
                       windows=[w for _, w in spec.window_caches])
 
 
@@ -55,10 +78,12 @@ def chunk_rows(spec: DecoderSpec, batch: int, prompt: int, chunk: int) -> int:
 def last_logits(device, value: ort.OrtValue) -> np.ndarray:
     """The last position's logits [batch, vocab], in the model's type, of a step's logits value:
     only those rows come to the host. (A prompt's logits of every position are the
-    largest copy of its step: 131 MB for 512 tokens of a 128k vocabulary.)"""
+    largest copy of its step: 131 MB for 512 tokens of a 128k vocabulary.) The array is
+    the caller's own: on the host backend numpy() is a view of the device buffer, which
+    the next step (or the next row's prompt chunk) writes over."""
     shape = value.shape()
     if len(shape) != 3 or shape[1] == 1:
-        return last_position(np.asarray(value.numpy()))
+        return np.array(last_position(value.numpy()), copy=True)
     rows, n, vocab = shape
     dtype = numpy_dtype(value.data_type())
     row = vocab * dtype.itemsize

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..memory import step_scratch as bounded_step
-from .loop import DEFAULT_CONTEXT, chunk_rows, kv_peak
+from .loop import DEFAULT_CONTEXT, chunk_rows, kv_peak, largest_step
 from .kv_cache import bucket_for
 
 
@@ -46,7 +46,7 @@ def step_scratch(spec, config, activations, granularity: int, on_cuda: bool, bat
                  total: int) -> int:
     """The scratch a generation of `batch` rows needs at its largest step: a prompt chunk
     (one row at a time where the layout chunks row by row) or a decode step."""
-    chunk = min(prompt, config.prefill_chunk)
+    chunk = largest_step(spec, prompt, config.prefill_chunk)
     rows = chunk_rows(spec, batch, prompt, chunk)
     vocab = spec.vocab or activations.vocab
     logits = np.dtype(spec.logits_dtype).itemsize * vocab

@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from ..engines import FixedBuffer, StreamEngine
 from .kv_cache import write
-from .loop import last_logits, prompt_pieces
+from .loop import fed_length, last_logits, prompt_pieces
 
 
 def _host(array: np.ndarray, dtype) -> ort.OrtValue:
@@ -82,8 +82,10 @@ class PromptSteps:
             feeds[name] = buf.value
         write(dev, *writes)
         rows, n = arrays["input_ids"].shape
-        if row:  # the same for every generation of these buffers: the key stands for it
-            clogits = self._chunk_bufs[3]
+        clogits = self._chunk_bufs[3] if row and self._chunk_bufs is not None else None
+        # the same for every generation of these buffers: the key stands for it (a first
+        # step longer than a chunk, as one crossing a length threshold, does not fit it)
+        if clogits is not None and (len(clogits.shape) != 3 or n <= clogits.shape[1]):
             shape = [rows, n] + clogits.shape[2:] if len(clogits.shape) == 3 else clogits.shape
             outputs["logits"] = FixedBuffer.on(dev, clogits.ptr, shape, clogits.dtype).value
         key = ("prompt", self._name, row, n)
@@ -107,7 +109,7 @@ class PromptSteps:
         pos = np.tile(np.arange(p), (b, 1)) if mask is None else np.where(mask == 1, np.cumsum(mask, 1) - 1, 1)
         full = np.ones((b, p), np.int64) if mask is None else mask
         logits = None
-        for start, n in prompt_pieces(p, self.chunk):
+        for start, n in prompt_pieces(p, self.chunk, spec.length_thresholds):
             if start == 0 and spec.layout != "exact":  # as an unchunked prompt: no past
                 logits = self._no_past_step(input_ids[:, :n], None if mask is None else mask[:, :n])
                 continue
@@ -141,20 +143,25 @@ class PromptSteps:
         """One row's prompt (all rows when `row` is None) in chunks, through views of its
         rows of the shared cache: ORT's CUDA GroupQueryAttention takes a chunk beside a
         past for one row at a time. The first chunk runs as an unchunked prompt (the mask
-        as long as it); the others see the cache's whole length, ones up to their end, as
-        a decode step does, and share one shape and one set of buffers (one graph)."""
+        as long as it); the others see the cache's whole length (or, where the graph
+        chooses by the mask's length, the length fed_length gives the prompt's), ones up
+        to their end, as a decode step does, and share one shape and one set of buffers
+        (one graph)."""
         spec, s, dev = self.spec, self.session, self.session.device
         rows, p = ids.shape
-        length = self.cache.length
+        length = fed_length(p, self.cache.length, spec.length_thresholds)
         logits = None
-        for start, n in prompt_pieces(p, self.chunk):
+        for start, n in prompt_pieces(p, self.chunk, spec.length_thresholds):
             if start == 0:
                 logits = self._no_past_step(ids[:, :n], None, row)
                 continue
             outputs: Dict[str, ort.OrtValue] = {}
             feeds: Dict[str, ort.OrtValue] = {}
             self.cache.bind(feeds, outputs, row=row)
-            if self._chunk_bufs is None or self._chunk_bufs[0].shape[0] != rows:
+            # (Buffers replaced stay the generation's until it closes: a plan kept for
+            # their key may still name them.)
+            if self._chunk_bufs is None or self._chunk_bufs[0].shape != [rows, n] or \
+                    self._chunk_bufs[1].shape[1] != length:
                 shape = logits.shape()
                 self._chunk_bufs = (self.io_bufs.new([rows, n], spec.ids_dtype),
                                     self.io_bufs.new([rows, length], spec.mask_dtype),
@@ -172,7 +179,7 @@ class PromptSteps:
             if cpos is not None:
                 feeds["position_ids"] = cpos.value
             outputs["logits"] = clogits.value
-            key = ("prefill", self._name, row, n)
+            key = ("prefill", self._name, row, n, length)
             self._keys.add(key)
             # As the first step: the streaming engine keeps the graph of the chunks; the
             # segment runner keeps its few captured shapes (MAX_SIGNATURES) for the

@@ -20,7 +20,7 @@ from ..errors import BudgetExceeded, OffloadError, OffloadWarning
 from ..interrupts import deferred_interrupts
 from ..loading import DecoderSpec
 from .kv_cache import BucketKV, DeviceBuffers, ExactKV, SharedKV, bucket_for, write
-from .loop import chunk_rows, kv_peak, last_position, prompt_chunk
+from .loop import chunk_rows, fed_length, kv_peak, largest_step, last_logits, prompt_chunk
 from .prompt import PromptSteps
 
 _GENERATIONS = itertools.count()  # names each generation's step plans
@@ -44,7 +44,8 @@ class Generation(PromptSteps):
         self._closed = False
         # What this generation holds at most, for a shortage to plan with: the cache, and
         # the step buffers (ids, positions, mask, logits) in scratch.
-        self.chunk = chunk = prompt_chunk(prompt, session.config.prefill_chunk)
+        self.chunk = prompt_chunk(prompt, session.config.prefill_chunk, spec.length_thresholds)
+        chunk = largest_step(spec, prompt, session.config.prefill_chunk) if self.chunk else 0
         if chunk and dev.is_cuda and CHUNK_NOTE not in session._notes:
             session._notes.append(CHUNK_NOTE)
         peak = kv_peak(spec, batch, prompt, total, dev.granularity, session.config.prefill_chunk)
@@ -96,7 +97,7 @@ class Generation(PromptSteps):
         steps' shapes, and so ORT's kernels, stay those of a new generation) and batch,
         its prompt chunked alike."""
         return (self.reusable() and spec == self.spec and batch == self.batch and total == self.cache.length
-                and prompt_chunk(prompt, self.session.config.prefill_chunk) == self.chunk)
+                and prompt_chunk(prompt, self.session.config.prefill_chunk, spec.length_thresholds) == self.chunk)
 
     def reusable(self) -> bool:
         """Whether the next generation may take these buffers: the shared cache, whose
@@ -155,8 +156,17 @@ class Generation(PromptSteps):
                                            else [b, self._logits_shape[-1]], spec.logits_dtype)
         if spec.layout == "exact":
             return self._decode_exact(tokens, cur)
+        mask_buf = self.mask
+        # A graph that chooses by the lengths in a way not read gets the mask at the
+        # sequence's length, a shape of each step's own: such steps run uncaptured.
+        fixed = spec.length_thresholds is not None
         if spec.layout == "gqa":
-            mask = np.zeros((b, self.mask.shape[1]), np.int64)
+            # The cache's whole length, one shape for every step; where the graph chooses
+            # by the mask's length, a length on the side of each threshold that `length` is.
+            fed = fed_length(length, self.mask.shape[1], spec.length_thresholds)
+            if fed != self.mask.shape[1]:
+                mask_buf = FixedBuffer.on(s.device, self.mask.ptr, [b, fed], spec.mask_dtype)
+            mask = np.zeros((b, fed), np.int64)
             mask[:, :length] = 1
         else:
             self.cache.ensure(cur + 1)  # a step boundary: the only place the cache grows
@@ -169,7 +179,8 @@ class Generation(PromptSteps):
             if self.prompt_mask is not None:
                 mask[:, :self.prompt_mask.shape[1]] = self.prompt_mask
             mask[:, -1] = 1
-        writes = [(self.ids, tokens.reshape(b, 1)), (self.mask, mask)]
+            mask_buf = self.mask
+        writes = [(self.ids, tokens.reshape(b, 1)), (mask_buf, mask)]
         if self.pos is not None:
             writes.append((self.pos, self._tokens[:, None]))
         # One wait (on the CPU) for all of them; it also orders the last step's cache
@@ -178,20 +189,23 @@ class Generation(PromptSteps):
         # The buffers' shapes and addresses change only with the bucket (a new mask and
         # cache): the key says so without reading every value, and the bindings are
         # built once per key.
-        key = ("generate", self._name, self.cache.bucket if spec.layout != "gqa" else self.cache.length)
+        key = ("generate", self._name, self.cache.bucket if spec.layout != "gqa" else self.cache.length,
+               mask_buf.shape[1])
         if self._bound is None or self._bound[0] != key:
-            feeds = {"input_ids": self.ids.value, "attention_mask": self.mask.value}
+            feeds = {"input_ids": self.ids.value, "attention_mask": mask_buf.value}
             if self.pos is not None:
                 feeds["position_ids"] = self.pos.value
             outputs = {"logits": self.logits.value}
             self.cache.bind(feeds, outputs)
             self._bound = (key, feeds, outputs)
-            self._keys.add(key)
+            if fixed:
+                self._keys.add(key)
         _, feeds, outputs = self._bound
 
         def step() -> bool:
-            _, replayed = s._run_bound(feeds, outputs, fixed=True, key=key)
-            if not replayed and s._runner.streaming and s._runner.capture.enabled and not spec.window_caches:
+            _, replayed = s._run_bound(feeds, outputs, fixed=fixed, key=key if fixed else None)
+            if not replayed and fixed and s._runner.streaming and s._runner.capture.enabled and \
+                    not spec.window_caches:
                 # The first step of these shapes learned the boundaries' sizes; the same step
                 # again writes the same cache positions and runs under the new plan's graphs.
                 # Not where a window-sized cache evicts a position each step: run twice, it
@@ -213,9 +227,8 @@ class Generation(PromptSteps):
         self._tokens = self._tokens + 1
         if spec.layout != "gqa":
             self.cache.append(cur)  # in order on the stream; the next step's write waits for it
-        # ORT waited for its work before returning, so the logits are complete; numpy()
-        # is a host copy of them.
-        return last_position(self.logits.value.numpy()), replayed
+        # ORT waited for its work before returning, so the logits are complete.
+        return last_logits(s.device, self.logits.value), replayed
 
     def _pad_refused(self, tokens: np.ndarray, cur: int, error: RuntimeError) -> tuple:
         """ORT failed twice on a step of the padded past (a model may size a table by the
@@ -282,5 +295,5 @@ class Generation(PromptSteps):
         s._run_bound(feeds, outputs, fixed=False)
         self._tokens = self._tokens + 1
         self.cache.advance()
-        return last_position(self.logits.value.numpy()), False
+        return last_logits(s.device, self.logits.value), False
 

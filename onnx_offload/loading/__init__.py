@@ -13,6 +13,7 @@ from .files import (Files, check_external_data, copy_regular, external_data_fold
                     saving)
 from .fingerprints import MANIFEST
 from .graphs import external_info, node_inputs, read_as_tables
+from .lengths import length_thresholds
 from .optimize import OPTIMIZED, OPTIMIZED_DATA, optimization_level, optimize_once
 from .ort_options import CPU_EP, CUDA_EP, choose_providers, copy_options, normalize_providers, set_config, unseen
 from .pipeline import LoadRequest, ModelMeta, prepare
@@ -26,7 +27,7 @@ from .workdir import make_workdir, remove_workdir
 __all__ = ["CPU_EP", "CUDA_EP", "DecoderSpec", "Files", "IOInfo", "LoadRequest", "MANIFEST", "MoENode", "ModelMeta",
            "OPTIMIZED", "OPTIMIZED_DATA", "Routing", "SAMPLING_DEFAULTS", "Segment", "WeightInfo", "cache_entries",
            "check_bindable", "check_external_data", "choose_providers", "clear_cache", "copy_options", "copy_regular",
-           "decoder_spec", "elem_name", "external_data_folder", "external_info", "find_routing", "make_workdir",
+           "decoder_spec", "elem_name", "external_data_folder", "external_info", "find_routing", "length_thresholds", "make_workdir",
            "materialize", "model_file", "node_inputs", "normalize_providers", "numpy_dtype", "opened", "plan_segments",
            "point_weights_at_placeholder", "prepare", "read_as_tables", "read_in_place", "recomputed_values",
            "remove_workdir", "rotary_rows", "routed_experts", "routing_for", "save_model", "saving", "segment_weights",

@@ -58,6 +58,10 @@ class DecoderSpec:
     # do_sample, temperature, top_k and top_p as the model's files give them (key, value) pairs:
     # the defaults of the generate() arguments a caller leaves unset
     sampling: tuple = ()
+    # the total lengths t at which the graph chooses otherwise between t and t + 1 (an If on
+    # the mask's length: lengths.length_thresholds); None where it chooses by the lengths in
+    # a way not read, and its prompt runs in one step
+    length_thresholds: Optional[tuple] = ()
 
 
 _REPR = reprlib.Repr()
@@ -223,9 +227,11 @@ def _dim(info: Port, axis: int, fallback, what: str) -> int:
 
 
 def decoder_spec(inputs: Sequence[Port], outputs: Sequence[Port], op_types, model_dir: Optional[str],
-                 rotary_rows: Optional[int] = None, windows: tuple = ()) -> DecoderSpec:
+                 rotary_rows: Optional[int] = None, windows: tuple = (),
+                 thresholds: Optional[tuple] = ()) -> DecoderSpec:
     """`inputs`: the inputs a caller must feed; `rotary_rows`: the positions the model's
-    rotary table holds, where it has one; `windows`: window_caches of the model."""
+    rotary table holds, where it has one; `windows`: window_caches of the model;
+    `thresholds`: its length_thresholds."""
     ins = {i.name: i for i in inputs}
     outs = {o.name: o for o in outputs}
     missing = [n for n in ("input_ids", "attention_mask") if n not in ins]
@@ -279,16 +285,16 @@ def decoder_spec(inputs: Sequence[Port], outputs: Sequence[Port], op_types, mode
     bounds = [n for n in (cfg.get("max_length"), rotary_rows) if n]
     vocab = logits.shape[-1] if logits.shape else None
     # The standard layout pads the past to a bucket, which needs the positions from
-    # position_ids and a mask that places nothing by the past's length: else the past
-    # goes in at its exact length.
+    # position_ids and a mask that places nothing by the past's length (nor chooses by
+    # the mask's length): else the past goes in at its exact length.
     window = read_sliding_window(model_dir) if "GroupQueryAttention" not in op_types else None
     layout = "gqa" if "GroupQueryAttention" in op_types else \
-        "standard" if "position_ids" in ins and window is None else "exact"
+        "standard" if "position_ids" in ins and window is None and thresholds == () else "exact"
     return DecoderSpec(layout, max(layers) + 1, kv_heads, head_size, past0.dtype, logits.dtype, "position_ids" in ins,
                        min(bounds) if bounds else None, cfg.get("eos", ()), dtypes["input_ids"],
                        dtypes["attention_mask"], dtypes["position_ids"],
                        vocab if isinstance(vocab, int) and vocab > 0 else None, window,
-                       tuple(windows), read_sampling(model_dir, cfg.get("sampling", {})))
+                       tuple(windows), read_sampling(model_dir, cfg.get("sampling", {})), thresholds)
 
 
 def window_caches(model) -> tuple:

@@ -28,6 +28,7 @@ from ..errors import OffloadWarning, UnsupportedModel
 from .cache import cache_folder, make_partial, open_entry, remove_set_aside, set_aside, sweep_partials
 from .cache_env import check_env_cache_dir, named_by_env
 from .decoder import decoder_spec, rotary_rows, window_caches
+from .lengths import length_thresholds
 from .files import external_data_folder, materialize, model_file
 from .fingerprints import HeldFiles, cache_key, hold_made, write_manifest
 from .optimize import OPTIMIZED, OPTIMIZED_DATA, optimization_level, optimize_once
@@ -163,7 +164,8 @@ def prepare(path_or_bytes, request: LoadRequest, progress) -> PreparedModel:
 def _decoder(inputs, outputs, op_types, model_dir, model, notes):
     """The decoder layout generate() runs, or the UnsupportedModel that says why not."""
     try:
-        spec = decoder_spec(inputs, outputs, op_types, model_dir, rotary_rows(model), window_caches(model))
+        spec = decoder_spec(inputs, outputs, op_types, model_dir, rotary_rows(model), window_caches(model),
+                            length_thresholds(model))
     except UnsupportedModel as e:
         return e
     window = spec.sliding_window
