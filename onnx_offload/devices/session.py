@@ -25,7 +25,7 @@ from ..config import OffloadConfig
 from ..dropin import run_async
 from ..engines import GraphCaptureDecision, as_arrays, as_ortvalue, check_feeds
 from ..errors import StateError
-from ..generation import GenerationMembers
+from ..generation import GenerationMembers, model_folder
 from ..interrupts import deferred_interrupts
 from ..loading import external_data_folder, make_workdir, remove_workdir
 from ..memory import weights_allowance
@@ -73,6 +73,7 @@ class StagedSession(ClosedAtExit, GenerationMembers):
         self._pid = os.getpid()
         self._closed, self.stages, self._workdir = True, [], None
         self.devices = ids = check_devices(devices)
+        self._model_folder = model_folder(path_or_bytes)  # its tokenizer and chat template
         per = {k: config_kwargs.pop(k) for k in PER_DEVICE if isinstance(config_kwargs.get(k), (list, tuple))}
         for k, v in per.items():
             if len(v) != len(ids):
