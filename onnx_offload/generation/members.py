@@ -16,7 +16,7 @@ from ..loading import SAMPLING_DEFAULTS
 from .loop import generate_tokens
 from .sampling import Sampling, check_generate_args
 from .kept import new_generation, park, release_kept
-from .text_steps import chat_prompt, encode_rows, is_text, text_model, text_pieces
+from .text_steps import chat_prompt, encode_rows, is_text, text_model as _text_model, text_pieces
 
 
 class GenerationMembers:
@@ -59,7 +59,7 @@ class GenerationMembers:
                                     seed, eos_token_id)[1]
         if attention_mask is not None:
             raise ValueError("attention_mask goes with token ids; text prompts are padded by the tokenizer")
-        tm = text_model(self)
+        tm = _text_model(self)
         ids, mask = encode_rows(tm, [input_ids] if isinstance(input_ids, str) else list(input_ids))
         _, steps, eos = self._generation(ids, max_new_tokens, mask, do_sample, temperature, top_k, top_p, seed,
                                          eos_token_id)
@@ -78,7 +78,7 @@ class GenerationMembers:
         ids = chat_prompt(self, messages)
         _, steps, eos = self._generation(ids, max_new_tokens, None, do_sample, temperature, top_k, top_p, seed,
                                          eos_token_id)
-        return (p[0] for p in text_pieces(text_model(self), steps, 1, eos))
+        return (p[0] for p in text_pieces(_text_model(self), steps, 1, eos))
 
     def _generation(self, input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k, top_p, seed,
                     eos_token_id):
@@ -91,6 +91,12 @@ class GenerationMembers:
                                for k, v in given.items()})
         ids, new, eos, mask = check_generate_args(self, input_ids, max_new_tokens, eos_token_id, attention_mask, seed)
         return ids, generate_tokens(self, ids, new, sampling, seed, eos, mask), eos
+
+    @property
+    def text_model(self):
+        """The model folder's tokenizer and chat template (generation.TextModel), read at
+        first use; the [llm] extra."""
+        return _text_model(self)
 
     @property
     def model_folder(self) -> Optional[str]:
