@@ -129,11 +129,12 @@ def test_greedy_text_equals_transformers_generate_on_the_same_weights(session, s
     llama.cpp's Q/K permutation and dequantizes), fed the same ids."""
     torch = pytest.importorskip("torch", reason="transformers' generate needs torch (not in the [test] extra)")
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers loads a GGUF through accelerate")
     from onnx_offload.models.gguf_llama import SMOLLM2_GGUF, smollm2_cache
     cache = smollm2_cache()
     model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(cache, os.path.dirname(SMOLLM2_GGUF)),
                                                               gguf_file=os.path.basename(SMOLLM2_GGUF),
-                                                              torch_dtype=torch.float32)
+                                                              dtype=torch.float32)
     for messages in (QUESTION, [{"role": "user", "content": "Write a haiku about the sea."}]):
         ids = template_ids(session, messages)
         with torch.no_grad():

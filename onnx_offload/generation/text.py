@@ -70,6 +70,11 @@ class TextModel:
             named = {t.get("name"): t.get("template") for t in self.config["chat_template"] if isinstance(t, dict)}
             if isinstance(named.get("default"), str):
                 self.template, self.template_source = named["default"], cfg_path
+        config_path = os.path.join(folder, "config.json")
+        model_cfg = read_json(config_path) if os.path.exists(config_path) else {}
+        positions = model_cfg.get("max_position_embeddings") if isinstance(model_cfg, dict) else None
+        # The positions the model holds, as its config.json gives them (a rotary table's rows).
+        self.context = positions if isinstance(positions, int) and positions > 0 else None
         self.special = {k: _token_text(self.config.get(k)) for k in ("bos_token", "eos_token", "pad_token",
                                                                       "unk_token")}
         self._compiled = None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 
 SERVE_EXTRA = "pip install 'onnx-offload[serve]'"
@@ -35,6 +36,7 @@ def cmd_serve(args) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
+        sock.listen(2048)  # connections queue while the weights load
         with OffloadSession(args.model, providers=[provider(device_kind(args))], **config_kwargs(args)) as s:
             server = Server(s, model_id)
             print(settings_line(sampling_sources(s, {}), None, "request") +
@@ -43,13 +45,21 @@ def cmd_serve(args) -> int:
             print(f"serving '{model_id}' at http://{host}:{port}/v1 (one generation at a time; Ctrl-C stops)",
                   flush=True)
             config = uvicorn.Config(server.app(), log_level=args.log_level, lifespan="off")
+            # uvicorn shuts down on SIGTERM, then raises the signal again: exit then, with
+            # the session closed (its folder and memory given back), not killed by it.
+            term = signal.signal(signal.SIGTERM, _exit)
             try:
                 uvicorn.Server(config).run(sockets=[sock])
             finally:
+                signal.signal(signal.SIGTERM, term)
                 server.worker.shutdown(wait=True)
     finally:
         sock.close()
     return 0
+
+
+def _exit(signum, frame):
+    raise SystemExit(0)
 
 
 def add_serve_parser(sub, config_flags) -> None:

@@ -41,7 +41,7 @@ class _Generation:
             rows = [tm.encode(p) for p in request["prompt"]]
         if not all(rows):
             raise RequestError("a prompt encodes to no tokens", "messages" if chat else "prompt")
-        limit = s.decoder_spec.max_length or 0
+        limit = s.decoder_spec.max_length or tm.context or 0
         longest = max(len(r) for r in rows)
         new = request["max_tokens"]
         if new is None:  # a chat request that sets no max_tokens: what the context leaves, at most 4096
