@@ -89,12 +89,6 @@ def _draw(rng, spec, dtype, seed=0):
         return {name: f.result() for name, f in futures.items()}
 
 
-def _weights(rng, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed=0):
-    """Every weight of the dense decoder, in one fixed draw order."""
-    return _draw(rng, _weight_spec(layers, hidden, heads, kv_heads, vocab, _dense_mlp(hidden, intermediate)),
-                 dtype, seed)
-
-
 def _given(weights: dict, spec: dict, dtype) -> dict:
     """The given weights in the spec's order and in `dtype`; ValueError for a missing name,
     an unknown one or a shape unlike the spec's."""
@@ -278,12 +272,8 @@ def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: in
         raise ValueError("hidden must split into heads of even size, and heads into kv_heads groups")
     dtype = np.dtype(dtype)
     elem, hd = helper.np_dtype_to_tensor_dtype(dtype), hidden // heads
-    if weights is None:
-        weights = _weights(np.random.default_rng(seed), layers, hidden, heads, kv_heads, intermediate, vocab, dtype,
-                           seed)
-    else:
-        weights = _given(weights, _weight_spec(layers, hidden, heads, kv_heads, vocab, _dense_mlp(hidden, intermediate)),
-                         dtype)
+    spec = _weight_spec(layers, hidden, heads, kv_heads, vocab, _dense_mlp(hidden, intermediate))
+    weights = _draw(np.random.default_rng(seed), spec, dtype, seed) if weights is None else _given(weights, spec, dtype)
     weights.update(_rope_tables(layout, hd, max_length, rope_theta, dtype))
 
     g = _Graph()
