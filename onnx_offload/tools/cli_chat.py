@@ -118,7 +118,8 @@ def add_chat_parser(sub, config_flags) -> None:
     c.add_argument("model", help="the model's folder: the decoder's ONNX file, tokenizer.json and "
                                  "tokenizer_config.json (its chat_template) or chat_template.jinja")
     from .cli_args import positive_int
-    c.add_argument("--max-new-tokens", type=positive_int, default=512, help="the most tokens a reply takes (default 512)")
+    c.add_argument("--max-new-tokens", type=positive_int, default=512,
+                   help="the most tokens a reply takes (default 512)")
     c.add_argument("--system", help="a system message that starts the conversation")
     sampling_flags(c)
     config_flags(c)
