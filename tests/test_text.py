@@ -144,3 +144,24 @@ def test_greedy_text_equals_transformers_generate_on_the_same_weights(session, s
         ours = [int(t) for t in session.generate(np.array([ids]), 24, eos_token_id=2)[0, len(ids):]]
         assert ours[:len(theirs)] == theirs
         assert session.chat(messages, 24) == session.text_model.decode([t for t in theirs if t != 2])
+
+
+def test_unpermute_undoes_llama_cpp_s_rotary_permutation_and_given_weights_are_checked():
+    from onnx_offload.models.gguf_llama import unpermute
+
+    def llama_cpp_permute(w, heads):  # convert_hf_to_gguf.py's LlamaModel.permute
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(48, 5)
+    for heads in (1, 3, 6):
+        assert not np.array_equal(llama_cpp_permute(w, heads), w)
+        np.testing.assert_array_equal(unpermute(llama_cpp_permute(w, heads), heads), w)
+    with pytest.raises(ValueError, match="missing .*unknown"):
+        decoder_lm("standard", weights={"embed": np.zeros((97, 64), np.float32)})
+    model = decoder_lm("standard", layers=1)
+    weights = {t.name: np.zeros(t.dims, np.float32) for t in model.graph.initializer if len(t.dims) == 2
+               and not t.name.startswith(("cos", "sin"))}
+    weights.update({t.name: np.ones(t.dims, np.float32) for t in model.graph.initializer if t.name.endswith("norm")})
+    weights["lm_head"] = np.zeros((97, 64), np.float32)
+    with pytest.raises(ValueError, match=r"weight lm_head has shape \[97, 64\], the decoder's is \[64, 97\]"):
+        decoder_lm("standard", layers=1, weights=weights)
