@@ -106,6 +106,9 @@ def test_bad_messages_and_a_model_without_template_or_tokenizer_are_clear_errors
         with pytest.raises(FileNotFoundError, match="tokenizer.json"):
             s.generate("hello", 2)
         assert s.generate(np.array([[1, 2, 3]]), 2).shape == (1, 5)
+    with OffloadSession(decoder_lm("standard").SerializeToString()) as s:
+        with pytest.raises(ValueError, match="made from bytes"):
+            s.generate(["hello"], 2)
     import shutil
     shutil.copy(os.path.join(session.model_folder, "tokenizer.json"), folder)
     with OffloadSession(os.path.join(folder, "model.onnx")) as s:

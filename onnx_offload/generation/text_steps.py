@@ -20,15 +20,14 @@ def is_text(prompt) -> bool:
 
 def text_model(session) -> TextModel:
     """The session's TextModel (its folder's tokenizer and chat template), read once."""
-    cached = getattr(session, "_text_model", None)
-    if cached is not None:
-        return cached
     folder = getattr(session, "model_folder", None)
     if not folder:
         raise ValueError("text needs the model's folder (its tokenizer.json): this session was made from bytes; "
                          "pass token ids instead")
-    session._text_model = TextModel(folder)
-    return session._text_model
+    cached = getattr(session, "_text_model", None)
+    if cached is None or cached.folder != folder:  # __init__ run again may have loaded another model
+        session._text_model = cached = TextModel(folder)
+    return cached
 
 
 def encode_rows(tm: TextModel, prompts: list, special: bool = True) -> tuple:
