@@ -118,7 +118,7 @@ class Server:
     async def _on_worker(self, fn, *args):
         return await asyncio.wrap_future(self.worker.submit(fn, *args))
 
-    async def run(self, gen: _Generation, request, stream: bool):
+    async def run(self, gen: _Generation, request):
         """Yields each step's [(row, text)], holding the session's turn; stops when the client
         disconnects (checked between steps) and gives the turn to the next request."""
         import anyio
@@ -162,7 +162,7 @@ class Server:
                 return StreamingResponse(self._events(gen, request, rid, chat), media_type="text/event-stream")
             texts = [""] * len(gen.rows)
             try:
-                async for out in self.run(gen, request, False):
+                async for out in self.run(gen, request):
                     for r, text in out:
                         texts[r] += text
             except (ValueError, TypeError) as e:
@@ -194,7 +194,7 @@ class Server:
             return f"data: {json.dumps(obj)}\n\n"
         first = [True] * len(gen.rows)
         try:
-            async for out in self.run(gen, request, True):
+            async for out in self.run(gen, request):
                 for r, text in out:
                     if text or (chat and first[r]):
                         yield event(chunk_body(rid, self.model_id, chat, r, text, None, first[r]))
