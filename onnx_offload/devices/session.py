@@ -26,7 +26,7 @@ from ..config import MAX_DEVICE_ID, OffloadConfig
 from ..dropin import run_async
 from ..engines import GraphCaptureDecision, as_arrays, as_ortvalue, check_feeds
 from ..errors import OffloadWarning, StateError, UnsupportedModel
-from ..generation import GenerationMembers
+from ..generation import GenerationMembers, model_folder
 from ..interrupts import deferred_interrupts
 from ..loading import (copy_options, external_data_folder, make_workdir, optimization_level, remove_workdir,
                        unseen, write_optimized)
@@ -81,6 +81,7 @@ class StagedSession(ClosedAtExit, StagedMembers, GenerationMembers):
         self._user_options = sess_options
         self._closed, self.stages, self._workdir = True, [], None
         self.devices = ids = check_devices(devices)
+        self._model_folder = model_folder(path_or_bytes)  # its tokenizer and chat template
         per = {k: config_kwargs.pop(k) for k in PER_DEVICE if isinstance(config_kwargs.get(k), (list, tuple))}
         for k, v in per.items():
             if len(v) != len(ids):

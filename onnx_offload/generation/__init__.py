@@ -10,7 +10,10 @@ from .loop import last_logits, prompt_chunk, prompt_pieces
 from .members import GenerationMembers
 from .needs import first_needs
 from .sampling import Sampling
+from .text import LLM_EXTRA, TextModel, need
+from .text_steps import model_folder, text_model
 
-__all__ = ["DeviceBuffers", "ExactKV", "GenerationMembers", "SAMPLING_DEFAULTS", "Sampling", "SharedKV",
+__all__ = ["DeviceBuffers", "ExactKV", "GenerationMembers", "LLM_EXTRA", "SAMPLING_DEFAULTS", "Sampling", "SharedKV",
+           "TextModel", "model_folder", "need", "text_model",
            "default_generation", "first_needs", "last_logits", "own_probe", "peak_bytes", "prompt_chunk",
            "prompt_pieces", "release_kept", "with_generation", "write"]

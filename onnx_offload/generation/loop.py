@@ -106,6 +106,9 @@ def generate_tokens(session, ids: np.ndarray, new: int, sampling: Sampling, seed
     if new == 0:
         return
     spec = session.decoder_spec
+    if spec.layout == "gqa" and mask is not None:
+        yield from _rows_one_at_a_time(session, ids, new, sampling, seed, eos, mask)
+        return
     rng = np.random.default_rng(seed)
     eos_ids = np.array(eos, np.int64)
     b, p = ids.shape
@@ -136,3 +139,18 @@ def generate_tokens(session, ids: np.ndarray, new: int, sampling: Sampling, seed
     finally:
         if not kept:  # an error, an interrupt, or a caller that stopped early
             gen.close()  # idempotent
+
+
+def _rows_one_at_a_time(session, ids: np.ndarray, new: int, sampling: Sampling, seed: Optional[int], eos: tuple,
+                        mask: np.ndarray) -> Iterator[np.ndarray]:
+    """A left-padded batch on GroupQueryAttention, whose cache holds each row's tokens from
+    position 0 and whose positions count from there: each row runs alone without its
+    padding, then the steps are given as a batch's, a row that ended repeating its EOS.
+    (Row r samples with seed + r.) The first step comes once every row has run."""
+    rows = []
+    for r in range(len(ids)):
+        row = ids[r][mask[r] == 1][None, :]
+        row_seed = None if seed is None else seed + r
+        rows.append([int(t[0]) for t in generate_tokens(session, row, new, sampling, row_seed, eos)])
+    for step in range(max(len(row) for row in rows)):
+        yield np.array([row[min(step, len(row) - 1)] for row in rows], np.int64)

@@ -148,8 +148,4 @@ def check_prompt_mask(spec: DecoderSpec, attention_mask, shape) -> Optional[np.n
         raise ValueError(f"attention_mask row {int(np.flatnonzero(falls)[0])} has a 0 after a 1 (right padding, or a "
                          f"gap), which generate() does not support: it takes left padding, each row's zeros before "
                          f"its tokens, as a tokenizer with padding_side='left' gives it")
-    if spec.layout == "gqa":
-        raise ValueError("padding in attention_mask needs standard attention: GroupQueryAttention's cache "
-                         "holds each row's tokens from position 0, so generate rows of different lengths "
-                         "one at a time")
     return mask

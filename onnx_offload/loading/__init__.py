@@ -9,8 +9,8 @@ read as a weights table; the segmenter splits it where the weights must stream.
 from .cache import cache_entries, clear_cache
 from .decoder import DecoderSpec, SAMPLING_DEFAULTS, decoder_spec, rotary_rows, window_caches
 from .experts import MoENode, Routing, find_routing, read_in_place, routed_experts, routing_for
-from .files import (Files, check_external_data, copy_regular, external_data_folder, materialize, model_file, opened,
-                    saving)
+from .files import (CONFIG_BYTES, Files, check_external_data, copy_regular, external_data_folder, materialize,
+                    model_file, opened, read_json, read_range, saving)
 from .fingerprints import MANIFEST
 from .graphs import external_info, node_inputs, read_as_tables
 from .lengths import length_thresholds
@@ -24,12 +24,14 @@ from .weights import (WeightInfo, load_optimized, point_weights_at_placeholder, 
                       write_optimized)
 from .workdir import make_workdir, remove_workdir
 
-__all__ = ["CPU_EP", "CUDA_EP", "DecoderSpec", "Files", "IOInfo", "LoadRequest", "MANIFEST", "MoENode", "ModelMeta",
+__all__ = ["CONFIG_BYTES", "CPU_EP", "CUDA_EP", "DecoderSpec", "Files", "IOInfo", "LoadRequest", "MANIFEST", "MoENode",
+           "ModelMeta",
            "OPTIMIZED", "OPTIMIZED_DATA", "Routing", "SAMPLING_DEFAULTS", "Segment", "WeightInfo", "cache_entries",
            "check_bindable", "check_external_data", "choose_providers", "clear_cache", "copy_options", "copy_regular",
            "decoder_spec", "elem_name", "external_data_folder", "external_info", "find_routing", "length_thresholds", "make_workdir",
            "materialize", "model_file", "node_inputs", "normalize_providers", "numpy_dtype", "opened", "plan_segments",
-           "point_weights_at_placeholder", "prepare", "read_as_tables", "read_in_place", "recomputed_values",
+           "point_weights_at_placeholder", "prepare", "read_as_tables", "read_in_place", "read_json", "read_range",
+           "recomputed_values",
            "remove_workdir", "rotary_rows", "routed_experts", "routing_for", "save_model", "saving", "segment_weights",
            "set_config", "split", "unseen", "value_types", "weights_as_inputs", "window_caches"]
 # The optimization pass, for a model split across devices (optimized whole, then split).

@@ -89,10 +89,18 @@ def _draw(rng, spec, dtype, seed=0):
         return {name: f.result() for name, f in futures.items()}
 
 
-def _weights(rng, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed=0):
-    """Every weight of the dense decoder, in one fixed draw order."""
-    return _draw(rng, _weight_spec(layers, hidden, heads, kv_heads, vocab, _dense_mlp(hidden, intermediate)),
-                 dtype, seed)
+def _given(weights: dict, spec: dict, dtype) -> dict:
+    """The given weights in the spec's order and in `dtype`; ValueError for a missing name,
+    an unknown one or a shape unlike the spec's."""
+    if set(weights) != set(spec):
+        raise ValueError(f"weights must name exactly the decoder's weights: missing "
+                         f"{sorted(set(spec) - set(weights))}, unknown {sorted(set(weights) - set(spec))}")
+    out = {}
+    for name, (shape, _) in spec.items():
+        if tuple(weights[name].shape) != tuple(shape):
+            raise ValueError(f"weight {name} has shape {list(weights[name].shape)}, the decoder's is {list(shape)}")
+        out[name] = np.ascontiguousarray(weights.pop(name), dtype=dtype)
+    return out
 
 
 class _Graph:
@@ -167,8 +175,10 @@ def _standard_graph(g, layers, hidden, heads, kv_heads, eps, dtype, position_ids
     less than that many places before it, counted from the past's length as HF's mask is."""
     hd, low = hidden // heads, np.dtype(dtype) != np.float32
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    if not position_ids:  # unused otherwise, and ORT warns of an unused initializer
+        g.const("axes_01", [0, 1])
     for n, v in (("i0", 0), ("i1", 1), ("i2", 2), ("axes_1", [1]), ("axes_2", [2]), ("axes_12", [1, 2]),
-                 ("axes_01", [0, 1]), ("axis_3", [3]), ("half", [hd // 2]), ("full", [hd]), ("zero1", [0]),
+                 ("axis_3", [3]), ("half", [hd // 2]), ("full", [hd]), ("zero1", [0]),
                  ("expand_rep", [1, 1, heads // kv_heads, 1, 1]), ("shape_q", [0, 0, heads, hd]),
                  ("shape_kv", [0, 0, kv_heads, hd]), ("shape_rep", [0, heads, -1, hd]), ("shape_out", [0, 0, hidden])):
         g.const(n, v)
@@ -244,14 +254,16 @@ def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: in
                intermediate: int = 128, vocab: int = 97, max_length: int = 128, dtype=np.float32,
                seed: int = 0, eps: float = 1e-5, rope_theta: float = 10000.0,
                position_ids: bool = True, sliding_window: Optional[int] = None,
-               window_cache: Optional[int] = None) -> onnx.ModelProto:
+               window_cache: Optional[int] = None, weights: Optional[dict] = None) -> onnx.ModelProto:
     """A Llama-shaped decoder (RMSNorm, rotary, grouped-query attention, SiLU MLP) with
     random weights, in layout "gqa" (onnxruntime-genai) or "standard" (Optimum/torch.onnx).
     KV cache tensors are [batch, kv_heads, length, hidden // heads]. `position_ids=False`
     (standard only): no position_ids input; positions count from the past's length.
     `sliding_window` (standard only): each query attends to that many keys at most.
     `window_cache` (gqa only): the even layers attend to that many positions and their
-    cache holds that many (GroupQueryAttention's sliding_window_cache)."""
+    cache holds that many (GroupQueryAttention's sliding_window_cache).
+    `weights`: the model's own weights instead of random ones, {name: array} with the names
+    and shapes of the random ones (linear weights [in, out]); the dict is emptied."""
     if layout not in ("gqa", "standard"):
         raise ValueError(f"layout must be 'gqa' or 'standard', not {layout!r}")
     if (not position_ids or sliding_window) and layout != "standard":
@@ -262,7 +274,8 @@ def decoder_lm(layout: str = "gqa", layers: int = 2, hidden: int = 64, heads: in
         raise ValueError("hidden must split into heads of even size, and heads into kv_heads groups")
     dtype = np.dtype(dtype)
     elem, hd = helper.np_dtype_to_tensor_dtype(dtype), hidden // heads
-    weights = _weights(np.random.default_rng(seed), layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed)
+    spec = _weight_spec(layers, hidden, heads, kv_heads, vocab, _dense_mlp(hidden, intermediate))
+    weights = _draw(np.random.default_rng(seed), spec, dtype, seed) if weights is None else _given(weights, spec, dtype)
     weights.update(_rope_tables(layout, hd, max_length, rope_theta, dtype))
 
     g = _Graph()

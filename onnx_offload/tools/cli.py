@@ -2,6 +2,8 @@
 
     onnx-offload run MODEL --vram-limit 2GiB [--policy planned] [--profile] [--steps N] [--inputs f.npz]
     onnx-offload generate MODEL --prompt-ids 1,2,3 | --prompt TEXT [--max-new-tokens N] [--vram-limit ...]
+    onnx-offload chat FOLDER [--max-new-tokens N] [--system TEXT] [--vram-limit ...]
+    onnx-offload serve FOLDER [--host 127.0.0.1] [--port 8000] [--vram-limit ...]
     onnx-offload demo [--cpu]
     onnx-offload bench arena|session|offload|decode|reliability [--out DIR] [--json FILE]
 
@@ -20,6 +22,7 @@ from ..config import (ENGINES, ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, 
 from ..errors import OffloadError, OffloadWarning
 from .cli_args import as_flags, count, device_list, positive_float, positive_int, temperature, top_p
 from .cli_bench import cmd_bench, cmd_cache, cmd_demo
+from .cli_chat import add_chat_parser
 from .cli_models import cmd_generate, cmd_run
 
 
@@ -98,6 +101,9 @@ def main(argv=None) -> int:
                                           "from generation_config.json, config.json or genai_config.json)")
     _config_flags(g)
     g.set_defaults(fn=cmd_generate)
+    add_chat_parser(sub, _config_flags)
+    from .cli_serve import add_serve_parser
+    add_serve_parser(sub, _config_flags)
     d = sub.add_parser("demo", help="a small model under a budget below its weights (GPU if present, else CPU)")
     d.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     d.add_argument("--stats", action="store_true", help="also print the session's counters")

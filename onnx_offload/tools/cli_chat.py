@@ -1,0 +1,126 @@
+"""`onnx-offload chat FOLDER`: a multi-turn chat in the terminal, through the model's chat
+template, each reply printed as it decodes.
+
+Each turn renders the whole conversation and runs it as the prompt (the KV cache is not
+kept across turns). Ctrl-C during a reply ends the reply, which stays in the history as far
+as it came; Ctrl-C at the prompt, Ctrl-D or /exit end the chat.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ..generation import SAMPLING_DEFAULTS
+
+_KEYS = ("do_sample", "temperature", "top_k", "top_p")
+
+
+def sampling_sources(session, given: dict) -> dict:
+    """{key: (value, where it came from)} of the decoding settings a generation runs with:
+    the flag or request field given, else the model's genai_config.json (its search
+    section), else its generation_config.json, else the package's default."""
+    model = dict(session.decoder_spec.sampling)
+    folder = session.model_folder or ""
+    search = _json(os.path.join(folder, "genai_config.json")).get("search", {})
+    out = {}
+    for key in _KEYS:
+        if given.get(key) is not None:
+            out[key] = (given[key], "given")
+        elif key in model:
+            source = "genai_config.json" if isinstance(search, dict) and key in search else "generation_config.json"
+            out[key] = (model[key], source)
+        else:
+            out[key] = (SAMPLING_DEFAULTS[key], "default")
+    return out
+
+
+def _json(path: str) -> dict:
+    from ..loading import read_json
+    try:
+        value = read_json(path) if os.path.exists(path) else {}
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def settings_line(sources: dict, max_new_tokens: Optional[int], given_as: str = "flag") -> str:
+    """One line: greedy or sampling, and each setting in force with where it came from."""
+    limit = f"; up to {max_new_tokens} new tokens a reply" if max_new_tokens else ""
+    def source(key):
+        value, where = sources[key]
+        return given_as if where == "given" else where
+
+    do_sample, where = sources["do_sample"]
+    if not do_sample:
+        why = {"given": f"{given_as}", "default": "the model's generation config sets no sampling"}.get(
+            where, f"do_sample false in {where}")
+        return f"decoding: greedy ({why}){limit}"
+    shown = ", ".join(f"{k} {sources[k][0]} ({source(k)})" for k in _KEYS[1:])
+    return (f"decoding: sampling (do_sample true in {source('do_sample')}: sampling follows the model's generation "
+            f"config), {shown}{limit}; temperature 0 decodes greedily")
+
+
+def cmd_chat(args) -> int:
+    from ..generation import text_model
+    from ..session import OffloadSession
+    from .cli_args import check_config_flags, config_kwargs, device_kind, provider
+    check_config_flags(args)
+    if not os.path.isdir(args.model):
+        raise FileNotFoundError(f"{args.model!r}: no such model folder (chat needs the folder, with its "
+                                f"tokenizer.json and chat template)")
+    if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
+        args.do_sample, args.temperature = False, None
+    given = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    with OffloadSession(args.model, providers=[provider(device_kind(args))], **config_kwargs(args)) as s:
+        tm = text_model(s)
+        history = [{"role": "system", "content": args.system}] if args.system else []
+        tm.render(history + [{"role": "user", "content": "hello"}])  # a template that cannot render fails now
+        print(settings_line(sampling_sources(s, given), args.max_new_tokens, "--flag"), flush=True)
+        print("Ctrl-C ends a reply; Ctrl-D, /exit or Ctrl-C at the prompt ends the chat.", flush=True)
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            if line.strip() in ("/exit", "/quit"):
+                return 0
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            reply = []
+            try:
+                for piece in s.chat_iter(history, args.max_new_tokens, seed=args.seed, **given):
+                    reply.append(piece)
+                    print(piece, end="", flush=True)
+                print(flush=True)
+            except KeyboardInterrupt:
+                print(" [reply stopped]", flush=True)
+            history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def sampling_flags(p) -> None:
+    from .cli_args import count, temperature, top_p
+    p.add_argument("--do-sample", action="store_true", default=None,
+                   help="sample instead of greedy decoding (default: the model's generation config, else greedy)")
+    p.add_argument("--temperature", type=temperature,
+                   help="sampling temperature (default: the model's, else 1.0); 0 decodes greedily")
+    p.add_argument("--top-k", type=count, help="sample from the k likeliest tokens only (default: the model's, else 0: "
+                                               "all)")
+    p.add_argument("--top-p", type=top_p, help="sample from the likeliest tokens whose probability adds up to p "
+                                               "(default: the model's, else 1.0: all)")
+    p.add_argument("--seed", type=count, help="the sampling seed (default: a fresh one)")
+
+
+def add_chat_parser(sub, config_flags) -> None:
+    c = sub.add_parser("chat", help="chat with a decoder LLM in the terminal (its folder's tokenizer and chat "
+                                    "template; the [llm] extra)")
+    c.add_argument("model", help="the model's folder: the decoder's ONNX file, tokenizer.json and "
+                                 "tokenizer_config.json (its chat_template) or chat_template.jinja")
+    from .cli_args import positive_int
+    c.add_argument("--max-new-tokens", type=positive_int, default=512,
+                   help="the most tokens a reply takes (default 512)")
+    c.add_argument("--system", help="a system message that starts the conversation")
+    sampling_flags(c)
+    config_flags(c)
+    c.set_defaults(fn=cmd_chat)

@@ -1,0 +1,77 @@
+"""`onnx-offload chat` on the real model (SmolLM2-135M-Instruct), driven through a
+pseudo-terminal as a user types: two turns, Ctrl-C during a reply, a third turn."""
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+
+
+# Run first in the child, a session leader of its own: opening the pseudo-terminal makes it
+# the session's controlling terminal (so that its Ctrl-C reaches the chat as SIGINT), then
+# the command replaces it.
+_ATTACH = "import os, sys; os.close(os.open(sys.argv[1], os.O_RDWR)); os.execv(sys.executable, sys.argv[2:])"
+
+
+class Terminal:
+    """A process on the slave side of a pseudo-terminal; what it prints is read from the master."""
+
+    def __init__(self, argv):
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen([sys.executable, "-c", _ATTACH, os.ttyname(slave)] + argv, stdin=slave,
+                                     stdout=slave, stderr=slave, start_new_session=True,
+                                     env={**os.environ, "PYTHONPATH": os.getcwd()})
+        os.close(slave)
+        self.out = ""
+
+    def expect(self, pattern, timeout=300.0):
+        """Reads until `pattern` appears after what earlier expects consumed; returns the text up to its end."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.out)
+            if m:
+                seen, self.out = self.out[:m.end()], self.out[m.end():]
+                return seen
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {pattern!r} in {self.out!r}")
+            if select.select([self.master], [], [], min(left, 1.0))[0]:
+                try:
+                    self.out += os.read(self.master, 4096).decode("utf-8", "replace").replace("\r\n", "\n")
+                except OSError:  # EIO: the process has exited and closed the terminal
+                    raise AssertionError(f"no {pattern!r} in {self.out!r}; the process ended") from None
+
+    def send(self, text: str):
+        os.write(self.master, text.encode())
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        os.close(self.master)
+
+
+def test_two_turns_then_ctrl_c_ends_a_reply_not_the_chat_then_a_third_turn(smollm2):
+    t = Terminal([sys.executable, "-m", "onnx_offload", "chat", smollm2, "--cpu", "--max-new-tokens", "400"])
+    try:
+        head = t.expect(r"\n> ")
+        assert "decoding: greedy (the model's generation config sets no sampling); up to 400 new tokens a reply" in head
+        t.send("What is the capital of France?\n")
+        assert "Paris" in t.expect(r"\n> ")
+        t.send("Say that again in one word.\n")
+        second = t.expect(r"\n> ")
+        assert second.strip().splitlines()[-2].strip()  # a reply, in the context of the first turn
+        t.send("Write a very long story about a dragon.\n")
+        t.expect(r"dragon\.\n")  # the line, as the terminal echoes it
+        story = t.expect(r"\w+ \w+ \w+ \w+")  # the reply is coming
+        t.send("\x03")  # Ctrl-C, as the terminal sends it: SIGINT to the foreground process group
+        stopped = t.expect(r"\[reply stopped\]\n> ")
+        assert len(story + stopped) < 1500  # stopped well before its 400 tokens
+        t.send("What is the capital of France?\n")
+        assert "Paris" in t.expect(r"\n> ")
+        t.send("\x04")  # Ctrl-D at the prompt ends the chat
+        assert t.proc.wait(60) == 0
+    finally:
+        t.close()
