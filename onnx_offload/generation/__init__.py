@@ -8,9 +8,9 @@ from .kept import release_kept
 from .kv_cache import DeviceBuffers, ExactKV, SharedKV, peak_bytes, write
 from .loop import last_logits, prompt_chunk, prompt_pieces
 from .members import GenerationMembers
-from .needs import first_needs
+from .needs import first_generation, first_needs
 from .sampling import Sampling
 
 __all__ = ["DeviceBuffers", "ExactKV", "GenerationMembers", "SAMPLING_DEFAULTS", "Sampling", "SharedKV",
-           "default_generation", "first_needs", "last_logits", "own_probe", "peak_bytes", "prompt_chunk",
+           "default_generation", "first_generation", "first_needs", "last_logits", "own_probe", "peak_bytes", "prompt_chunk",
            "prompt_pieces", "release_kept", "with_generation", "write"]
