@@ -15,8 +15,7 @@ import onnxruntime as ort
 
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_flag, parse_index
 from .errors import CudaUnavailable, OffloadWarning
-from .loading import CUDA_EP, choose_providers, normalize_providers
-from .loading.ort_options import CUDA_DEFAULTS
+from .loading import CUDA_DEFAULTS, CUDA_EP, choose_providers, normalize_providers
 
 
 @dataclasses.dataclass

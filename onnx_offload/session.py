@@ -27,9 +27,8 @@ from .dropin import InferenceSessionMembers
 from .engines import (CONTROL_FLOW_OPS, Engines, OffloadIOBinding, RunInputs, StreamingUnavailable, as_arrays,
                       choose_engine, resolve_graph_capture_enabled, shareable, structural_safety)
 from .errors import BudgetExceeded, OffloadWarning, StateError, UnsupportedModel
-from .generation.loop import FIRST_CONTEXT
-from .generation import (GenerationMembers, default_generation, first_generation, first_needs, release_kept,
-                         with_generation)
+from .generation import (FIRST_CONTEXT, GenerationMembers, default_generation, first_generation, first_needs,
+                         release_kept, with_generation)
 from .interrupts import deferred_interrupts
 from .loading import (CUDA_EP, LoadRequest, copy_options, make_workdir, point_weights_at_placeholder, prepare,
                       read_as_tables, read_in_place, remove_workdir, routing_for, unseen, weights_as_inputs)
@@ -220,8 +219,9 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
         self._engines = Engines(dev, self._store, self._meter, cfg, self._options, self._cuda_options, run, plan,
                                 self._notes, lambda: release_kept(self), self.close)
         if inputs["reserves"] is not None:  # None: the plan could not hold them (plan_or_explain)
-            self._engines.planned_for = (f"one sequence of up to {min(spec.max_length or FIRST_CONTEXT, FIRST_CONTEXT)} "
-                                         f"positions, its prompt a chunk (the first generation, before one asks)")
+            first = min(spec.max_length or FIRST_CONTEXT, FIRST_CONTEXT)
+            self._engines.planned_for = (f"one sequence of up to {first} positions, its prompt a chunk (the first "
+                                         f"generation, before one asks)")
         try:
             self._engines.graph_possible = choose_engine(cfg, self._on_cuda, True, stable, capture, growing,
                                                          routed=routing is not None) == "graph"

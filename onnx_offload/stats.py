@@ -208,7 +208,8 @@ class ReportingMembers:
             if planned:
                 return (f"the largest step of {planned}: its buffers and a bound on ORT's memory for its tokens, "
                         f"where ORT's memory is then measured and charged")
-            return "256 MiB or an eighth of the budget, whichever is less, for ORT's memory and the values between segments"
+            return ("256 MiB or an eighth of the budget, whichever is less, for ORT's memory and the values "
+                    "between segments")
         if zone == "transient":
             return ("the ring the streamed weights pass through" if streaming_engine
                     else "the largest segment's streamed weights")

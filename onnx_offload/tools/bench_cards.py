@@ -265,7 +265,7 @@ def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BA
         print(f"  llama.cpp: {llama}, GGUF ready in {time.perf_counter() - t:.1f} s", flush=True)
     levers: List[Dict] = []
     if ort_levers and kind == "cuda":
-        from ..loading.ort_options import CUDA_LEVERS
+        from ..loading import CUDA_LEVERS
         ids = np.random.default_rng(7).integers(0, shape["vocab"], (1, prompts[0]))
         for name, options in {"none": {}, **CUDA_LEVERS}.items():
             try:
