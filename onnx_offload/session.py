@@ -218,7 +218,10 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
                         record_timeline, self._workdir, routing, read_as_tables(model, names), stacks)
         self._engines = Engines(dev, self._store, self._meter, cfg, self._options, self._cuda_options, run, plan,
                                 self._notes, lambda: release_kept(self), self.close)
-        if inputs["reserves"] is not None:  # None: the plan could not hold them (plan_or_explain)
+        # The reserves the plan took from the first generation (memory.budget.base_zones), or
+        # the streaming engine's, which first_needs sizes so.
+        applied = inputs["reserves"] is not None and not cfg.kv_bytes and plan.zones["kv"].reserve > 0
+        if not isinstance(spec, Exception) and (applied or engine == "graph"):
             first = min(spec.max_length or FIRST_CONTEXT, FIRST_CONTEXT)
             self._engines.planned_for = (f"one sequence of up to {first} positions, its prompt a chunk (the first "
                                          f"generation, before one asks)")

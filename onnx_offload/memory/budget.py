@@ -9,11 +9,12 @@ The split:
 - The budget is ``config.vram_limit``, by default the device's free memory less the
   backend's margin (``config.BUDGET_MARGIN``).
 - ``kv`` reserves ``config.kv_bytes``; ``scratch`` reserves ``config.scratch_bytes``.
-  Where the configuration leaves them (0 and None), they are the `defaults` the session
-  gives for its model (a decoder's first generation: ``generation.needs``), else none for
-  the KV cache and, for scratch, 256 MiB or an eighth of what the KV reserve leaves,
-  whichever is less. Both in whole granules. What is left after both reserves is usable
-  by the weights.
+  Where the configuration leaves them (0 and None), scratch reserves 256 MiB or an eighth
+  of what the KV reserve leaves, whichever is less (the share), and KV none; but where the
+  `defaults` the session gives for its model (a decoder's first generation:
+  ``generation.needs``) take less than the share together, they are the reserves, so
+  that more is left to the weights. Both in whole granules. What is left after both
+  reserves is usable by the weights.
 - When every weight fits the weights allowance (``config.weight_bytes``, default the
   whole budget) and the usable budget, all stay resident in one segment.
 - Otherwise, with offload on, the graph is split into segments of at most
@@ -68,14 +69,19 @@ def base_zones(config: OffloadConfig, budget: int, granularity: int,
     """The zones before the weights are known: allowances and the KV and scratch reserves.
     `defaults` ({"kv": bytes, "scratch": bytes}) are the reserves where the configuration
     gives none."""
-    defaults = defaults or {}
-    kv_reserve = min(config.kv_bytes or -(-defaults.get("kv", 0) // granularity) * granularity, budget)
+    def granules(n: int) -> int:
+        return -(-n // granularity) * granularity
+    kv_reserve = min(config.kv_bytes, budget)
+    share = min(256 * MiB, (budget - kv_reserve) // 8)  # the scratch reserve where nothing sizes it
     if config.scratch_bytes is not None:
         scratch_reserve = config.scratch_bytes
-    elif "scratch" in defaults:
+    elif defaults and granules(defaults["scratch"]) + (0 if config.kv_bytes else granules(defaults["kv"])) <= share:
+        # The model's own reserves where they take less than the share: more is left to
+        # the weights, never less.
         scratch_reserve = defaults["scratch"]
+        kv_reserve = kv_reserve or min(granules(defaults["kv"]), budget)
     else:
-        scratch_reserve = min(256 * MiB, (budget - kv_reserve) // 8)
+        scratch_reserve = share
     if scratch_reserve:  # at least one granule when there is any: less backs no buffer
         scratch_reserve = min(-(-scratch_reserve // granularity) * granularity, budget - kv_reserve)
     return {

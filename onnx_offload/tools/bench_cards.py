@@ -215,6 +215,8 @@ def llama_rows(llama_bench: str, gguf_path: str, shape: dict, card: int, prompt:
         try:
             proc = subprocess.run(llama_cpp.bench_args(llama_bench, gguf_path, prompt, new, ngl),
                                   capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            return None, "llama-bench ran past 600 s"
         finally:
             holder.close()
         if proc.returncode != 0:
@@ -327,15 +329,15 @@ def _llama_cells(r: Dict) -> tuple:
     if not lm:
         return ("-",) * 4
 
-    def cell(x):
+    def cell(x, ngl=""):
         if "error" in x:
             return "failed"
-        ngl = f" (-ngl {x['ngl']})" if x.get("ngl") is not None else ""
         return f"{x['ms_per_token']:.2f} / {x['prompt_ms']:.0f}{ngl}"
     best = lm.get("best", {})
+    best_cell = cell(best, f" (-ngl {best.get('ngl')})") if best else "-"
     if "error" in r or "error" in best:
-        return cell(lm["fit"]), cell(best) if best else "-", "-", "-"
-    return (cell(lm["fit"]), cell(best), f"{r['ms_per_token'] / best['ms_per_token']:.2f}x",
+        return cell(lm["fit"]), best_cell, "-", "-"
+    return (cell(lm["fit"]), best_cell, f"{r['ms_per_token'] / best['ms_per_token']:.2f}x",
             f"{r['ttft_ms'] / best['prompt_ms']:.2f}x")
 
 
