@@ -85,3 +85,20 @@ def test_no_llama_bench_is_none_and_a_wrong_path_is_an_error(tmp_path, monkeypat
     assert llama_cpp.find_llama_bench(None) is None
     with pytest.raises(FileNotFoundError, match="--llama-bench"):
         llama_cpp.find_llama_bench(str(tmp_path / "nope"))
+
+
+def test_bench_cards_prints_llama_cpps_columns_only_with_llama_bench():
+    from onnx_offload.tools.bench_cards import print_cards
+    row = dict(card=8 << 30, prompt=512, batch=1, ms_per_token=100.0, ttft_ms=300.0, resident=6 << 30,
+               bound_ms=95.0, prefill_bound_ms=250.0, peak=7 << 30, card_free=8 << 30, could_reside=7 << 30,
+               tokens_equal=True, engine="graph")
+    res = dict(kind="cuda", weights=15 << 30, h2d_gbps=54.9, new=32, rows=[row], llama_bench=None)
+    without = print_cards(res)
+    assert "llama.cpp" not in without and "7.00 GiB of 8.00 GiB" in without and "could reside" in without
+    lm = dict(fit=dict(ms_per_token=116.3, prompt_ms=937.0, ngl=-1),
+              best=dict(ms_per_token=94.5, prompt_ms=900.0, ngl=15))
+    text = print_cards(dict(res, rows=[dict(row, llama=lm)], llama_bench="/x/llama-bench"))
+    assert "llama.cpp fit" in text and "116.30 / 937" in text and "94.50 / 900 (-ngl 15)" in text
+    assert f"{100.0 / 94.5:.2f}x" in text and f"{300.0 / 900.0:.2f}x" in text
+    failed = dict(lm, best=dict(error="out of memory"))
+    assert "failed" in print_cards(dict(res, rows=[dict(row, llama=failed)], llama_bench="/x/llama-bench"))
