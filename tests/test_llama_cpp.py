@@ -100,5 +100,8 @@ def test_bench_cards_prints_llama_cpps_columns_only_with_llama_bench():
     text = print_cards(dict(res, rows=[dict(row, llama=lm)], llama_bench="/x/llama-bench"))
     assert "llama.cpp fit" in text and "116.30 / 937" in text and "94.50 / 900 (-ngl 15)" in text
     assert f"{100.0 / 94.5:.2f}x" in text and f"{300.0 / 900.0:.2f}x" in text
+    from onnx_offload.tools.bench_cards import _line
+    line = _line(dict(row, llama=lm, budget=7 << 30, margin=256 << 20, ledger_peak=6 << 30, ort_bytes=1 << 28))
+    assert "94.50 / 900 (-ngl 15)" in line and "margin 256.00 MiB" in line, line
     failed = dict(lm, best=dict(error="out of memory"))
     assert "failed" in print_cards(dict(res, rows=[dict(row, llama=failed)], llama_bench="/x/llama-bench"))

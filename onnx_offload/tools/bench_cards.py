@@ -163,6 +163,10 @@ def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) 
                    # one unsplit session, every weight resident, or the engine that streams
                    engine=s.engine if s._runner.streaming else "all resident",
                    zones={k: [z.allowance, z.reserve] for k, z in st.ledger.zones.items()},
+                   # What the budget left and how each reserve is sized; the ledger's peak and
+                   # ORT's measured bytes, so that the peak less them is what lay outside it.
+                   margin=st.margin, reserves=[list(x) for x in st.reserves], ledger_peak=st.ledger.peak_committed,
+                   ort_bytes=st.outside_bytes,
                    notes=list(st.notes), tokens=g["tokens"])
     except Exception as e:  # noqa: BLE001 - a row that fails is a row of the table
         out.update(error=f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
@@ -317,9 +321,14 @@ def _line(r: Dict) -> str:
     # Every column the table has, so that a run cut short still says them.
     return (f"{head}: {r['ms_per_token']:.2f} ms/token ({r['ms_per_token'] / r['bound_ms']:.2f}x), first token "
             f"{r['ttft_ms']:.0f} ms ({r['ttft_ms'] / r['prefill_bound_ms']:.2f}x), {r['engine']}, resident "
-            f"{fmt_bytes(r['resident'])}, peak {fmt_bytes(r['peak']) if 'peak' in r else '-'}, tokens "
+            f"{fmt_bytes(r['resident'])}, peak {fmt_bytes(r['peak']) if 'peak' in r else '-'} (budget "
+            f"{fmt_bytes(r['budget'])}, margin {fmt_bytes(r['margin'])}, ledger peak {fmt_bytes(r['ledger_peak'])}, "
+            f"ORT's measured {fmt_bytes(r['ort_bytes'])}), could reside "
+            f"{fmt_bytes(r['could_reside']) if 'could_reside' in r else '-'}, tokens "
             f"{'equal' if r['tokens_equal'] else 'DIFFER'}, graphs made in the measured run "
-            f"{r.get('captures_second', '-')}, its steps replayed {r.get('graph_steps', '-')}")
+            f"{r.get('captures_second', '-')}, its steps replayed {r.get('graph_steps', '-')}"
+            + (", llama.cpp fit / best / ours vs best (ms/token, first token): " + " / ".join(_llama_cells(r))
+               if r.get("llama") else ""))
 
 
 def _llama_cells(r: Dict) -> tuple:
