@@ -14,9 +14,17 @@ graphs). Columns: ms/token (the median over the decode steps after the first thr
 the time to first token; the weights resident; the decode bound,
 ``max(resident anchor, streamed bytes per step / H2D)``, and the prefill bound,
 ``max(resident prefill, bytes streamed during the prompt / H2D)``, with H2D measured in
-the same run; the device memory the row's process took at its peak against the card;
-the tokens against plain ORT's (the anchor: every weight resident, no second process);
-the engine that ran.
+the same run; the device memory the row's process took at its peak against the card, and the weight
+bytes that could have been resident (those that were, and the card's bytes the process
+left unused); the tokens against plain ORT's (the anchor: every weight resident, no
+second process); the engine that ran.
+
+With llama.cpp's ``llama-bench`` (``--llama-bench PATH``, or on PATH), each batch-1 row
+also runs llama.cpp on the same weights (an F16 GGUF, ``llama_cpp.write_gguf``) under
+the same card: its own fit and the largest ``-ngl`` that loads, with its ms/token at the
+prompt's depth and its prompt time beside ours, and the ratios. ``--ort-levers`` measures
+the all-resident step (the whole device) with each of ORT's CUDA levers
+(``loading.ort_options.CUDA_LEVERS``).
 
 The optimized model is made once, in the anchor's process with the whole device, and
 kept in the bench's cache folder, so every row runs the same optimized graph that plain
