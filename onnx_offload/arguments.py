@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from .config import ENV_VRAM_LIMIT, OffloadConfig, env_is_set, parse_device_id, parse_flag, parse_index
 from .env_names import unknown_env_names
 from .errors import OffloadWarning
-from .loading import CUDA_EP, choose_providers, normalize_providers
+from .loading import CUDA_DEFAULTS, CUDA_EP, choose_providers, normalize_providers
 
 
 @dataclasses.dataclass
@@ -57,7 +57,7 @@ def read_arguments(providers, provider_options, config: Optional[OffloadConfig],
         except ValueError as e:
             raise ValueError(f"the CUDA provider options {taken} cannot be the session's configuration: "
                              f"{e}") from None
-    cuda_options = options[0] if on_cuda else {}
+    cuda_options = {**CUDA_DEFAULTS, **options[0]} if on_cuda else {}
     # enable_cuda_graph in the provider options is the caller's explicit request, as
     # plain ORT takes it; the runner sets it on the sessions that capture.
     request = parse_flag(cuda_options.pop("enable_cuda_graph", None), "enable_cuda_graph (CUDA provider option)")

@@ -8,7 +8,8 @@ Environment variables (the names the ONNX GenAI engine uses):
 - ``ONNX_GENAI_WEIGHT_OFFLOAD_DEVICE_BYTES``: the allowance of the weights zone, in bytes.
 - ``ONNX_GENAI_WEIGHT_OFFLOAD_POLICY``: ``planned`` (default), ``stable``, ``lru`` or ``mru``.
 - ``ONNX_GENAI_VRAM_LIMIT``: the device budget: ``6GiB``, ``6000000000``, ``0.9`` (a fraction
-  of device memory) or ``auto`` (90% of the memory free when the session starts).
+  of device memory) or ``auto`` (the memory free when the session starts, less the device's
+  margin, ``BUDGET_MARGIN``).
 - ``ONNX_GENAI_CUDA_GRAPH``: ``0`` or ``1``; unset means decide automatically.
 """
 from __future__ import annotations
@@ -48,6 +49,14 @@ EXPERTS = ("auto", "routed", "dense", "in_place")
 
 MiB = 1 << 20
 GiB = 1 << 30
+# What the "auto" budget leaves of the device's free memory, by backend: memory that no
+# ledger call sees and that the ORT meter (memory.ort_memory) may find only later. On CUDA
+# the process's context is already out of the free memory read at the start, and what ORT
+# takes for its arena and workspaces is measured and charged inside the budget; the margin
+# covers the kernels loaded lazily on a step's first launch, captured graphs' uploads and
+# the meter's SLACK (32 MiB). On the host the device is the process's own memory, which
+# ORT's CPU arena and the pinned host store of the weights also take.
+BUDGET_MARGIN = {"cuda": 256 * MiB, "host": 1 * GiB}
 
 _UNITS = {
     "": 1, "b": 1,
@@ -359,10 +368,11 @@ class OffloadConfig:
             return None
         return default_cache_dir() if self.cache_dir == "auto" else self.cache_dir
 
-    def resolve_budget(self, free: int, total: int) -> int:
-        """The device budget in bytes, given the device's free and total memory."""
+    def resolve_budget(self, free: int, total: int, margin: int = 0) -> int:
+        """The device budget in bytes, given the device's free and total memory: "auto"
+        (None) is the free memory less `margin` (the backend's BUDGET_MARGIN)."""
         if self.vram_limit is None:
-            return int(free * 0.9)
+            return max(0, free - margin)
         if isinstance(self.vram_limit, float):
             return int(total * self.vram_limit)
         return int(self.vram_limit)

@@ -27,7 +27,8 @@ from .dropin import InferenceSessionMembers
 from .engines import (CONTROL_FLOW_OPS, Engines, OffloadIOBinding, RunInputs, StreamingUnavailable, as_arrays,
                       choose_engine, resolve_graph_capture_enabled, shareable, structural_safety)
 from .errors import BudgetExceeded, OffloadWarning, StateError, UnsupportedModel
-from .generation import GenerationMembers, default_generation, first_needs, release_kept, with_generation
+from .generation import (FIRST_CONTEXT, GenerationMembers, default_generation, first_generation, first_needs,
+                         release_kept, with_generation)
 from .interrupts import deferred_interrupts
 from .loading import (CUDA_EP, LoadRequest, copy_options, make_workdir, point_weights_at_placeholder, prepare,
                       read_as_tables, read_in_place, remove_workdir, routing_for, unseen, weights_as_inputs)
@@ -177,7 +178,15 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
         if experts == "auto" and self._on_cuda and stable and cfg.offload:
             experts = "in_place"  # the streaming engine's MoE kernel reads the picked experts in host memory
         routing, dense_why = routing_for(model, self._weights, experts, self._on_cuda, stable and cfg.offload)
-        inputs, groups_by_target = plan_inputs(model, self._weights, stable, dev, routing.cuts if routing else ())
+        spec = p.decoder
+        vocab, logits = (None, None) if isinstance(spec, Exception) else (spec.vocab, spec.logits_dtype)
+        self._activations = activation_shape(model, names, vocab, logits)
+        # A decoder's reserves, where the configuration leaves them, are those of the
+        # generation it plans for before one asks (generation.needs.first_generation).
+        reserves = None if isinstance(spec, Exception) else dict(zip(("kv", "scratch"), first_generation(
+            spec, cfg, self._activations, dev.granularity, dev.is_cuda)))
+        inputs, groups_by_target = plan_inputs(model, self._weights, stable, dev, routing.cuts if routing else (),
+                                               reserves)
         plan = plan_or_explain(cfg, inputs)
         dev.apply(plan)
         if plan.streaming and dense_why:
@@ -186,7 +195,6 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
             point_weights_at_placeholder(model, names)
         else:
             weights_as_inputs(model, self._weights)
-        spec = p.decoder
         safe, why = structural_safety(model)
         override, source = cfg.graph_override, ""
         if override is None and self._graph_request is not None:
@@ -201,8 +209,6 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
                                notes=self._notes, routed=routing is not None)
         readers = collections.Counter(i for node in model.graph.node for i in node.input if i in names)
         shared = [n for n, c in readers.items() if c > 1]
-        vocab, logits = (None, None) if isinstance(spec, Exception) else (spec.vocab, spec.logits_dtype)
-        self._activations = activation_shape(model, names, vocab, logits)
         # Stacks read in place get host pages of their own, which their hot experts' device
         # pages replace behind a stable address (memory.expert_pages).
         stacks = read_in_place(model, self._weights, experts) if stable and cfg.offload else []
@@ -216,6 +222,13 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
                         record_timeline, self._workdir, routing, read_as_tables(model, names), stacks)
         self._engines = Engines(dev, self._store, self._meter, cfg, self._options, self._cuda_options, run, plan,
                                 self._notes, lambda: release_kept(self), self.close)
+        # The reserves the plan took from the first generation (memory.budget.base_zones), or
+        # the streaming engine's, which first_needs sizes so.
+        applied = inputs["reserves"] is not None and not cfg.kv_bytes and plan.zones["kv"].reserve > 0
+        if not isinstance(spec, Exception) and (applied or engine == "graph"):
+            first = min(spec.max_length or FIRST_CONTEXT, FIRST_CONTEXT)
+            self._engines.planned_for = (f"one sequence of up to {first} positions, its prompt a chunk (the first "
+                                         f"generation, before one asks)")
         try:
             self._engines.graph_possible = choose_engine(cfg, self._on_cuda, True, stable, capture, growing,
                                                          routed=routing is not None) == "graph"

@@ -40,6 +40,8 @@ class OffloadStats:
     outside_bytes: int
     notes: tuple = ()
     graph_steps: int = 0  # steps run under a captured graph (captured once per plan, then replayed)
+    margin: int = 0  # what the "auto" budget left of the device's free memory (0: the budget was given)
+    reserves: tuple = ()  # (zone, reserve bytes, how it is sized) of each zone that reserves any
 
     @property
     def vram_alloc_ms(self) -> float:
@@ -100,7 +102,8 @@ class OffloadStats:
             ("vram_alloc / vram_free", f"{self.vram_alloc_ms:.2f} ms / {self.vram_free_ms:.2f} ms"),
             ("driver creates / releases", f"{self.driver.creates} / {self.driver.releases}"),
             ("host waits (synchronizes)", f"{self.driver.host_waits} in {self.driver.host_wait_ns / 1e6:.2f} ms"),
-            ("budget", fmt_bytes(self.ledger.budget)),
+            ("budget", fmt_bytes(self.ledger.budget) + (f" (the device's free memory less a margin of "
+                                                          f"{fmt_bytes(self.margin)})" if self.margin else "")),
             ("peak committed", fmt_bytes(self.peak_committed)),
             ("peak content", fmt_bytes(self.peak_content)),
             ("granule overhead", f"{fmt_bytes(self.granule_overhead)} (peak committed less peak content: memory "
@@ -112,6 +115,8 @@ class OffloadStats:
                   fmt_bytes(v.allowance), fmt_bytes(v.reserve))
                  for z, v in self.ledger.zones.items()]
         text = table(rows) + "\n\n" + table(zones, ("zone", "committed", "peak", "allowance", "reserve"))
+        if self.reserves:
+            text += "\n\n" + "\n".join(f"reserve of {z}: {fmt_bytes(n)}, {how}" for z, n, how in self.reserves)
         if self.notes:
             text += "\n\n" + "\n".join(f"note: {n}" for n in self.notes)
         return text
@@ -186,4 +191,26 @@ class ReportingMembers:
             scratch=dev.scratch.stats() if dev.scratch is not None else None,
             ort_owned_bytes=self._meter.at_creation if self._meter else 0,
             outside_bytes=self._meter.charged if self._meter else 0, notes=tuple(self._notes),
-            graph_steps=runner.graph_steps if runner else 0)
+            graph_steps=runner.graph_steps if runner else 0,
+            margin=dev.margin if self.config.vram_limit is None else 0,
+            reserves=tuple((z, v.reserve, self._reserve_sizing(z)) for z, v in ledger.zones.items() if v.reserve))
+
+    def _reserve_sizing(self, zone: str) -> str:
+        """How the plan in force sized a zone's reserve, in words."""
+        cfg, eng = self.config, self._engines
+        planned = eng.planned_for if eng is not None else ""
+        streaming_engine = eng is not None and eng.needs is not None
+        if zone == "kv":
+            return "kv_bytes, as given" if cfg.kv_bytes else f"the KV cache of {planned or 'the generation asked'}"
+        if zone == "scratch":
+            if cfg.scratch_bytes is not None and not streaming_engine:
+                return "scratch_bytes, as given"
+            if planned:
+                return (f"the largest step of {planned}: its buffers and a bound on ORT's memory for its tokens, "
+                        f"where ORT's memory is then measured and charged")
+            return ("256 MiB or an eighth of the budget, whichever is less, for ORT's memory and the values "
+                    "between segments")
+        if zone == "transient":
+            return ("the ring the streamed weights pass through" if streaming_engine
+                    else "the largest segment's streamed weights")
+        return "as planned"

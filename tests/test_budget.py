@@ -9,7 +9,7 @@ GiB = 1 << 30
 G = 2 * MiB
 
 
-def plan(sizes, segments=None, free=80 * GiB, total=80 * GiB, **cfg):
+def plan(sizes, segments=None, free=80 * GiB, total=80 * GiB, margin=0, reserves=None, **cfg):
     """A plan for weights of these sizes (each costs whole granules on its own, and a
     set costs the sum); `segments` maps a target to the weights of each segment."""
     config = OffloadConfig(**cfg)
@@ -21,7 +21,8 @@ def plan(sizes, segments=None, free=80 * GiB, total=80 * GiB, **cfg):
         return segments(target) if segments else [list(sizes)]
 
     p = plan_budget(config, free=free, total=total, granularity=G, weight_costs=costs,
-                    cost=lambda names: sum(costs[n] for n in names), plan_segments=plan_segments)
+                    cost=lambda names: sum(costs[n] for n in names), plan_segments=plan_segments,
+                    margin=margin, reserves=reserves)
     return p, asked
 
 
@@ -50,8 +51,8 @@ def test_reserves_of_an_unsplit_model(cfg, budget, scratch, kv):
 def test_a_request_above_the_free_memory_is_cut_to_it_with_a_note():
     p, _ = plan({"a": MiB}, free=GiB, total=80 * GiB, vram_limit=2 * GiB)
     assert p.budget == GiB and "exceeds" in p.note
-    p, _ = plan({"a": MiB}, free=10 * GiB, total=80 * GiB)  # auto: 90% of the free memory
-    assert p.budget == 9 * GiB and p.note == ""
+    p, _ = plan({"a": MiB}, free=10 * GiB, total=80 * GiB, margin=256 * MiB)  # auto: the free memory less the margin
+    assert p.budget == 10 * GiB - 256 * MiB and p.note == ""
 
 
 def test_weights_over_their_allowance_without_offload_are_refused():
@@ -106,3 +107,22 @@ def test_a_segment_larger_than_the_usable_budget_is_refused():
 def test_no_weights_plan_unsplit():
     p, _ = plan({}, vram_limit=GiB)
     assert not p.streaming and p.segments == [[]]
+
+
+def test_the_models_default_reserves_apply_where_the_configuration_gives_none():
+    sizes = {"a": 10 * MiB, "b": 10 * MiB}
+    # A decoder's first generation: its cache and its step, in whole granules, not an
+    # eighth of the budget.
+    p, _ = plan(sizes, vram_limit=GiB, reserves={"kv": 3 * MiB, "scratch": 5 * MiB})
+    assert zones(p)["kv"] == (GiB, 4 * MiB) and zones(p)["scratch"] == (GiB, 6 * MiB)
+    # What the configuration gives wins.
+    p, _ = plan(sizes, vram_limit=GiB, kv_bytes=8 * MiB, scratch_bytes=16 * MiB,
+                reserves={"kv": 3 * MiB, "scratch": 5 * MiB})
+    assert zones(p)["kv"] == (GiB, 8 * MiB) and zones(p)["scratch"] == (GiB, 16 * MiB)
+    # Reserves sized so leave more to the weights: 60 MiB of weights resident in a budget
+    # of 64 MiB, where an eighth of it set aside for scratch would make them stream.
+    sizes = {f"w{i}": 10 * MiB for i in range(6)}
+    one_each = lambda target: [[n] for n in sizes]  # noqa: E731
+    assert plan(sizes, one_each, vram_limit=64 * MiB, offload=True)[0].streaming
+    assert not plan(sizes, one_each, vram_limit=64 * MiB, offload=True,
+                    reserves={"kv": MiB, "scratch": MiB})[0].streaming

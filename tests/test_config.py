@@ -84,7 +84,9 @@ def test_unknown_keyword_is_a_type_error():
 
 def test_budget_resolution():
     free, total = 50 * GiB, 80 * GiB
-    assert OffloadConfig(vram_limit=None).resolve_budget(free, total) == int(free * 0.9)
+    assert OffloadConfig(vram_limit=None).resolve_budget(free, total) == free  # auto: the free memory, less
+    assert OffloadConfig(vram_limit=None).resolve_budget(free, total, GiB) == free - GiB  # the device's margin
+    assert OffloadConfig(vram_limit=0.5).resolve_budget(free, total, GiB) == 40 * GiB  # a fraction: no margin
     assert OffloadConfig(vram_limit=0.5).resolve_budget(free, total) == 40 * GiB
     assert OffloadConfig(vram_limit="6GiB").resolve_budget(free, total) == 6 * GiB
 

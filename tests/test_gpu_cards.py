@@ -88,3 +88,34 @@ def test_the_advice_of_a_budget_too_small_for_the_session_runs_a_sequence_on_cud
         assert s.engine == "graph", s.stats().notes
         final = s.close()
     assert final.committed == 0
+
+
+def test_a_card_that_holds_the_weights_and_the_generation_keeps_every_weight_resident(model_path, tmp_path):
+    """A card of the weights and 640 MiB: the budget left to the package is the free memory
+    less the margin, the reserves hold the generation asked, and every weight is resident
+    (no bytes streamed), within the card, plain ORT's tokens."""
+    path, model = model_path
+    ids = np.random.default_rng(5).integers(0, SHAPE["vocab"], (1, 512))
+    want = {True: reference_greedy(model, ids, 8, providers=[CUDA]),
+            False: reference_greedy(model, ids, 8, providers=[CUDA], optimized=False)}
+    weights = weight_bytes(model)
+    card = Card(weights + (640 << 20))
+    peak = None
+    try:
+        peak = _Peak(card.free)
+        with OffloadSession(path, providers=[CUDA], offload=True, vmm=True, cache_dir=str(tmp_path / "cache"),
+                            prefill_chunk=256) as s:
+            got = s.generate(ids, 8)
+            np.testing.assert_array_equal(s.generate(ids, 8), got)
+            st = s.stats()
+            exported = any("as it was exported" in n for n in st.notes)
+            np.testing.assert_array_equal(got, want[not exported])
+            assert not s._runner.streaming and st.last_step.htod_bytes == 0, st
+            assert st.margin > 0 and st.ledger.budget == s.device.device_free - st.margin
+            final = s.close()
+        assert final.committed == 0
+        assert peak.close() <= card.free
+    finally:
+        if peak is not None:
+            peak.close()
+        card.close()

@@ -66,9 +66,9 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
     # reserve the configuration gives is doubled, plus `boundary` bytes per segment.
     # (The configuration's, not the reserve in force, which an earlier plan may have
     # raised: a plan depends on the cache it is for, not on the ones before it.)
-    configured = base_zones(cfg, in_force.budget, g)["scratch"].reserve
-    base = 2 * max(configured, round_up(zones["scratch"].committed.current + io_peak, g))
     plan_inputs = engines.run_inputs.plan_inputs
+    configured = base_zones(cfg, in_force.budget, g, plan_inputs.get("reserves"))["scratch"].reserve
+    base = 2 * max(configured, round_up(zones["scratch"].committed.current + io_peak, g))
 
     def trial_for(segments: int):
         scratch = base + round_up(boundary * segments, g)

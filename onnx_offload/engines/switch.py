@@ -78,6 +78,7 @@ class Engines:
         self.runner = None
         self.residency: Optional[ResidencyManager] = None
         self.needs: Optional[tuple] = None  # (KV, scratch) the streaming engine in force sets aside
+        self.planned_for = ""  # the generation the reserves hold, in words ("" where none is planned for)
         # Whether the weights would run on the streaming engine once they stream: a
         # generation that finds no room beside resident weights moves there, not to segments.
         self.graph_possible = False
@@ -207,6 +208,8 @@ class Engines:
         plan = self.plan
         self.swap(lambda: self.make_engine_with_room(kv, scratch),
                   (lambda: self.make_engine(*before)) if before is not None else (lambda: self.make_segments(plan)))
+        if why.startswith("a generation") or why.startswith("a KV cache"):
+            self.planned_for = why
         self.notes.append(f"the streaming engine was planned again for {why}: KV cache {fmt_bytes(kv)}, step "
                           f"memory {fmt_bytes(scratch)}, {len(self.residency.slots)} weights resident")
 

@@ -18,13 +18,17 @@ from .needs import generation_needs
 
 def new_generation(session, spec, batch: int, prompt: int, total: int) -> Generation:
     """A generation's buffers: the kept ones when they fit it (their graphs replay), else
-    new ones, the kept ones given back first. Before it, the engine is planned again
-    where the generation's cache and largest step do not fit the plan in force."""
+    new ones, the kept ones given back first. Before it, memory taken outside the budget
+    is settled, and the engine is planned again where the generation's cache and largest
+    step do not fit the plan in force."""
     gen = None
     try:
         with session._step():
             if session._parked is not None and not session._parked.fits(spec, batch, prompt, total):
                 release_kept(session)
+            # Memory another process took since the last step is charged before this
+            # generation counts on it: a new plan, or BudgetExceeded saying so (Engines.run).
+            session._engines.run(session._meter.settle)
             if session._engines.graph_possible:  # a new plan gives the kept ones back
                 dev = session.device
                 kv, scratch = generation_needs(spec, session.config, session._activations, dev.granularity,

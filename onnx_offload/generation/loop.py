@@ -17,9 +17,12 @@ from ..loading import DecoderSpec
 from .kv_cache import peak_bytes
 from .sampling import Sampling
 
-# The positions the streaming engine plans a decoder's KV cache for at construction; a
-# generation that needs more plans again.
+# The positions a session's advice plans a decoder's generation for (generation.advice).
 DEFAULT_CONTEXT = 4096
+# The positions a session plans a decoder's KV cache for at construction, before a
+# generation says its batch and length: a prompt chunk and as many new tokens. A
+# generation that needs more plans again before its first step (Engines.prepare).
+FIRST_CONTEXT = 1024
 
 
 def prompt_chunk(prompt: int, prefill_chunk: int, thresholds: Optional[tuple] = ()) -> int:

@@ -9,29 +9,31 @@ from __future__ import annotations
 import numpy as np
 
 from ..memory import step_scratch as bounded_step
-from .loop import DEFAULT_CONTEXT, chunk_rows, kv_peak, largest_step
+from .loop import FIRST_CONTEXT, chunk_rows, kv_peak, largest_step
 from .kv_cache import bucket_for
 
 
 def first_needs(spec, config, plan_scratch: int, activations, granularity: int, on_cuda: bool) -> tuple:
     """(KV bytes, scratch bytes) the streaming engine sets aside at construction: what
-    the configuration gives, else, for a decoder (`spec` not an exception), the cache of
-    one sequence of up to DEFAULT_CONTEXT positions and a prompt chunk's step; for other
-    models the plan's scratch reserve (`plan_scratch`). A generation that needs more
-    plans again (generation_needs)."""
+    the configuration gives, else, for a decoder (`spec` not an exception), those of
+    first_generation; for other models the plan's scratch reserve (`plan_scratch`). A
+    generation that needs more plans again (generation_needs)."""
     decoder = not isinstance(spec, Exception)
-    kv = config.kv_bytes
-    if not kv and decoder:
-        length = min(spec.max_length or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
-        kv = kv_peak(spec, 1, min(length, config.prefill_chunk), length, granularity, config.prefill_chunk)
+    kv, scratch = first_generation(spec, config, activations, granularity, on_cuda) if decoder else (0, plan_scratch)
+    if config.kv_bytes:
+        kv = config.kv_bytes
     if config.scratch_bytes is not None:
         scratch = config.scratch_bytes
-    elif decoder:
-        scratch = step_scratch(spec, config, activations, granularity, on_cuda, 1,
-                               min(config.prefill_chunk, DEFAULT_CONTEXT), DEFAULT_CONTEXT)
-    else:
-        scratch = plan_scratch
     return kv, scratch
+
+
+def first_generation(spec, config, activations, granularity: int, on_cuda: bool) -> tuple:
+    """(KV bytes, scratch bytes) of the generation a decoder's session plans for before
+    one asks: one sequence of up to FIRST_CONTEXT positions (or the model's context, if
+    shorter), its prompt a chunk. The budget plan's default reserves (memory.budget)."""
+    length = min(spec.max_length or FIRST_CONTEXT, FIRST_CONTEXT)
+    prompt = min(length, config.prefill_chunk)
+    return generation_needs(spec, config, activations, granularity, on_cuda, 1, prompt, length)
 
 
 def generation_needs(spec, config, activations, granularity: int, on_cuda: bool, batch: int, prompt: int,

@@ -15,7 +15,8 @@ from .fingerprints import MANIFEST
 from .graphs import external_info, node_inputs, read_as_tables
 from .lengths import length_thresholds
 from .optimize import OPTIMIZED, OPTIMIZED_DATA, optimization_level, optimize_once
-from .ort_options import CPU_EP, CUDA_EP, choose_providers, copy_options, normalize_providers, set_config, unseen
+from .ort_options import (CPU_EP, CUDA_DEFAULTS, CUDA_EP, CUDA_LEVERS, choose_providers, copy_options, normalize_providers,
+                          set_config, unseen)
 from .pipeline import LoadRequest, ModelMeta, prepare
 from .segmenter import (Segment, check_bindable, elem_name, plan_segments, recomputed_values, segment_weights, split,
                         value_types)
@@ -24,8 +25,8 @@ from .weights import (WeightInfo, load_optimized, point_weights_at_placeholder, 
                       write_optimized)
 from .workdir import make_workdir, remove_workdir
 
-__all__ = ["CONFIG_BYTES", "CPU_EP", "CUDA_EP", "DecoderSpec", "Files", "IOInfo", "LoadRequest", "MANIFEST", "MoENode",
-           "ModelMeta",
+__all__ = ["CONFIG_BYTES", "CPU_EP", "CUDA_DEFAULTS", "CUDA_EP", "CUDA_LEVERS", "DecoderSpec", "Files", "IOInfo", "LoadRequest",
+           "MANIFEST", "MoENode", "ModelMeta",
            "OPTIMIZED", "OPTIMIZED_DATA", "Routing", "SAMPLING_DEFAULTS", "Segment", "WeightInfo", "cache_entries",
            "check_bindable", "check_external_data", "choose_providers", "clear_cache", "copy_options", "copy_regular",
            "decoder_spec", "elem_name", "external_data_folder", "external_info", "find_routing", "length_thresholds", "make_workdir",

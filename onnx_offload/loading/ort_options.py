@@ -203,3 +203,18 @@ def normalize_providers(providers, provider_options) -> Tuple[List[str], List[di
             names.append(p)
             options.append(dict(provider_options[i]) if provider_options else {})
     return names, options
+
+
+# ORT's CUDA levers that bench cards --ort-levers measures on the all-resident step, by
+# name: each a set of CUDA provider options, with the same tokens asked of every one.
+CUDA_LEVERS = {
+    "tunable_op": {"tunable_op_enable": "1", "tunable_op_tuning_enable": "1",
+                   "tunable_op_max_tuning_duration_ms": "50"},
+    "tunable_op (tuned, no tuning)": {"tunable_op_enable": "1"},
+    "unified stream": {"use_ep_level_unified_stream": "1"},
+    "cudnn max workspace": {"cudnn_conv_use_max_workspace": "1"},
+}
+# The CUDA provider options every session starts from, where the caller gives none of
+# them: the levers of CUDA_LEVERS that the measurement showed to help (none adopted yet;
+# add a lever's options here to adopt it).
+CUDA_DEFAULTS: dict = {}

@@ -6,9 +6,15 @@ configuration, the device's memory, the weights' committed cost and the segment 
 ``Device`` and the session only apply the ``BudgetPlan`` it returns.
 
 The split:
-- ``kv`` reserves ``config.kv_bytes``; ``scratch`` reserves ``config.scratch_bytes``, by
-  default 256 MiB or an eighth of what the KV reserve leaves, whichever is less, in
-  whole granules. What is left after both reserves is usable by the weights.
+- The budget is ``config.vram_limit``, by default the device's free memory less the
+  backend's margin (``config.BUDGET_MARGIN``).
+- ``kv`` reserves ``config.kv_bytes``; ``scratch`` reserves ``config.scratch_bytes``.
+  Where the configuration leaves them (0 and None), scratch reserves 256 MiB or an eighth
+  of what the KV reserve leaves, whichever is less (the share), and KV none; but where the
+  `defaults` the session gives for its model (a decoder's first generation:
+  ``generation.needs``) take less than the share together, they are the reserves, so
+  that more is left to the weights. Both in whole granules. What is left after both
+  reserves is usable by the weights.
 - When every weight fits the weights allowance (``config.weight_bytes``, default the
   whole budget) and the usable budget, all stay resident in one segment.
 - Otherwise, with offload on, the graph is split into segments of at most
@@ -49,21 +55,33 @@ class BudgetPlan:
     note: str = ""  # why the budget differs from what was asked, if it does
 
 
-def device_budget(config: OffloadConfig, free: int, total: int) -> Tuple[int, str]:
-    """The budget in bytes, and a note when the request exceeds the memory free."""
-    requested = config.resolve_budget(free, total)
+def device_budget(config: OffloadConfig, free: int, total: int, margin: int = 0) -> Tuple[int, str]:
+    """The budget in bytes, and a note when the request exceeds the memory free. "auto"
+    leaves `margin` bytes of the free memory (config.BUDGET_MARGIN)."""
+    requested = config.resolve_budget(free, total, margin)
     if requested <= free:
         return requested, ""
     return free, f"the requested budget of {requested} bytes exceeds the {free} bytes free; using {free}"
 
 
-def base_zones(config: OffloadConfig, budget: int, granularity: int) -> Dict[str, ZonePlan]:
-    """The zones before the weights are known: allowances and the KV and scratch reserves."""
+def base_zones(config: OffloadConfig, budget: int, granularity: int,
+               defaults: Optional[Dict[str, int]] = None) -> Dict[str, ZonePlan]:
+    """The zones before the weights are known: allowances and the KV and scratch reserves.
+    `defaults` ({"kv": bytes, "scratch": bytes}) are the reserves where the configuration
+    gives none."""
+    def granules(n: int) -> int:
+        return -(-n // granularity) * granularity
     kv_reserve = min(config.kv_bytes, budget)
-    if config.scratch_bytes is None:
-        scratch_reserve = min(256 * MiB, (budget - kv_reserve) // 8)
-    else:
+    share = min(256 * MiB, (budget - kv_reserve) // 8)  # the scratch reserve where nothing sizes it
+    if config.scratch_bytes is not None:
         scratch_reserve = config.scratch_bytes
+    elif defaults and granules(defaults["scratch"]) + (0 if config.kv_bytes else granules(defaults["kv"])) <= share:
+        # The model's own reserves where they take less than the share: more is left to
+        # the weights, never less.
+        scratch_reserve = defaults["scratch"]
+        kv_reserve = kv_reserve or min(granules(defaults["kv"]), budget)
+    else:
+        scratch_reserve = share
     if scratch_reserve:  # at least one granule when there is any: less backs no buffer
         scratch_reserve = min(-(-scratch_reserve // granularity) * granularity, budget - kv_reserve)
     return {
@@ -77,7 +95,8 @@ def base_zones(config: OffloadConfig, budget: int, granularity: int) -> Dict[str
 def plan_budget(config: OffloadConfig, *, free: int, total: int, granularity: int,
                 weight_costs: Dict[str, int], cost: Callable[[Sequence[str]], int],
                 plan_segments: Callable[[int], List[Sequence[str]]],
-                segment_costs: Optional[Callable[[List[Sequence[str]]], List[int]]] = None) -> BudgetPlan:
+                segment_costs: Optional[Callable[[List[Sequence[str]]], List[int]]] = None, margin: int = 0,
+                reserves: Optional[Dict[str, int]] = None) -> BudgetPlan:
     """Splits the device budget for one model.
 
     `weight_costs` is each weight's committed cost on its own; `cost(names)` the
@@ -86,10 +105,11 @@ def plan_budget(config: OffloadConfig, *, free: int, total: int, granularity: in
     single node over the target gets a segment of its own); `segment_costs(segments)`
     what paging in each segment whole commits, as the slots will lie (by default its
     packed cost plus one granule, for a pack that starts inside one). A budget that
-    cannot run the model raises ``BudgetExceeded`` saying why.
+    cannot run the model raises ``BudgetExceeded`` saying why. `margin`: what an "auto"
+    budget leaves of the free memory; `reserves`: the default reserves (base_zones).
     """
-    budget, note = device_budget(config, free, total)
-    zones = base_zones(config, budget, granularity)
+    budget, note = device_budget(config, free, total, margin)
+    zones = base_zones(config, budget, granularity, reserves)
     usable = budget - zones["scratch"].reserve - zones["kv"].reserve
     allowance = zones["weights"].allowance
     names = list(weight_costs)
@@ -127,7 +147,8 @@ def plan_budget(config: OffloadConfig, *, free: int, total: int, granularity: in
 def smallest_budget(config: OffloadConfig, *, free: int, total: int, granularity: int,
                     weight_costs: Dict[str, int], cost: Callable[[Sequence[str]], int],
                     plan_segments: Callable[[int], List[Sequence[str]]],
-                    segment_costs: Optional[Callable[[List[Sequence[str]]], List[int]]] = None) -> int:
+                    segment_costs: Optional[Callable[[List[Sequence[str]]], List[int]]] = None, margin: int = 0,
+                    reserves: Optional[Dict[str, int]] = None) -> int:
     """The smallest device budget, in whole granules, for which ``plan_budget`` plans this
     model under this configuration (its offload flag, reserves and allowance), or 0 when
     not even the device's total memory would do. A binary search over plan_budget itself,
@@ -137,7 +158,7 @@ def smallest_budget(config: OffloadConfig, *, free: int, total: int, granularity
         try:
             plan_budget(trial, free=max(free, budget), total=total, granularity=granularity,
                         weight_costs=weight_costs, cost=cost, plan_segments=plan_segments,
-                        segment_costs=segment_costs)
+                        segment_costs=segment_costs, margin=margin, reserves=reserves)
             return True
         except BudgetExceeded:
             return False

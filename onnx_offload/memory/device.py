@@ -10,7 +10,7 @@ import resource
 from typing import Dict
 
 from .. import _core
-from ..config import GiB, MiB, OffloadConfig
+from ..config import BUDGET_MARGIN, GiB, MiB, OffloadConfig
 from ..errors import CudaUnavailable
 from .budget import ZONES, BudgetPlan, ZonePlan, base_zones, device_budget
 
@@ -35,9 +35,10 @@ def make_backend(kind: str, config: OffloadConfig):
 def weights_allowance(on_cuda: bool, config: OffloadConfig) -> int:
     """The weight bytes a device keeps resident under `config`, before a model is known:
     the weights zone's allowance within the budget, less the KV and scratch reserves."""
-    backend = make_backend("cuda" if on_cuda else "host", config)
+    kind = "cuda" if on_cuda else "host"
+    backend = make_backend(kind, config)
     free, total = backend.mem_info()
-    budget, _ = device_budget(config, free, total)
+    budget, _ = device_budget(config, free, total, BUDGET_MARGIN[kind])
     zones = base_zones(config, budget, backend.granularity)
     return max(0, min(zones["weights"].allowance, budget - zones["kv"].reserve - zones["scratch"].reserve))
 
@@ -74,9 +75,14 @@ class Device:
         self.kind = kind
         self.config = config
         self.backend = make_backend(kind, config)
+        # The device's free memory as another process leaves it: None reads the backend's;
+        # a callable returning bytes plays that process on the host backend (whose free
+        # memory is the machine's), so that memory taken after the start can be tested.
+        self.free_memory_hook = None
         free, total = self.backend.mem_info()
         self.device_free, self.device_total = free, total
-        self.budget, self.budget_note = device_budget(config, free, total)
+        self.margin = BUDGET_MARGIN[kind]  # what an "auto" budget leaves of the free memory
+        self.budget, self.budget_note = device_budget(config, free, total, self.margin)
         self.ledger = _core.BudgetOwner(self.budget)
         self.set_zones(base_zones(config, self.budget, self.backend.granularity))
         zone_va = config.zone_va_bytes or default_zone_va(kind, total)
@@ -88,6 +94,13 @@ class Device:
         self.scratch = _core.ScratchAllocator(self.arena, "scratch")
         self.ledger.set_reclaimer("scratch", lambda n: self.scratch.empty_cache())
         self.closed = False
+
+    def mem_info(self) -> tuple:
+        """(free, total) bytes of the device now."""
+        free, total = self.backend.mem_info()
+        if self.free_memory_hook is not None:
+            free = min(free, int(self.free_memory_hook()))
+        return free, total
 
     def set_zones(self, zones: Dict[str, ZonePlan]) -> None:
         # Reserves that shrink first: the ledger holds their sum within the budget at

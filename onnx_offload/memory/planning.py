@@ -19,10 +19,11 @@ from .residency import segment_costs
 from .slots import slot_kind
 
 
-def plan_inputs(model, weights, stable: bool, device, cuts=frozenset()) -> tuple:
+def plan_inputs(model, weights, stable: bool, device, cuts=frozenset(), reserves=None) -> tuple:
     """(the keyword arguments of plan_budget, the node groups planned for each segment
     target): the second names what the split of a streaming plan cuts. Each node of
-    `cuts` starts a segment."""
+    `cuts` starts a segment; `reserves` are the default reserves ({"kv", "scratch"}
+    bytes) where the configuration gives none."""
     names = {w.name for w in weights}
     sizes = {w.name: w.nbytes for w in weights}
     first_use = {w.name: w.first_use for w in weights}
@@ -43,13 +44,21 @@ def plan_inputs(model, weights, stable: bool, device, cuts=frozenset()) -> tuple
 
     inputs = dict(free=device.device_free, total=device.device_total, granularity=g,
                   weight_costs={n: cost([n]) for n in names}, cost=cost, plan_segments=segments_for,
-                  segment_costs=costs_of)
+                  segment_costs=costs_of, margin=device.margin, reserves=reserves)
     return inputs, groups_by_target
 
 
 def plan_or_explain(config, inputs: dict) -> BudgetPlan:
     """plan_budget, or BudgetExceeded naming the smallest budget that runs the model with
-    this configuration (or, when no budget of the device does, what limits)."""
+    this configuration (or, when no budget of the device does, what limits). Default
+    reserves (`inputs["reserves"]`, a decoder's first generation) that leave the weights
+    no plan are dropped, from `inputs` too: the session starts, and a generation that
+    finds no room plans again or names the budget that holds it."""
+    if inputs.get("reserves"):
+        try:
+            return plan_budget(config, **inputs)
+        except BudgetExceeded:
+            inputs["reserves"] = None
     try:
         return plan_budget(config, **inputs)
     except BudgetExceeded as e:

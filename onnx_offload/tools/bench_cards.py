@@ -14,9 +14,17 @@ graphs). Columns: ms/token (the median over the decode steps after the first thr
 the time to first token; the weights resident; the decode bound,
 ``max(resident anchor, streamed bytes per step / H2D)``, and the prefill bound,
 ``max(resident prefill, bytes streamed during the prompt / H2D)``, with H2D measured in
-the same run; the device memory the row's process took at its peak against the card;
-the tokens against plain ORT's (the anchor: every weight resident, no second process);
-the engine that ran.
+the same run; the device memory the row's process took at its peak against the card, and the weight
+bytes that could have been resident (those that were, and the card's bytes the process
+left unused); the tokens against plain ORT's (the anchor: every weight resident, no
+second process); the engine that ran.
+
+With llama.cpp's ``llama-bench`` (``--llama-bench PATH``, or on PATH), each batch-1 row
+also runs llama.cpp on the same weights (an F16 GGUF, ``llama_cpp.write_gguf``) under
+the same card: its own fit and the largest ``-ngl`` that loads, with its ms/token at the
+prompt's depth and its prompt time beside ours, and the ratios. ``--ort-levers`` measures
+the all-resident step (the whole device) with each of ORT's CUDA levers
+(``loading.ort_options.CUDA_LEVERS``).
 
 The optimized model is made once, in the anchor's process with the whole device, and
 kept in the bench's cache folder, so every row runs the same optimized graph that plain
@@ -163,6 +171,10 @@ def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) 
                    # one unsplit session, every weight resident, or the engine that streams
                    engine=s.engine if s._runner.streaming else "all resident",
                    zones={k: [z.allowance, z.reserve] for k, z in st.ledger.zones.items()},
+                   # What the budget left and how each reserve is sized; the ledger's peak and
+                   # ORT's measured bytes, so that the peak less them is what lay outside it.
+                   margin=st.margin, reserves=[list(x) for x in st.reserves], ledger_peak=st.ledger.peak_committed,
+                   ort_bytes=st.outside_bytes,
                    notes=list(st.notes), tokens=g["tokens"])
     except Exception as e:  # noqa: BLE001 - a row that fails is a row of the table
         out.update(error=f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
@@ -190,8 +202,62 @@ def warm_cache(path: str, kind: str, cache: str, ids=None) -> Dict:
     return dict(seconds=time.perf_counter() - t, tokens=np.zeros((1, 0), np.int64))
 
 
-def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BATCHES, new: int = NEW) -> Dict:
+def levers_row(path: str, ids, new: int, options: dict, cache: str) -> Dict:
+    """The all-resident step (the whole device, the budget left to the package) with these
+    CUDA provider options: ms/token of the second generation, and its tokens."""
+    from ..session import OffloadSession
+    ids = np.asarray(ids)
+    with OffloadSession(path, providers=[("CUDAExecutionProvider", dict(options))], offload=True, vmm=True,
+                        cache_dir=cache) as s:
+        _generate(s, ids, new)
+        g = _generate(s, ids, new)
+        resident = not s._runner.streaming
+    return dict(ms_per_token=float(np.median(g["steps"][WARMUP:])), ttft_ms=g["ttft_ms"], resident=resident,
+                tokens=g["tokens"])
+
+
+def llama_rows(llama_bench: str, gguf_path: str, shape: dict, card: int, prompt: int, new: int) -> Dict:
+    """llama.cpp on the card: its own fit, and the largest -ngl that loads (tried from
+    above an estimate down, so that the one that runs is the largest), each beside a
+    process that holds the rest of the device."""
+    from . import llama_cpp
+
+    def run(ngl):
+        holder = Card(card)
+        try:
+            proc = subprocess.run(llama_cpp.bench_args(llama_bench, gguf_path, prompt, new, ngl),
+                                  capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            return None, "llama-bench ran past 600 s"
+        finally:
+            holder.close()
+        if proc.returncode != 0:
+            return None, proc.stderr[-400:]
+        return llama_cpp.parse(proc.stdout, prompt, new), ""
+
+    out: Dict = {}
+    fit, why = run(None)
+    out["fit"] = fit if fit is not None else dict(error=why)
+    layers = shape["layers"]
+    estimate = (card - 2 * GiB) // llama_cpp.layer_bytes(shape)
+    ngl = int(min(layers + 1, max(0, estimate + 2)))
+    while ngl >= 0:
+        best, why = run(ngl)
+        if best is not None:
+            best["ngl"] = ngl
+            out["best"] = best
+            break
+        ngl -= 1
+    else:
+        out["best"] = dict(error=why)
+    return out
+
+
+def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BATCHES, new: int = NEW,
+                llama_bench=None, ort_levers: bool = False) -> Dict:
+    from . import llama_cpp
     shape = SHAPE_8B if kind == "cuda" else SHAPE_CPU
+    llama = llama_cpp.find_llama_bench(llama_bench) if kind == "cuda" else None
     os.makedirs(out_dir, exist_ok=True)
     t = time.perf_counter()
     path = build_model(shape, out_dir)
@@ -203,6 +269,31 @@ def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BA
     cache = os.path.join(out_dir, "cache")
     w = in_process_of_its_own("bench_cards", "warm_cache", path=path, kind=kind, cache=cache, ids=[[0]])
     print(f"  cache entry made in {w['seconds']:.1f} s; pinned H2D {bw / 1e9:.1f} GB/s", flush=True)
+    gguf_path = None
+    if llama:
+        t = time.perf_counter()
+        gguf_path = os.path.join(out_dir, "cards_model", "model-f16.gguf")
+        if not os.path.exists(gguf_path):
+            llama_cpp.write_gguf(path, shape, gguf_path + ".part")
+            os.replace(gguf_path + ".part", gguf_path)
+        print(f"  llama.cpp: {llama}, GGUF ready in {time.perf_counter() - t:.1f} s", flush=True)
+    levers: List[Dict] = []
+    if ort_levers and kind == "cuda":
+        from ..loading import CUDA_LEVERS
+        ids = np.random.default_rng(7).integers(0, shape["vocab"], (1, prompts[0]))
+        for name, options in {"none": {}, **CUDA_LEVERS}.items():
+            try:
+                r = in_process_of_its_own("bench_cards", "levers_row", path=path, ids=ids.tolist(), new=new,
+                                          options=options, cache=cache)
+            except RuntimeError as e:
+                r = dict(error=str(e)[-300:], tokens=np.zeros((1, 0), np.int64))
+            r.update(lever=name, options=options)
+            levers.append(r)
+        tokens = [r.pop("tokens") for r in levers]
+        for r, t in zip(levers, tokens):  # the same tokens as without a lever
+            r["tokens_equal"] = bool(t.size and np.array_equal(t, tokens[0]))
+        print("  " + "; ".join(f"{r['lever']}: {r.get('ms_per_token', float('nan')):.2f} ms/token" for r in levers),
+              flush=True)
     rows: List[Dict] = []
     for prompt in prompts:
         for batch in batches:
@@ -219,9 +310,16 @@ def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BA
                     r["bound_ms"] = max(a["ms_per_token"], r["step_htod"] / bw * 1e3)
                     r["prefill_bound_ms"] = max(a["prompt_ms"], r["prompt_htod"] / bw * 1e3)
                 r["anchor_ms"], r["anchor_prompt_ms"] = a["ms_per_token"], a["prompt_ms"]
+                if "error" not in r and r.get("peak") is not None:
+                    # The weights that could have been resident: those that were, and the
+                    # card's bytes the process left unused.
+                    r["could_reside"] = min(r["weight_bytes"], r["resident"] + max(0, r["card_free"] - r["peak"]))
+                if llama and batch == 1:
+                    r["llama"] = llama_rows(llama, gguf_path, shape, card, prompt, new)
                 rows.append(r)
                 print("  " + _line(r), flush=True)
-    return dict(kind=kind, weights=weights, h2d_gbps=bw / 1e9, new=new, shape=shape, rows=rows)
+    return dict(kind=kind, weights=weights, h2d_gbps=bw / 1e9, new=new, shape=shape, rows=rows, levers=levers,
+                llama_bench=llama)
 
 
 def _line(r: Dict) -> str:
@@ -231,29 +329,66 @@ def _line(r: Dict) -> str:
     # Every column the table has, so that a run cut short still says them.
     return (f"{head}: {r['ms_per_token']:.2f} ms/token ({r['ms_per_token'] / r['bound_ms']:.2f}x), first token "
             f"{r['ttft_ms']:.0f} ms ({r['ttft_ms'] / r['prefill_bound_ms']:.2f}x), {r['engine']}, resident "
-            f"{fmt_bytes(r['resident'])}, peak {fmt_bytes(r['peak']) if 'peak' in r else '-'}, tokens "
+            f"{fmt_bytes(r['resident'])}, peak {fmt_bytes(r['peak']) if 'peak' in r else '-'} (budget "
+            f"{fmt_bytes(r['budget'])}, margin {fmt_bytes(r['margin'])}, ledger peak {fmt_bytes(r['ledger_peak'])}, "
+            f"ORT's measured {fmt_bytes(r['ort_bytes'])}), could reside "
+            f"{fmt_bytes(r['could_reside']) if 'could_reside' in r else '-'}, tokens "
             f"{'equal' if r['tokens_equal'] else 'DIFFER'}, graphs made in the measured run "
-            f"{r.get('captures_second', '-')}, its steps replayed {r.get('graph_steps', '-')}")
+            f"{r.get('captures_second', '-')}, its steps replayed {r.get('graph_steps', '-')}"
+            + (", llama.cpp fit / best / ours vs best (ms/token, first token): " + " / ".join(_llama_cells(r))
+               if r.get("llama") else ""))
+
+
+def _llama_cells(r: Dict) -> tuple:
+    """llama.cpp's columns of a row: its fit's and its best -ngl's ms/token and prompt time,
+    and our ms/token and first token against its best."""
+    lm = r.get("llama")
+    if not lm:
+        return ("-",) * 4
+
+    def cell(x, ngl=""):
+        if "error" in x:
+            return "failed"
+        return f"{x['ms_per_token']:.2f} / {x['prompt_ms']:.0f}{ngl}"
+    best = lm.get("best", {})
+    best_cell = cell(best, f" (-ngl {best.get('ngl')})") if best else "-"
+    if "error" in r or "error" in best:
+        return cell(lm["fit"]), best_cell, "-", "-"
+    return (cell(lm["fit"]), best_cell, f"{r['ms_per_token'] / best['ms_per_token']:.2f}x",
+            f"{r['ttft_ms'] / best['prompt_ms']:.2f}x")
 
 
 def print_cards(res: Dict) -> str:
+    llama = bool(res.get("llama_bench"))
     rows = []
     for r in res["rows"]:
+        extra = _llama_cells(r) if llama else ()
         if "error" in r:
             rows.append((fmt_bytes(r["card"]), r["prompt"], r["batch"], "FAILED", "-", "-", "-", "-", "-", "-",
-                         fmt_bytes(r["peak"]) if r.get("peak") else "-", "-", r["error"][:80]))
+                         fmt_bytes(r["peak"]) if r.get("peak") else "-", "-", "-", r["error"][:80]) + extra)
             continue
+        used = (f"{fmt_bytes(r['peak'])} of {fmt_bytes(r['card_free'])}" if r.get("peak") is not None else "-")
         rows.append((fmt_bytes(r["card"]), r["prompt"], r["batch"], f"{r['ms_per_token']:.2f}",
                      f"{r['ttft_ms']:.0f}", fmt_bytes(r["resident"]), f"{r['bound_ms']:.2f}",
                      f"{r['ms_per_token'] / r['bound_ms']:.2f}x", f"{r['prefill_bound_ms']:.0f}",
-                     f"{r['ttft_ms'] / r['prefill_bound_ms']:.2f}x",
-                     f"{fmt_bytes(r['peak'])}" if r.get("peak") is not None else "-",
-                     "yes" if r["tokens_equal"] else "NO", r["engine"]))
+                     f"{r['ttft_ms'] / r['prefill_bound_ms']:.2f}x", used,
+                     fmt_bytes(r["could_reside"]) if "could_reside" in r else "-",
+                     "yes" if r["tokens_equal"] else "NO", r["engine"]) + extra)
     head = (f"bench cards ({res['kind']}): weights {fmt_bytes(res['weights'])}, pinned H2D {res['h2d_gbps']:.1f} "
             f"GB/s, {res['new']} new tokens, the second generate() of each session")
-    return head + "\n" + table(rows, ("card", "prompt", "batch", "ms/token", "first token ms", "resident",
-                                      "bound ms", "vs bound", "prefill bound ms", "vs bound", "peak device",
-                                      "tokens = ORT", "engine"))
+    heads = ("card", "prompt", "batch", "ms/token", "first token ms", "resident", "bound ms", "vs bound",
+             "prefill bound ms", "vs bound", "device used of card", "could reside", "tokens = ORT", "engine")
+    if llama:
+        heads += ("llama.cpp fit ms/token / prompt ms", "llama.cpp best", "ms/token vs best", "first token vs best")
+    text = head + "\n" + table(rows, heads)
+    if res.get("levers"):
+        text += "\n\nORT's levers, the all-resident step (whole device, batch 1):\n" + table(
+            [(x["lever"], f"{x['ms_per_token']:.2f}" if "ms_per_token" in x else x.get("error", "")[:60],
+              f"{x['ms_per_token'] / res['levers'][0]['ms_per_token']:.3f}x"
+              if "ms_per_token" in x and "ms_per_token" in res["levers"][0] else "-",
+              "yes" if x.get("tokens_equal") else "NO", " ".join(f"{k}={v}" for k, v in x["options"].items()))
+             for x in res["levers"]], ("lever", "ms/token", "vs none", "tokens = none", "options"))
+    return text
 
 
 if __name__ == "__main__":

@@ -121,6 +121,11 @@ def main(argv=None) -> int:
     b.add_argument("--cards", help="bench cards: card sizes, comma-separated (default 8GiB,12GiB,16GiB,24GiB)")
     b.add_argument("--prompts", help="bench cards: prompt lengths, comma-separated (default 512,4096)")
     b.add_argument("--batches", help="bench cards: batch sizes, comma-separated (default 1,4)")
+    b.add_argument("--llama-bench", metavar="PATH",
+                   help="bench cards: llama.cpp's llama-bench, run beside each batch-1 row on the same card "
+                        "(default: llama-bench on PATH, if any; needs the [bench] extra for the GGUF)")
+    b.add_argument("--ort-levers", action="store_true",
+                   help="bench cards: also the all-resident step with each of ORT's CUDA levers (TunableOp ...)")
     b.add_argument("--out", default="onnx-offload-bench",
                    help="the folder for the models and files a benchmark makes (default ./onnx-offload-bench)")
     b.add_argument("--json", help="also write the results to this JSON file")

@@ -112,7 +112,8 @@ def cmd_bench(args) -> int:
             return default if not text else [parse(t.strip()) for t in text.split(",") if t.strip()]
         res = bench_cards(kind, out, cards=listed(args.cards, lambda t: parse_bytes(t, "--cards"), None),
                           prompts=listed(args.prompts, positive_int, PROMPTS),
-                          batches=listed(args.batches, positive_int, BATCHES))
+                          batches=listed(args.batches, positive_int, BATCHES), llama_bench=args.llama_bench,
+                          ort_levers=args.ort_levers)
         text = print_cards(res)
     elif args.what == "int4":
         from .bench_int4 import bench_int4, print_int4

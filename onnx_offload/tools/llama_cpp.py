@@ -1,0 +1,159 @@
+"""llama.cpp beside the package in ``bench cards``: the same weights as an F16 GGUF, and
+``llama-bench`` run under the same simulated card.
+
+``write_gguf`` writes the builder-layout decoder's weights (``models.decoder``) with the
+``gguf`` package (the optional extra ``[bench]``) under llama.cpp's names for its
+``llama`` architecture (``token_embd``, ``blk.N.attn_q`` ...): an ONNX MatMul weight is
+[in, out] and GGML's is [out, in] as numpy sees it, so projections are transposed. Q and
+K are not permuted to GGML's rotary layout: the tokens differ from ours, the time per
+token does not. The vocabulary is one of the model's size (byte tokens and names), which
+llama-bench needs only to load: it feeds random tokens. The tensors are written one at a
+time, so the writer holds one in memory.
+
+``bench_args`` is the command line of one run: llama.cpp's own fit (``-fitt 1024 -fitc
+1024``) or a given ``-ngl``; ``parse`` reads its ``-o json`` output: ms/token of the decode
+at the prompt's depth, and the prompt's time (its first token).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Dict, List, Optional
+
+import numpy as np
+
+FIT_TARGET_MIB = 1024  # -fitt: the device memory llama.cpp's fit leaves free
+FIT_CONTEXT = 1024  # -fitc: the context its fit sizes the cache for
+REPETITIONS = 2  # -r: each test's repetitions (its default is 5)
+
+
+def gguf_names(layers: int) -> Dict[str, tuple]:
+    """ONNX initializer name -> (GGUF tensor name, whether it is transposed)."""
+    names = {"embed_tokens": ("token_embd.weight", False), "norm": ("output_norm.weight", False),
+             "lm_head": ("output.weight", True)}
+    each = {"input_layernorm": ("attn_norm", False), "q_proj": ("attn_q", True), "k_proj": ("attn_k", True),
+            "v_proj": ("attn_v", True), "o_proj": ("attn_output", True),
+            "post_attention_layernorm": ("ffn_norm", False), "gate_proj": ("ffn_gate", True),
+            "up_proj": ("ffn_up", True), "down_proj": ("ffn_down", True)}
+    for i in range(layers):
+        for onnx_name, (g, t) in each.items():
+            names[f"layers.{i}.{onnx_name}"] = (f"blk.{i}.{g}.weight", t)
+    return names
+
+
+def _arrays(model_path: str) -> Dict[str, np.ndarray]:
+    """The model's initializers, those in its external data file read lazily (memmap)."""
+    import onnx
+    from onnx import numpy_helper
+    model = onnx.load(model_path, load_external_data=False)
+    folder = os.path.dirname(os.path.abspath(model_path))
+    out = {}
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            dtype = numpy_helper.helper.tensor_dtype_to_np_dtype(t.data_type)
+            out[t.name] = np.memmap(os.path.join(folder, info["location"]), dtype=dtype, mode="r",
+                                    offset=int(info.get("offset", 0)), shape=tuple(t.dims))
+        else:
+            out[t.name] = numpy_helper.to_array(t)
+    return out
+
+
+def write_gguf(model_path: str, shape: dict, out_path: str, eps: float = 1e-5, rope_theta: float = 10000.0) -> str:
+    """The decoder's weights at `model_path` (of `shape`, as bench cards makes it) as an F16
+    GGUF of llama.cpp's llama architecture at `out_path`; returns the path."""
+    import gguf
+    layers, hidden, heads, vocab = shape["layers"], shape["hidden"], shape["heads"], shape["vocab"]
+    arrays = _arrays(model_path)
+    names = gguf_names(layers)
+    missing = sorted(set(names) - set(arrays))
+    if missing:
+        raise ValueError(f"{model_path} is not the builder-layout decoder bench cards writes: no {missing[:3]}")
+    w = gguf.GGUFWriter(out_path, "llama")
+    w.add_name("onnx-offload bench cards")
+    w.add_context_length(shape["max_length"])
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(shape["intermediate"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(shape["kv_heads"])
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    special = ["<unk>", "<s>", "</s>"]
+    tokens = special + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    tokens += [f"t{i}" for i in range(len(tokens), vocab)]
+    types += [gguf.TokenType.NORMAL] * (vocab - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:vocab])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types(types[:vocab])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    order = list(names)
+
+    def as_written(onnx_name: str) -> np.ndarray:
+        a = arrays[onnx_name]
+        a = a.T if names[onnx_name][1] else a
+        # Norms in F32, as llama.cpp's converter writes them; the rest in F16.
+        return np.ascontiguousarray(a, dtype=np.float32 if a.ndim == 1 else np.float16)
+
+    for n in order:
+        a = arrays[n]
+        shape_np = a.shape[::-1] if names[n][1] else a.shape
+        dtype = np.float32 if a.ndim == 1 else np.float16
+        w.add_tensor_info(names[n][0], shape_np, np.dtype(dtype), int(np.prod(shape_np)) * np.dtype(dtype).itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for n in order:
+        w.write_tensor_data(as_written(n))
+    w.close()
+    return out_path
+
+
+def find_llama_bench(given: Optional[str]) -> Optional[str]:
+    """The llama-bench to run: `given` (which must exist), else the one on PATH, else None."""
+    if given:
+        path = given if os.path.sep in given else shutil.which(given)
+        if not path or not os.access(path, os.X_OK):
+            raise FileNotFoundError(f"--llama-bench {given}: no such executable")
+        return path
+    return shutil.which("llama-bench")
+
+
+def bench_args(llama_bench: str, gguf_path: str, prompt: int, new: int, ngl: Optional[int] = None,
+               threads: Optional[int] = None) -> List[str]:
+    """One llama-bench run: the prompt at depth 0 and `new` tokens at the prompt's depth,
+    with flash attention; llama.cpp's own fit when `ngl` is None, else `-ngl ngl`."""
+    placement = (["-fitt", str(FIT_TARGET_MIB), "-fitc", str(FIT_CONTEXT)] if ngl is None
+                 else ["-ngl", str(ngl)])
+    return [llama_bench, "-m", gguf_path, *placement, "-p", str(prompt), "-n", str(new), "-d", f"0,{prompt}",
+            "-fa", "1", "-t", str(threads or os.cpu_count() or 1), "-r", str(REPETITIONS), "-o", "json"]
+
+
+def parse(text: str, prompt: int, new: int) -> Dict:
+    """ms/token of the decode at the prompt's depth, the prompt's time in ms (its first
+    token) and the layers on the device, from llama-bench's `-o json` output."""
+    start = text.find("[")
+    if start < 0:
+        raise ValueError(f"no JSON array in llama-bench's output: {text[:200]!r}")
+    results = json.loads(text[start:text.rindex("]") + 1])
+    pp = [r for r in results if r.get("n_prompt") == prompt and not r.get("n_gen") and not r.get("n_depth")]
+    tg = [r for r in results if r.get("n_gen") == new and not r.get("n_prompt") and r.get("n_depth") == prompt]
+    if not pp or not tg:
+        raise ValueError(f"llama-bench's output has no pp{prompt} at depth 0 or tg{new} at depth {prompt}: "
+                         f"{[(r.get('n_prompt'), r.get('n_gen'), r.get('n_depth')) for r in results]}")
+    return dict(ms_per_token=1e3 / tg[0]["avg_ts"], prompt_ms=pp[0]["avg_ns"] / 1e6,
+                ngl=tg[0].get("n_gpu_layers"))
+
+
+def layer_bytes(shape: dict) -> int:
+    """One layer's F16 weight bytes."""
+    h, kv = shape["hidden"], shape["kv_heads"] * shape["hidden"] // shape["heads"]
+    return 2 * (2 * h * h + 2 * h * kv + 3 * h * shape["intermediate"])

@@ -1,0 +1,107 @@
+"""llama.cpp beside the package in bench cards: the GGUF the bench writes holds the
+model's tensors and llama's metadata as gguf's reader reads them back; llama-bench's
+command line; its JSON output parsed."""
+import json
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder  # noqa: E402
+from onnx_offload.tools import llama_cpp  # noqa: E402
+
+SHAPE = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=300, max_length=256, dtype="float16")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    shape = {k: v for k, v in SHAPE.items() if k != "dtype"}
+    m = decoder_lm("gqa", dtype=np.float16, **shape)
+    folder = str(tmp_path_factory.mktemp("gguf") / "llm")
+    cfg = genai_config(SHAPE["layers"], SHAPE["hidden"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["vocab"],
+                       SHAPE["max_length"], eos_token_id=-1)
+    return save_decoder(m, folder, config=cfg), m
+
+
+def test_the_gguf_holds_the_models_tensors_under_llamas_names(model, tmp_path):
+    import onnx.numpy_helper as nh
+    path, m = model
+    out = llama_cpp.write_gguf(path, SHAPE, str(tmp_path / "m.gguf"))
+    r = gguf.GGUFReader(out)
+    tensors = {t.name: t for t in r.tensors}
+    names = llama_cpp.gguf_names(SHAPE["layers"])
+    assert set(tensors) == {g for g, _ in names.values()}
+    weights = {t.name: nh.to_array(t) for t in m.graph.initializer}
+    for onnx_name, (g, transposed) in names.items():
+        want = weights[onnx_name].T if transposed else weights[onnx_name]
+        got = np.asarray(tensors[g].data).reshape(want.shape)
+        # GGML's dims are numpy's reversed: [in, out] for a projection, as llama.cpp reads it.
+        assert list(tensors[g].shape) == list(want.shape[::-1]), g
+        np.testing.assert_array_equal(got, want.astype(got.dtype), err_msg=g)
+        assert got.dtype == (np.float32 if want.ndim == 1 else np.float16), g
+
+    def field(key):
+        f = r.fields[key]
+        return f.contents() if hasattr(f, "contents") else f.parts[f.data[0]][0]
+    assert field("general.architecture") == "llama"
+    assert field("llama.block_count") == 2 and field("llama.embedding_length") == 64
+    assert field("llama.attention.head_count") == 4 and field("llama.attention.head_count_kv") == 2
+    assert field("llama.feed_forward_length") == 96 and field("llama.rope.dimension_count") == 16
+    assert field("general.file_type") == int(gguf.LlamaFileType.MOSTLY_F16)
+    assert len(r.fields["tokenizer.ggml.tokens"].data) == SHAPE["vocab"]  # a vocabulary of the model's size
+
+
+def test_llama_bench_command_lines():
+    fit = llama_cpp.bench_args("/x/llama-bench", "m.gguf", 512, 32, threads=16)
+    assert fit == ["/x/llama-bench", "-m", "m.gguf", "-fitt", "1024", "-fitc", "1024", "-p", "512", "-n", "32",
+                   "-d", "0,512", "-fa", "1", "-t", "16", "-r", str(llama_cpp.REPETITIONS), "-o", "json"]
+    best = llama_cpp.bench_args("/x/llama-bench", "m.gguf", 512, 32, ngl=15, threads=16)
+    assert best[3:5] == ["-ngl", "15"] and "-fitt" not in best
+
+
+def _result(n_prompt, n_gen, n_depth, avg_ns, ngl=15):
+    tokens = n_prompt + n_gen
+    return {"build_commit": "abc", "model_type": "llama 8B F16", "n_gpu_layers": ngl, "n_prompt": n_prompt,
+            "n_gen": n_gen, "n_depth": n_depth, "avg_ns": avg_ns, "stddev_ns": 1000,
+            "avg_ts": tokens / (avg_ns / 1e9), "stddev_ts": 0.1, "samples_ns": [avg_ns, avg_ns],
+            "samples_ts": [tokens / (avg_ns / 1e9)] * 2}
+
+
+def test_llama_bench_json_is_parsed():
+    # llama-bench -o json's shape: the log on stderr, then one JSON array on stdout, a record
+    # per test (pp at each depth, tg at each depth).
+    results = [_result(512, 0, 0, 937_000_000), _result(512, 0, 512, 990_000_000),
+               _result(0, 32, 0, 32 * 93_000_000), _result(0, 32, 512, 32 * 94_500_000)]
+    got = llama_cpp.parse("some line\n" + json.dumps(results, indent=2) + "\n", 512, 32)
+    assert got["ms_per_token"] == pytest.approx(94.5) and got["prompt_ms"] == pytest.approx(937.0)
+    assert got["ngl"] == 15
+    with pytest.raises(ValueError, match="tg32 at depth 512"):
+        llama_cpp.parse(json.dumps(results[:2]), 512, 32)
+
+
+def test_no_llama_bench_is_none_and_a_wrong_path_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert llama_cpp.find_llama_bench(None) is None
+    with pytest.raises(FileNotFoundError, match="--llama-bench"):
+        llama_cpp.find_llama_bench(str(tmp_path / "nope"))
+
+
+def test_bench_cards_prints_llama_cpps_columns_only_with_llama_bench():
+    from onnx_offload.tools.bench_cards import print_cards
+    row = dict(card=8 << 30, prompt=512, batch=1, ms_per_token=100.0, ttft_ms=300.0, resident=6 << 30,
+               bound_ms=95.0, prefill_bound_ms=250.0, peak=7 << 30, card_free=8 << 30, could_reside=7 << 30,
+               tokens_equal=True, engine="graph")
+    res = dict(kind="cuda", weights=15 << 30, h2d_gbps=54.9, new=32, rows=[row], llama_bench=None)
+    without = print_cards(res)
+    assert "llama.cpp" not in without and "7.00 GiB of 8.00 GiB" in without and "could reside" in without
+    lm = dict(fit=dict(ms_per_token=116.3, prompt_ms=937.0, ngl=-1),
+              best=dict(ms_per_token=94.5, prompt_ms=900.0, ngl=15))
+    text = print_cards(dict(res, rows=[dict(row, llama=lm)], llama_bench="/x/llama-bench"))
+    assert "llama.cpp fit" in text and "116.30 / 937" in text and "94.50 / 900 (-ngl 15)" in text
+    assert f"{100.0 / 94.5:.2f}x" in text and f"{300.0 / 900.0:.2f}x" in text
+    from onnx_offload.tools.bench_cards import _line
+    line = _line(dict(row, llama=lm, budget=7 << 30, margin=256 << 20, ledger_peak=6 << 30, ort_bytes=1 << 28))
+    assert "94.50 / 900 (-ngl 15)" in line and "margin 256.00 MiB" in line, line
+    failed = dict(lm, best=dict(error="out of memory"))
+    assert "failed" in print_cards(dict(res, rows=[dict(row, llama=failed)], llama_bench="/x/llama-bench"))
