@@ -8,7 +8,7 @@
 
 An LLM (``llm``, ``llm-standard``) is a folder: model.onnx, model.onnx.data and
 genai_config.json, as onnxruntime-genai lays it out, and, where the ``tokenizers`` package is
-installed, a word-level tokenizer.json (words ``w0`` to ``w<vocab - 1>``; any other word is
+installed, a word-level tokenizer.json and a chat template (words ``w0`` to ``w<vocab - 1>``; any other word is
 ``w0``), so that ``onnx-offload generate FOLDER --prompt TEXT`` runs on it as on a real folder.
 
 The generators live in the package (``onnx_offload.models``), which its tests, demo and
@@ -39,7 +39,15 @@ def write_tokenizer(folder: str, vocab: int) -> str:
     tok.decoder = tokenizers.decoders.WordPiece()
     path = os.path.join(folder, "tokenizer.json")
     tok.save(path)
-    return f"wrote {path}"
+    # A chat template as a model folder carries one, so chat() and `onnx-offload chat` run.
+    with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    return f"wrote {path} and chat_template.jinja"
+
+
+# Each message on a line of its own, its role first; then the assistant's turn.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import onnx_offload
-from onnx_offload.config import OffloadConfig, _ENV_FIELDS, parse_bytes
+from onnx_offload.config import OffloadConfig, ENV_FIELDS, parse_bytes
 from onnx_offload.session import OffloadSession
 from onnx_offload.tools import cli
 
@@ -64,8 +64,9 @@ def argv_of(command: str):
     raise AssertionError(f"the README's command {command!r} is not one this test knows how to run")
 
 
-def run(argv, cwd, timeout=300):
-    p = subprocess.run(argv, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+def run(argv, cwd, timeout=300, input=None):
+    p = subprocess.run(argv, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout,
+                       input=input if input is not None else "")
     assert p.returncode == 0, f"{' '.join(argv)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}"
     return p
 
@@ -98,7 +99,9 @@ def test_the_readme_s_commands_and_snippets_run_on_the_cpu(tmp_path):
 
     makes = [c for c in others if c.startswith("python models/make_model.py")]
     generates = [c for c in others if c.startswith("onnx-offload generate")]
-    assert len(makes) == 1 and len(generates) >= 2 and len(makes) + len(generates) == len(others), others
+    chats = [c for c in others if c.startswith("onnx-offload chat")]
+    assert len(makes) == 1 and len(generates) >= 2 and len(chats) == 1, others
+    assert len(makes) + len(generates) + len(chats) == len(others), others
     assert any("--prompt " in g for g in generates), "the quick start runs generate --prompt"
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -115,6 +118,8 @@ def test_the_readme_s_commands_and_snippets_run_on_the_cpu(tmp_path):
             args = shlex.split(g)
             assert parse_bytes(args[args.index("--vram-limit") + 1]) < weights, g
         gen_runs = [pool.submit(run, argv_of(g), str(tmp_path)) for g in generates]
+        # A chat read from standard input: a line a turn, the end of input ends it.
+        chat_run = pool.submit(run, argv_of(chats[0]), str(tmp_path), input="w1 w2\nw3\n")
         # The Python blocks run in order in one process, as a reader pastes them.
         snippets = [body for lang, body, run_it in blocks(md) if lang == "python"]
         assert snippets and all(run_it for lang, body, run_it in blocks(md) if lang == "python")
@@ -125,12 +130,13 @@ def test_the_readme_s_commands_and_snippets_run_on_the_cpu(tmp_path):
         for g, r in zip(generates, gen_runs):
             assert r.result().stdout.strip(), g
         assert "demo passed" in demo_run.result().stdout
+        assert chat_run.result().stdout.count("> ") >= 2, chat_run.result().stdout
 
 
-def test_only_the_commands_that_need_the_network_go_unrun():
-    unrun = [body for lang, body, run_it in blocks(text(README)) if not run_it]
-    assert unrun == ["python -m onnxruntime_genai.models.builder -m Qwen/Qwen2.5-0.5B-Instruct -o qwen -p fp16 "
-                     "-e cuda\n"]
+def test_only_the_commands_that_need_the_network_or_a_running_server_go_unrun():
+    unrun = [body.split("\n")[0] for lang, body, run_it in blocks(text(README)) if not run_it]
+    assert unrun == ["python -m onnxruntime_genai.models.builder -m Qwen/Qwen2.5-0.5B-Instruct -o qwen -p fp16 -e cuda",
+                     "onnx-offload serve my-llm --vram-limit 12MiB --port 8000", "from openai import OpenAI"]
 
 
 def help_of(capsys, *command):
@@ -144,7 +150,7 @@ def test_the_configuration_table_names_variables_keywords_and_flags_that_exist(c
     table = md[md.index("| variable | keyword | flag | values |"):]
     rows = [r.split("|")[1:4] for r in table.split("\n\n")[0].splitlines()[2:]]
     assert len(rows) >= 12
-    variables = {v for v, _, _ in _ENV_FIELDS}
+    variables = {v for v, _, _ in ENV_FIELDS}
     keywords = {f.name for f in OffloadConfig.__dataclass_fields__.values()}
     import inspect
     keywords |= set(inspect.signature(OffloadSession.__init__).parameters)
@@ -156,7 +162,7 @@ def test_the_configuration_table_names_variables_keywords_and_flags_that_exist(c
         assert flag == "-" or re.search(rf"{re.escape(flag)}\b", flags), flag
         # The table says which variable each keyword reads: the config's own pairing.
         if var != "-":
-            assert (var, kw) in {(v, f) for v, f, _ in _ENV_FIELDS}, (var, kw)
+            assert (var, kw) in {(v, f) for v, f, _ in ENV_FIELDS}, (var, kw)
 
 
 def test_the_command_synopsis_names_commands_and_flags_that_exist(capsys):
