@@ -251,19 +251,32 @@ def opened(path: str, files: Optional[Files] = None):
 CONFIG_BYTES = 64 << 20  # the most a configuration file (JSON) beside a model may hold
 
 
-def read_json(path: str):
-    """The JSON value of the configuration file `path`, read as every file is (a regular
-    file: a FIFO cannot hold the read, /dev/zero cannot fill memory) and at most
-    CONFIG_BYTES long. OSError where it cannot be read so; ValueError for a file that is
-    no JSON, or one nested too deeply for the parser (which recurses once per level)."""
+def read_config(path: str, limit: int = CONFIG_BYTES) -> bytes:
+    """The bytes of `path`, a file beside a model that the package reads or hands to another
+    library (tokenizers, transformers): read as every file is, a regular file only (a FIFO
+    cannot hold the read, /dev/zero cannot fill memory), and at most `limit` bytes long.
+    OSError where it cannot be read so (its strerror says why: "not a regular file but a
+    FIFO"), ValueError where it is longer."""
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
-        if size > CONFIG_BYTES:
-            raise ValueError(f"it is {size} bytes long; a configuration file holds at most {CONFIG_BYTES}")
-        data = read_range(fd, 0, size, path)
+        if size > limit:
+            raise ValueError(f"it is {size} bytes long; a configuration file holds at most {limit}")
+        return read_range(fd, 0, size, path)
     finally:
         os.close(fd)
+
+
+def config_problem(path: str, e: BaseException) -> str:
+    """`path` and why read_config refused it (or the parse of what it read), for a message."""
+    return f"{path} cannot be read: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+
+
+def read_json(path: str):
+    """The JSON value of the configuration file `path`, read by read_config. OSError where
+    it cannot be read so; ValueError for a file that is too long, no JSON, or one nested
+    too deeply for the parser (which recurses once per level)."""
+    data = read_config(path)
     try:
         return json.loads(data)
     except RecursionError:
