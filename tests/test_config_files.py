@@ -76,3 +76,22 @@ def test_run_refuses_inputs_that_are_no_regular_file(llm, tmp_path, how):
               "run", llm, "--cpu", "--inputs", feeds)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert feeds in r.stderr and says in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("how", ["fifo", "dev_zero"])
+def test_a_model_path_that_is_no_regular_file_is_refused(tmp_path, how):
+    """Plain ORT waits on a FIFO for ever: the session refuses it (CorruptModel, also ORT's
+    Fail) before onnx or ORT opens it."""
+    path = str(tmp_path / "model.onnx")
+    says = spoil(path, how)
+    r = child("""
+        import sys
+        from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+        from onnx_offload import CorruptModel, OffloadSession
+        try:
+            OffloadSession(sys.argv[1], providers=["CPUExecutionProvider"])
+        except CorruptModel as e:
+            print(isinstance(e, Fail), e)
+        """, path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("True") and path in r.stdout and says in r.stdout, (r.stdout, r.stderr)

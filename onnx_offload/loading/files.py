@@ -122,7 +122,12 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
     if not os.path.exists(path):
         raise ModelNotFound(2, "the model file does not exist", path)
     try:
-        model = onnx.load(path, load_external_data=False)
+        fd = open_regular(path)  # a FIFO would hold onnx.load (and ORT) for ever, /dev/zero fill memory
+    except OSError as e:
+        raise _fail(CorruptModel, f"{path!r} cannot be read as a model: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            model = onnx.load_model_from_string(f.read())  # its external data is not read here
     except Exception as e:  # protobuf raises its own DecodeError types
         raise invalid_protobuf(f"{path!r} is not a valid ONNX model: {e}") from e
     check_external_data(model, os.path.dirname(os.path.abspath(path)), repr(path))
