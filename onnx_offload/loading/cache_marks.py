@@ -31,6 +31,7 @@ PARTIAL = ".partial-"  # an entry being made, by the process its name names (see
 STALE = ".stale-"  # an entry set aside (tempfile.mkdtemp's names)
 ENTRY = re.compile(r"[0-9a-f]{24}$")  # a published entry is named by its key
 _STALE = re.compile(r"\.stale-[0-9a-z_]{8}$")
+_PRINT = re.compile(r"[0-9a-f]{64}$")  # a file's fingerprint in a manifest (fingerprints.fingerprint_fd)
 
 
 def tagged(cache: str) -> bool:
@@ -119,11 +120,21 @@ def is_entry(path: str, key: str = "") -> bool:
     """Whether `path` is a cache entry the package published: a folder (no symbolic link)
     whose manifest is of the package's layout and names the key `key` (by default the
     folder's own name, as a published entry is named). Entries of older versions, whose
-    manifests lack `made_by`, are recognised by the key."""
+    manifests lack `made_by`, are recognised by the key, or by the fingerprints of the
+    first layout."""
     manifest = read_manifest(path)
     want = key or os.path.basename(path)
-    return (isinstance(manifest, dict) and manifest.get("key") == want and bool(ENTRY.match(want))
-            and isinstance(manifest.get("files"), dict) and isinstance(manifest.get("sources"), list))
+    if not isinstance(manifest, dict) or not ENTRY.match(want):
+        return False
+    if "key" not in manifest and manifest and all(isinstance(v, str) and _PRINT.match(v) for v in manifest.values()):
+        # The first layout (before the key was recorded): the fingerprint of each of the
+        # entry's files, by name; recognised where they are exactly the folder's files.
+        try:
+            return set(manifest) == set(os.listdir(path)) - {MANIFEST}
+        except OSError:
+            return False
+    return (manifest.get("key") == want and isinstance(manifest.get("files"), dict)
+            and isinstance(manifest.get("sources"), list))
 
 
 def is_set_aside(path: str) -> bool:
