@@ -74,6 +74,21 @@ def test_a_flag_wins_over_an_invalid_variable_and_without_it_the_error_names_it(
     assert rc == 2 and f"{var}='garbage' is not valid" in out.err, out.err
 
 
+@pytest.mark.parametrize("flag", ["--kv-bytes", "--scratch-bytes"])
+def test_a_reserve_of_0_is_taken_as_the_api_takes_it(model_path, capsys, flag):
+    """kv_bytes=0 is the API's default (and scratch_bytes=0 the API takes): so are the flags,
+    and the configuration takes "0" as a string; the weights' allowance is still positive."""
+    from onnx_offload import OffloadConfig
+    path, weights = model_path
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB", "--weight-bytes", str(weights // 2),
+                   flag, "0"], capsys)
+    assert rc == 0, out.err
+    field = flag[2:].replace("-", "_")
+    assert getattr(OffloadConfig(**{field: "0"}), field) == 0 and getattr(OffloadConfig(**{field: "0MiB"}), field) == 0
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--weight-bytes", "0"], capsys)
+    assert rc == 2 and "--weight-bytes='0' is not valid" in out.err, out.err
+
+
 def test_help_names_the_variable_each_flag_overrides(capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
@@ -111,8 +126,8 @@ def test_cache_info_lists_the_optimized_models_and_clear_removes_them(model_path
 
 def _users_folder(folder):
     """A folder of the user's that holds names the cache also gives: a folder named like an
-    entry, like an entry set aside, like partial folders (one named with a pid that is
-    gone, one old), a link named like an entry."""
+    entry, like an entry set aside, like partial folders (one named as the cache names
+    them, with a pid that is gone; one old), a link named like an entry."""
     folder.mkdir(mode=0o700)
     (folder / "5f8d0d55b54764421b7156c9").mkdir()
     (folder / "5f8d0d55b54764421b7156c9" / "f").write_text("x")
@@ -121,7 +136,9 @@ def _users_folder(folder):
     os.utime(folder / ".partial-notes", (time.time() - 7200,) * 2)
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid whose process is over, in this pid namespace
-    (folder / f".partial-{gone.pid}-1-{workdir._pid_namespace()}-abc").mkdir()
+    named = folder / f".partial-{gone.pid}-1-{workdir._pid_namespace()}-abc"  # as the cache names its own
+    named.mkdir()
+    (named / "draft.txt").write_text("mine")
     os.symlink("/nonexistent", folder / ".stale-link")
     os.symlink("/tmp", folder / ("ab" * 12))
     (folder / "notes.txt").write_text("mine")
@@ -170,9 +187,11 @@ def test_cache_clear_in_a_marked_folder_removes_only_the_package_s_entries(model
     assert (folder / "5f8d0d55b54764421b7156c9" / "f").read_text() == "x"
 
 
-def test_a_cache_an_older_version_filled_without_a_tag_is_marked_and_cleared(model_path, capsys, tmp_path):
-    """A cache folder holding only entries (whose manifests have no `made_by`, as older
-    versions wrote them) and no tag is recognised: tagged, and its entries cleared."""
+@pytest.mark.parametrize("layout", ["keyed", "fingerprints only"])
+def test_a_cache_an_older_version_filled_without_a_tag_is_marked_and_cleared(model_path, capsys, tmp_path, layout):
+    """A cache folder holding only entries (whose manifests have no `made_by`, or hold only
+    their files' fingerprints, as older versions wrote them) and no tag is recognised:
+    tagged, and its entries cleared."""
     import json
     path, _ = model_path
     cache = tmp_path / "cache"
@@ -182,7 +201,7 @@ def test_a_cache_an_older_version_filled_without_a_tag_is_marked_and_cleared(mod
     os.unlink(cache / TAG)
     manifest = json.loads((cache / entry / "manifest.json").read_text())
     del manifest["made_by"]
-    (cache / entry / "manifest.json").write_text(json.dumps(manifest))
+    (cache / entry / "manifest.json").write_text(json.dumps(manifest if layout == "keyed" else manifest["files"]))
     rc, out = run(["cache", "info", "--cache-dir", str(cache)], capsys)
     assert rc == 0 and ": 1 optimized models" in out.out, out
     rc, out = run(["cache", "clear", "--cache-dir", str(cache)], capsys)

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_offload import OffloadSession
+from onnx_offload import CorruptModel, OffloadSession
 from onnx_offload.loading.cache_marks import TAG
 
 CPU = ["CPUExecutionProvider"]
@@ -749,3 +749,28 @@ def test_no_entry_is_published_from_files_that_changed_during_the_optimization_p
     np.testing.assert_allclose(_versions_run(path, cache, feeds), want[0], rtol=1e-5, atol=1e-5)
     assert any(issubclass(w.category, OffloadWarning) and "changed while" in str(w.message) for w in seen), \
         [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize("stored", ["inside", "external"])
+def test_two_initializers_of_one_name_are_refused_by_name(stored, tmp_path):
+    """ORT 1.31 runs such a model on the first where the data is inside the model and on
+    the last where it is external data: the session refuses it (CorruptModel, as ONNX's
+    checker does), and plain ORT sessions keep working."""
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(2))
+    model = make_model([helper.make_node("MatMul", ["x", "W"], ["y"])], [tensor("x", [2, 64])], [tensor("y", [2, 64])],
+                       [numpy_helper.from_array(a, "W"), numpy_helper.from_array(b, "W")])
+    path = str(tmp_path / "twice.onnx")
+    if stored == "external":
+        onnx.save(model, path, save_as_external_data=True, location="twice.data", size_threshold=0)
+    else:
+        onnx.save(model, path)
+    for src in (path, model):  # a path, and bytes
+        with pytest.raises(CorruptModel, match="names two initializers 'W'"):
+            offloaded(src)
+    with pytest.raises(CorruptModel, match="names two initializers 'W'"):
+        OffloadSession(path, providers=CPU, cache_dir=str(tmp_path / "cache"))
+    x = np.ones((2, 64), np.float32)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3  # ORT warns of the repeated name
+    assert ort.InferenceSession(path, so, providers=CPU).run(None, {"x": x})[0].shape == (2, 64)

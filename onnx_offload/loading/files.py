@@ -23,7 +23,7 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
 from ..errors import CorruptModel, ModelNotFound, OffloadError, invalid_protobuf, with_ort_type
-from .graphs import all_tensors, external_info
+from .graphs import all_tensors, external_info, nested_graphs
 from .ort_options import EXTERNAL_FOLDER_KEY, config_entry
 
 
@@ -110,6 +110,7 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
             model = onnx.load(path, load_external_data=False)
         except Exception as e:  # protobuf raises its own DecodeError types
             raise invalid_protobuf(f"the model bytes are not a valid ONNX model: {e}") from e
+        refuse_repeated_initializers(model, "the model bytes")
         folder = external_folder or os.getcwd()
         for location in check_external_data(model, folder, "the model bytes", as_bytes=True):
             link = os.path.join(workdir, location)
@@ -130,8 +131,26 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
             model = onnx.load_model_from_string(f.read())  # its external data is not read here
     except Exception as e:  # protobuf raises its own DecodeError types
         raise invalid_protobuf(f"{path!r} is not a valid ONNX model: {e}") from e
+    refuse_repeated_initializers(model, repr(path))
     check_external_data(model, os.path.dirname(os.path.abspath(path)), repr(path))
     return path, model
+
+
+def refuse_repeated_initializers(model: onnx.ModelProto, what: str) -> None:
+    """Refuses (CorruptModel) a graph, the main one or a subgraph, that names two of its
+    initializers alike, as ONNX's checker does ("initializer name is not unique"). ORT
+    1.31 runs such a model with a warning that it takes the latest, but takes the first
+    where the data is inside the model and the last where it is external data: no one
+    answer would match it."""
+    for graph in (model.graph, *nested_graphs(model.graph)):
+        seen = set()
+        for name in [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]:
+            if name in seen:
+                raise CorruptModel(f"{what} names two initializers {name!r} in graph {graph.name!r}: ONNX requires "
+                                   f"initializer names to be unique (onnx.checker refuses it), and ONNX Runtime "
+                                   f"takes the first or the last depending on where their data is stored; remove "
+                                   f"one of them")
+            seen.add(name)
 
 
 def _link_or_copy(target: str, link: str) -> None:

@@ -5,6 +5,7 @@ arguments name (feeds, prompt ids, the tokenizer), read and checked before any w
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -80,6 +81,7 @@ _KEYWORD = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")='?(\w+)'?")
 
 # The budget flags that take one value per device with --devices (StagedSession's lists).
 PER_DEVICE_FLAGS = ("vram_limit", "weight_bytes", "kv_bytes", "scratch_bytes")
+ZERO_OK = ("kv_bytes", "scratch_bytes")  # reserves, which the API takes as 0 too
 # A staged session's advice names one device's entry of such a list (devices.generation).
 DEVICE_ENTRY = re.compile(r"\b(" + "|".join(PER_DEVICE_FLAGS) + r")=(\w+) for device (\d+) "
                            r"\(its entry in a list of one value per device\)")
@@ -132,7 +134,10 @@ def check_config_flags(args) -> None:
     from ..config import parse_bytes, parse_vram_limit
     for attr in PER_DEVICE_FLAGS:
         text, flag = getattr(args, attr, None), "--" + attr.replace("_", "-")
-        parse = parse_vram_limit if attr == "vram_limit" else parse_bytes
+        if attr == "vram_limit":
+            parse = parse_vram_limit
+        else:  # a reserve (kv, scratch) may be 0, as the API's kv_bytes default is
+            parse = functools.partial(parse_bytes, zero=attr in ZERO_OK)
         if text is None:
             continue
         if "," not in text:
