@@ -30,7 +30,6 @@ from .optimize import OPTIMIZED, OPTIMIZED_DATA
 from .weights import load_optimized
 
 
-
 def cache_folder(cache: str) -> Tuple[Optional[str], str]:
     """The cache folder to use for `cache`: (its real path, '') after creating it (0700, as
     every folder it creates above it), or (None, why) when it cannot be used or is not to
@@ -41,7 +40,8 @@ def cache_folder(cache: str) -> Tuple[Optional[str], str]:
     writable by nobody else unless it is sticky, as /tmp is: there nobody can rename or
     remove what is not theirs, so nobody can put another folder in the cache's place. The
     real path is what the session uses from then on: a link to the cache switched later
-    changes nothing."""
+    changes nothing. A folder used that holds only the package's own is tagged as a
+    cache (cache_marks.adopt)."""
     try:
         _make_private_folders(cache)
         real = os.path.realpath(cache)
