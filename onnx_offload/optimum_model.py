@@ -13,6 +13,7 @@ binding Optimum feeds the KV cache from the host and takes it back every step;
 """
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from typing import Optional
@@ -67,12 +68,17 @@ def _checked_copies(folder: str, into: str) -> None:
     """Copies into `into` those of the folder's HF_CONFIG_FILES that are there, each read
     as a regular file of bounded size (files.read_config): transformers reads the copies,
     so a FIFO cannot hold it and /dev/zero cannot fill memory, and a file swapped after
-    the check is not what it reads. UnsupportedModel names a file that cannot be read so."""
+    the check is not what it reads. UnsupportedModel names a file that cannot be read so,
+    FileNotFoundError a missing config.json."""
     from .errors import UnsupportedModel
     from .loading import config_problem, read_config
     for name in HF_CONFIG_FILES:
         path = os.path.join(folder, name)
         if not os.path.lexists(path):
+            if name == "config.json":  # named here: transformers would name the copies' folder
+                raise FileNotFoundError(errno.ENOENT, "the model's folder has no config.json, which transformers "
+                                                      "reads to configure the model (Optimum's export writes one)",
+                                        path)
             continue
         try:
             data = read_config(path)

@@ -54,6 +54,9 @@ def test_generate_refuses_a_tokenizer_json_that_is_no_regular_file(llm, how):
 def test_the_optimum_route_refuses_a_config_file_that_is_no_regular_file(llm, name, how):
     """Checked before transformers (or Optimum) is imported or reads the folder."""
     path = os.path.join(os.path.dirname(llm), name)
+    if name != "config.json":
+        with open(os.path.join(os.path.dirname(llm), "config.json"), "w") as f:
+            f.write('{"model_type": "llama"}')
     says = spoil(path, how)
     r = child("""
         import sys
@@ -95,3 +98,16 @@ def test_a_model_path_that_is_no_regular_file_is_refused(tmp_path, how):
         """, path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("True") and path in r.stdout and says in r.stdout, (r.stdout, r.stderr)
+
+
+def test_the_optimum_route_names_a_missing_config_json_in_the_model_s_folder(llm):
+    r = child("""
+        import sys
+        from onnx_offload.optimum_model import causal_lm
+        try:
+            causal_lm(sys.argv[1], providers=["CPUExecutionProvider"], cache_dir="off")
+        except FileNotFoundError as e:
+            print(e)
+        """, os.path.dirname(llm))
+    assert r.returncode == 0, r.stderr
+    assert os.path.join(os.path.dirname(llm), "config.json") in r.stdout and "no config.json" in r.stdout, r.stdout
