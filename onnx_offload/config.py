@@ -91,13 +91,14 @@ def integer(value) -> Optional[int]:
         return None
 
 
-def parse_bytes(value: Union[str, int], name: str = "value") -> int:
-    """Parses ``6GiB``, ``512MiB``, ``6GB`` or ``6000000000`` into bytes."""
+def parse_bytes(value: Union[str, int], name: str = "value", zero: bool = False) -> int:
+    """Parses ``6GiB``, ``512MiB``, ``6GB`` or ``6000000000`` into bytes; 0 only with
+    `zero` (a reserve that may be none, as kv_bytes)."""
     if isinstance(value, bool):
         raise ValueError(f"{name}={value!r} is not valid: expected {BYTES_FORMS}")
     if (n := integer(value)) is not None:
         value = n
-        if value <= 0:
+        if value < 0 or (value == 0 and not zero):
             raise ValueError(f"{name}={value!r} is not valid: expected a positive size, {BYTES_FORMS}")
         if value > MAX_BYTES:
             raise ValueError(f"{name}={value!r} is not valid: more than {MAX_BYTES} bytes")
@@ -111,7 +112,7 @@ def parse_bytes(value: Union[str, int], name: str = "value") -> int:
     n = int(fractions.Fraction(m.group(1)) * _UNITS[unit])  # exact: no float rounding at 2**63
     if n > MAX_BYTES:
         raise ValueError(f"{name}={value!r} is not valid: more than {MAX_BYTES} bytes")
-    if n <= 0:
+    if n < 0 or (n == 0 and not zero):
         raise ValueError(f"{name}={value!r} is not valid: expected a positive size, {BYTES_FORMS}")
     return n
 
@@ -330,7 +331,7 @@ class OffloadConfig:
             if v is None and field == "scratch_bytes":
                 continue
             if isinstance(v, str):
-                setattr(self, field, parse_bytes(v, field))
+                setattr(self, field, parse_bytes(v, field, zero=True))
                 continue
             n = integer(v)
             if n is None or not 0 <= n <= MAX_BYTES:

@@ -82,13 +82,13 @@ class InferenceSessionMembers:
                                   f"it is a weight in a slot: overriding it is not supported (its value would be "
                                   f"ignored)")
 
-    def _check_call(self, input_feed, output_names) -> None:
+    def _check_call(self, input_feed, output_names, run_options=None) -> None:
         """What ORT checks of a call, raising what ORT raises, where ORT does not check
         it itself."""
         if not self._runner.plain:  # else ORT checks feeds and applies overridden initializers itself
             self._refuse_overrides(input_feed)
             check_feeds(self._required_inputs, self._graph_inputs, [o.name for o in self._graph_outputs],
-                        input_feed, output_names)
+                        input_feed, output_names, run_options)
 
     def get_modelmeta(self) -> ModelMeta:
         self._check_open()
@@ -137,7 +137,7 @@ class InferenceSessionMembers:
         with self._step():
             if self._runner.plain:
                 return self._runner.run_single_with_ort_values(output_names, input_dict_ort_values, run_options)
-            self._check_call(input_dict_ort_values, output_names)
+            self._check_call(input_dict_ort_values, output_names, run_options)
             values = self._with_fallback(lambda: self._runner.run_segments(input_dict_ort_values, run_options))
             names = output_names or [o.name for o in self._graph_outputs]
             return [detached(self._device, values[n], self.config.device_id) for n in names]

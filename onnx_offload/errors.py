@@ -52,6 +52,12 @@ class UnsupportedModel(OffloadError, ValueError):
     """A valid model that this use of the package cannot run, with the reason."""
 
 
+class CacheNotMarked(OffloadError):
+    """`onnx-offload cache clear` was given a folder that is not marked as the package's
+    cache (it has no CACHEDIR.TAG) and holds what the package did not make: nothing was
+    removed."""
+
+
 class OffloadWarning(RuntimeWarning):
     """A cleanup step failed (an unmap, a release, a slot dropped): the core kept going."""
 

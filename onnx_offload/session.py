@@ -80,6 +80,15 @@ class ClosedAtExit:
     def __exit__(self, *exc):
         self.close()
 
+    def __reduce_ex__(self, protocol):
+        # copy.copy, copy.deepcopy and pickle all come here. A copy would own the same
+        # device memory, host store and ORT sessions, and its close() (or its collection)
+        # would free them under the original; so a session is not copied, as other owners
+        # of native resources (locks, sockets, files) are not.
+        raise TypeError(f"{type(self).__name__} objects cannot be copied or pickled: each owns device memory, its "
+                        f"weights and ORT sessions; share the session itself (its calls are safe from several "
+                        f"threads)")
+
     def __del__(self):
         if not getattr(self, "_closed", True) and getattr(self, "_pid", None) == os.getpid():
             try:
@@ -285,7 +294,7 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
     def run(self, output_names, input_feed, run_options=None):
         with self._step():
             input_feed = as_arrays(self._graph_inputs, input_feed)
-            self._check_call(input_feed, output_names)
+            self._check_call(input_feed, output_names, run_options)
             return self._with_fallback(lambda: self._runner.run(output_names, input_feed, run_options))
 
     def io_binding(self):

@@ -1,10 +1,16 @@
 """The command line: the environment decides what the user did not say."""
 import os
+import subprocess
+import time
 
 import pytest
 
+from onnx_offload.errors import CacheNotMarked
 from onnx_offload.tools import cli
+from onnx_offload.loading import clear_cache
+from onnx_offload.loading import workdir
 from onnx_offload.loading.cache import hold_entry
+from onnx_offload.loading.cache_marks import TAG, tagged
 from onnx_offload.models import mlp_stack, save, weight_bytes
 
 
@@ -68,6 +74,21 @@ def test_a_flag_wins_over_an_invalid_variable_and_without_it_the_error_names_it(
     assert rc == 2 and f"{var}='garbage' is not valid" in out.err, out.err
 
 
+@pytest.mark.parametrize("flag", ["--kv-bytes", "--scratch-bytes"])
+def test_a_reserve_of_0_is_taken_as_the_api_takes_it(model_path, capsys, flag):
+    """kv_bytes=0 is the API's default (and scratch_bytes=0 the API takes): so are the flags,
+    and the configuration takes "0" as a string; the weights' allowance is still positive."""
+    from onnx_offload import OffloadConfig
+    path, weights = model_path
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB", "--weight-bytes", str(weights // 2),
+                   flag, "0"], capsys)
+    assert rc == 0, out.err
+    field = flag[2:].replace("-", "_")
+    assert getattr(OffloadConfig(**{field: "0"}), field) == 0 and getattr(OffloadConfig(**{field: "0MiB"}), field) == 0
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--weight-bytes", "0"], capsys)
+    assert rc == 2 and "--weight-bytes='0' is not valid" in out.err, out.err
+
+
 def test_help_names_the_variable_each_flag_overrides(capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
@@ -84,37 +105,108 @@ def test_cache_info_lists_the_optimized_models_and_clear_removes_them(model_path
     assert rc == 0 and ": 0 optimized models" in out.out, out
     rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB", "--cache-dir", cache], capsys)
     assert rc == 0, out.err
-    (entry,) = os.listdir(cache)
+    (entry,) = set(os.listdir(cache)) - {TAG}
+    assert tagged(cache)  # the folder the session made is marked as a cache
     rc, out = run(["cache", "info", "--cache-dir", cache], capsys)
     assert rc == 0 and ": 1 optimized models" in out.out and entry[:12] in out.out, out
     assert os.path.abspath(path) in out.out  # the model it was made from, not only its key
-    os.makedirs(os.path.join(cache, ".partial-live"))  # a pass still writing: left alone
+    os.makedirs(os.path.join(cache, ".partial-live"))  # not marked as the package's: left alone
     reading = hold_entry(os.path.join(cache, entry))  # as a session does while it reads the entry
     rc, out = run(["cache", "clear", "--cache-dir", cache], capsys)
     assert rc == 0 and "removed 0 optimized models" in out.out and "kept 1" in out.out, out
     os.close(reading)
     rc, out = run(["cache", "clear", "--cache-dir", cache], capsys)
-    assert rc == 0 and "removed 1 optimized models" in out.out, out
-    assert os.listdir(cache) == [".partial-live"]
+    assert rc == 0 and "removed 1 optimized models" in out.out and "left alone 1 " in out.out, out
+    assert sorted(os.listdir(cache)) == [".partial-live", TAG]
     # The next run optimizes again and publishes a new entry.
     rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB", "--cache-dir", cache], capsys)
     assert rc == 0, out.err
-    assert sorted(os.listdir(cache)) == [".partial-live", entry]
+    assert sorted(os.listdir(cache)) == sorted([".partial-live", TAG, entry])
 
 
-def test_cache_clear_on_a_folder_of_the_user_s_removes_only_what_the_cache_names(capsys, tmp_path):
-    """A mistyped --cache-dir (a home folder, /etc) loses nothing of the user's: links,
-    folders and files of other names stay; links named as cache entries go."""
-    folder = tmp_path / "home"
+def _users_folder(folder):
+    """A folder of the user's that holds names the cache also gives: a folder named like an
+    entry, like an entry set aside, like partial folders (one named as the cache names
+    them, with a pid that is gone; one old), a link named like an entry."""
     folder.mkdir(mode=0o700)
-    (folder / "notes.txt").write_text("mine")
-    os.symlink("notes.txt", folder / "notes-link")
+    (folder / "5f8d0d55b54764421b7156c9").mkdir()
+    (folder / "5f8d0d55b54764421b7156c9" / "f").write_text("x")
+    (folder / ".stale-abcd1234").mkdir()
+    (folder / ".partial-notes").mkdir()
+    os.utime(folder / ".partial-notes", (time.time() - 7200,) * 2)
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid whose process is over, in this pid namespace
+    named = folder / f".partial-{gone.pid}-1-{workdir._pid_namespace()}-abc"  # as the cache names its own
+    named.mkdir()
+    (named / "draft.txt").write_text("mine")
     os.symlink("/nonexistent", folder / ".stale-link")
-    (folder / ".stale-keep-this").mkdir()
-    os.symlink("/tmp", folder / ("ab" * 12))  # an entry's name: never the cache's own (entries are folders)
+    os.symlink("/tmp", folder / ("ab" * 12))
+    (folder / "notes.txt").write_text("mine")
+    return sorted(os.listdir(folder))
+
+
+def test_cache_clear_refuses_a_folder_not_marked_as_the_cache_and_removes_nothing(capsys, tmp_path, monkeypatch):
+    """A mistyped --cache-dir (a home folder) or ONNX_OFFLOAD_CACHE_DIR loses nothing:
+    without CACHEDIR.TAG, a folder that holds what the package did not make is refused;
+    `cache info` lists none of it as optimized models."""
+    folder = tmp_path / "home"
+    mine = _users_folder(folder)
     rc, out = run(["cache", "clear", "--cache-dir", str(folder)], capsys)
-    assert rc == 0 and "1 symbolic links" in out.out, out
-    assert sorted(os.listdir(folder)) == [".stale-keep-this", ".stale-link", "notes-link", "notes.txt"]
+    assert rc == 2 and "CacheNotMarked" in out.err and "nothing was removed" in out.err, out
+    assert "'5f8d0d55b54764421b7156c9'" in out.err and "CACHEDIR.TAG" in out.err, out.err
+    assert sorted(os.listdir(folder)) == mine
+    monkeypatch.setenv("ONNX_OFFLOAD_CACHE_DIR", str(folder))
+    rc, out = run(["cache", "clear"], capsys)
+    assert rc == 2 and "CacheNotMarked" in out.err, out
+    assert sorted(os.listdir(folder)) == mine and (folder / "5f8d0d55b54764421b7156c9" / "f").read_text() == "x"
+    rc, out = run(["cache", "info", "--cache-dir", str(folder)], capsys)
+    assert rc == 0 and ": 0 optimized models" in out.out, out
+    with pytest.raises(CacheNotMarked):
+        clear_cache(str(folder))
+    assert sorted(os.listdir(folder)) == mine
+
+
+def test_cache_clear_in_a_marked_folder_removes_only_the_package_s_entries(model_path, capsys, tmp_path):
+    """In a folder marked as the cache that also holds the user's things, `cache clear`
+    removes the entries a session published there and nothing of the user's, whatever its
+    name."""
+    path, _ = model_path
+    folder = tmp_path / "home"
+    mine = _users_folder(folder)
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB", "--cache-dir", str(folder)],
+                  capsys)
+    assert rc == 0, out.err
+    assert not tagged(str(folder))  # a folder that holds the user's things is not marked by a session
+    (entry,) = set(os.listdir(folder)) - set(mine)
+    rc, out = run(["cache", "info", "--cache-dir", str(folder)], capsys)
+    assert rc == 0 and ": 1 optimized models" in out.out and "not marked" in out.out, out
+    (folder / TAG).write_text("Signature: 8a477f597d28d172789f06886806bc55\n")  # the user marks it
+    rc, out = run(["cache", "clear", "--cache-dir", str(folder)], capsys)
+    assert rc == 0 and "removed 1 optimized models" in out.out and f"left alone {len(mine)} " in out.out, out
+    assert sorted(os.listdir(folder)) == sorted(mine + [TAG])
+    assert (folder / "5f8d0d55b54764421b7156c9" / "f").read_text() == "x"
+
+
+@pytest.mark.parametrize("layout", ["keyed", "fingerprints only"])
+def test_a_cache_an_older_version_filled_without_a_tag_is_marked_and_cleared(model_path, capsys, tmp_path, layout):
+    """A cache folder holding only entries (whose manifests have no `made_by`, or hold only
+    their files' fingerprints, as older versions wrote them) and no tag is recognised:
+    tagged, and its entries cleared."""
+    import json
+    path, _ = model_path
+    cache = tmp_path / "cache"
+    rc, out = run(["run", path, "--cpu", "--steps", "1", "--vram-limit", "256MiB", "--cache-dir", str(cache)], capsys)
+    assert rc == 0, out.err
+    (entry,) = set(os.listdir(cache)) - {TAG}
+    os.unlink(cache / TAG)
+    manifest = json.loads((cache / entry / "manifest.json").read_text())
+    del manifest["made_by"]
+    (cache / entry / "manifest.json").write_text(json.dumps(manifest if layout == "keyed" else manifest["files"]))
+    rc, out = run(["cache", "info", "--cache-dir", str(cache)], capsys)
+    assert rc == 0 and ": 1 optimized models" in out.out, out
+    rc, out = run(["cache", "clear", "--cache-dir", str(cache)], capsys)
+    assert rc == 0 and "removed 1 optimized models" in out.out, out
+    assert os.listdir(cache) == [TAG] and tagged(str(cache))
 
 
 def test_an_empty_cache_variable_is_unset_for_the_cache_command_as_for_a_session(capsys, monkeypatch, tmp_path):

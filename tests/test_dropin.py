@@ -548,3 +548,50 @@ def test_feeds_ort_cannot_convert_raise_what_ort_raises_on_a_split_session():
         np.testing.assert_array_equal(s.run(["logits"], listed)[0], s.run(["logits"], {
             **good, "input_ids": np.array([[1, 2, 3], [4, 5, 6]])})[0])
         assert s.run(["logits"], good)[0].shape == plain.run(["logits"], good)[0].shape
+
+
+@pytest.mark.parametrize("call", ["run", "run_with_ort_values", "run_with_iobinding"])
+def test_output_names_and_run_options_of_the_wrong_type_raise_what_ort_raises(call):
+    """Checked against plain ORT, for a session in segments and for a plain one."""
+    model = mlp_stack(layers=4, hidden=256, batch=4)
+    x = np.ones((4, 256), np.float32)
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    def raised(sess, outs, run_options):
+        with pytest.raises(Exception) as e:
+            if call == "run":
+                sess.run(outs, {"x": x}, run_options)
+            elif call == "run_with_ort_values":
+                sess.run_with_ort_values(outs, {"x": ort.OrtValue.ortvalue_from_numpy(x)}, run_options)
+            else:
+                io = sess.io_binding()
+                io.bind_cpu_input("x", x)
+                io.bind_output("y")
+                sess.run_with_iobinding(io, run_options)
+        return e.type
+
+    cases = [(None, 5), (None, "opts")] + ([([None], None), ([3], None)] if call != "run_with_iobinding" else [])
+    for kw in (dict(offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3, host_granularity=64 << 10),
+               dict()):
+        with OffloadSession(model.SerializeToString(), providers=["CPUExecutionProvider"], **kw) as s:
+            assert (len(s.segments) > 1) == bool(kw)
+            for outs, run_options in cases:
+                want = raised(plain, outs, run_options)
+                assert raised(s, outs, run_options) is want, (kw, outs, run_options, want)
+            np.testing.assert_allclose(s.run(None, {"x": x})[0], plain.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_session_is_not_copied_and_a_refused_copy_leaves_it_working():
+    """copy.copy would share the session's device memory and ORT sessions, and the copy's
+    close() would free them under the original: a copy is refused (TypeError, as for
+    other owners of native resources), and so are deepcopy and pickle."""
+    import copy
+    model = mlp_stack(layers=4, hidden=256, batch=4)
+    x = np.ones((4, 256), np.float32)
+    with OffloadSession(model.SerializeToString(), providers=["CPUExecutionProvider"], offload=True, vmm=True,
+                        weight_bytes=weight_bytes(model) // 3, host_granularity=64 << 10) as s:
+        want = s.run(None, {"x": x})[0]
+        for make in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="cannot be copied or pickled"):
+                make(s)
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)

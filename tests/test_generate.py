@@ -728,6 +728,18 @@ def test_a_bad_genai_config_still_runs_and_generate_says_what_is_wrong(config, t
             s.generate(prompt(1), 4)
 
 
+@pytest.mark.parametrize("config,reason", [('{"model": "x"}', "'model' must be an object, got str 'x'"),
+                                           ('{"search": 5}', "'search' must be an object, got int 5"),
+                                           ('{"model": {"decoder": 3}}', "'model.decoder' must be an object")])
+def test_a_genai_config_whose_sections_are_no_objects_names_the_section(config, reason, tmp_path):
+    path = save_decoder(model_of("gqa"), str(tmp_path / "llm"))
+    with open(tmp_path / "llm" / "genai_config.json", "w") as f:
+        f.write(config)
+    with OffloadSession(path, providers=CPU, vram_limit="64MiB", host_granularity=4096) as s:
+        with pytest.raises(UnsupportedModel, match=re.escape(reason)):
+            s.generate(prompt(1), 4)
+
+
 @pytest.mark.parametrize("name", ["genai_config.json", "config.json"])
 def test_a_deeply_nested_config_beside_the_model_leaves_the_session_and_run_working(name, tmp_path):
     """A config 100,000 levels deep (more than Python's recursion limit): the session is
@@ -1047,6 +1059,10 @@ def test_int32_token_ids_and_positions_are_fed_as_the_model_declares(layout):
     (dict(max_new_tokens=2**60), ValueError, "holds at most 2147483647"),
     (dict(seed=-5), ValueError, "seed must be"),
     (dict(seed=1.5), TypeError, None),
+    (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an integer"),
+    (dict(do_sample="no"), TypeError, "do_sample must be a bool"),
+    (dict(do_sample=1), TypeError, "do_sample must be a bool"),
+    (dict(top_k=True), TypeError, "top_k must be a number"),
 ])
 def test_generate_arguments_are_checked_at_the_call(kwargs, error, needle):
     args = {"input_ids": prompt(1), "max_new_tokens": 4, **kwargs}

@@ -14,11 +14,17 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_offload import OffloadSession
+from onnx_offload import CorruptModel, OffloadSession
+from onnx_offload.loading.cache_marks import TAG
 
 CPU = ["CPUExecutionProvider"]
 MiB = 1 << 20
 F = TensorProto.FLOAT
+
+
+def listed(cache):
+    """What the cache folder holds besides its CACHEDIR.TAG, sorted."""
+    return sorted(set(os.listdir(cache)) - {TAG})
 
 
 def make_model(nodes, inputs, outputs, initializers=()):
@@ -98,7 +104,7 @@ def test_model_without_weights_loads(build, tmp_path):
     # Twice through the cache: optimized, then reused.
     for _ in range(2):
         assert_same(model, feeds, cache_dir=str(tmp_path / "cache"))
-    assert len(os.listdir(tmp_path / "cache")) == 1
+    assert len(listed(tmp_path / "cache")) == 1
 
 
 # ---------------------------------------------------------------- 2. the cache sees every file the model reads
@@ -189,7 +195,7 @@ def test_cache_sees_replaced_external_data(location, tmp_path):
     second = reference(path, feeds)[0]
     assert not np.array_equal(first, second)
     assert_same(path, feeds, cache_dir=cache)
-    assert len(os.listdir(cache)) == 2
+    assert len(listed(cache)) == 2
 
 
 def test_weights_optimization_leaves_unchanged_are_read_from_the_models_own_file(tmp_path):
@@ -210,7 +216,7 @@ def test_weights_optimization_leaves_unchanged_are_read_from_the_models_own_file
     feeds = {"x0": rng.standard_normal((4, 64)).astype(np.float32)}
     cache = str(tmp_path / "cache")
     stats = assert_same(path, feeds, cache_dir=cache, min_weight_bytes=1024)
-    (entry,) = os.listdir(cache)
+    (entry,) = listed(cache)
     optimized = onnx.load(os.path.join(cache, entry, "optimized.onnx"), load_external_data=False)
     locations = {t.name: {e.key: e.value for e in t.external_data}["location"]
                  for t in optimized.graph.initializer if t.data_location == TensorProto.EXTERNAL}
@@ -220,7 +226,7 @@ def test_weights_optimization_leaves_unchanged_are_read_from_the_models_own_file
     assert os.path.getsize(os.path.join(cache, entry, "optimized.onnx.data")) == 32 * 64 * 4 * len(folded)
     assert any("model's own data files" in n for n in stats.notes), stats.notes
     assert_same(path, feeds, cache_dir=cache, min_weight_bytes=1024)  # read back from the entry
-    assert os.listdir(cache) == [entry]
+    assert listed(cache) == [entry]
 
 
 def _one_weight_model(folder, seed):
@@ -264,10 +270,10 @@ def test_an_entry_missing_a_file_is_made_again_and_published_whole(tmp_path):
     cache = str(tmp_path / "cache")
     path = _one_weight_model(tmp_path / "m", 1)
     assert_same(path, feeds, cache_dir=cache)
-    (entry,) = os.listdir(cache)
+    (entry,) = listed(cache)
     os.remove(os.path.join(cache, entry, "optimized.onnx"))
     assert_same(path, feeds, cache_dir=cache)
-    assert os.listdir(cache) == [entry]  # made again under its key; nothing set aside is left
+    assert listed(cache) == [entry]  # made again under its key; nothing set aside is left
     assert os.path.exists(os.path.join(cache, entry, "optimized.onnx"))
 
 
@@ -286,7 +292,7 @@ def test_an_entry_changed_on_disk_is_made_again_never_trusted(tmp_path, damage):
     feeds = {"x": rng.standard_normal((4, 64)).astype(np.float32)}
     cache = str(tmp_path / "cache")
     assert_same(path, feeds, cache_dir=cache)
-    (entry,) = os.listdir(cache)
+    (entry,) = listed(cache)
     data = os.path.join(cache, entry, "optimized.onnx.data")
     if damage == "garbled":
         with open(data, "r+b") as f:
@@ -298,7 +304,7 @@ def test_an_entry_changed_on_disk_is_made_again_never_trusted(tmp_path, damage):
         open(os.path.join(cache, entry, "stray"), "w").close()
     with pytest.warns(OffloadWarning, match="not as it was made"):
         assert_same(path, feeds, cache_dir=cache)
-    assert os.listdir(cache) == [entry]
+    assert listed(cache) == [entry]
     with warnings.catch_warnings():
         warnings.simplefilter("error", OffloadWarning)  # the entry made again is used as it is
         assert_same(path, feeds, cache_dir=cache)
@@ -313,7 +319,7 @@ def test_cache_key_ignores_unrelated_stat_changes(tmp_path):
     assert_same(path, feeds, cache_dir=cache)
     os.utime(path, ns=(0, 10**18))
     assert_same(path, feeds, cache_dir=cache)
-    assert len(os.listdir(cache)) == 1
+    assert len(listed(cache)) == 1
 
 
 # ---------------------------------------------------------------- 3. initializers local to a subgraph
@@ -582,7 +588,7 @@ def test_optimized_models_are_kept_in_the_user_cache_by_default(tmp_path, monkey
             outs.append(s.run(None, {"x": x})[0])
     assert len(passes) == 1
     np.testing.assert_array_equal(outs[0], outs[1])
-    assert len(os.listdir(default_cache_dir())) == 1
+    assert len(listed(default_cache_dir())) == 1
     with OffloadSession(path, cache_dir="off") as s:  # off: the pass runs in the session's own folder
         s.run(None, {"x": x})
     assert len(passes) == 2
@@ -638,7 +644,7 @@ def test_cache_given_as_none_is_off_and_an_unusable_one_is_skipped_with_a_warnin
     for _ in range(2):
         with pytest.raises(CorruptModel):
             OffloadSession(str(bad), cache_dir=str(cache))
-    assert cache.is_dir() and not list(cache.iterdir())
+    assert cache.is_dir() and not listed(cache)
 
 
 # ---------------------------------------------------------------- 5. nothing the session did not write is trusted
@@ -652,7 +658,7 @@ def test_a_save_that_failed_is_not_an_optimized_model(tmp_path):
     onnx.save(model, path)
     cache = str(tmp_path / "cache")
     assert_same(path, feeds, cache_dir=cache, min_weight_bytes=64)
-    (entry,) = os.listdir(cache)
+    (entry,) = listed(cache)
     honest = tmp_path / "honest"
     shutil.copytree(os.path.join(cache, entry), honest)
     assert optimized_exists(str(honest / OPTIMIZED))
@@ -743,3 +749,28 @@ def test_no_entry_is_published_from_files_that_changed_during_the_optimization_p
     np.testing.assert_allclose(_versions_run(path, cache, feeds), want[0], rtol=1e-5, atol=1e-5)
     assert any(issubclass(w.category, OffloadWarning) and "changed while" in str(w.message) for w in seen), \
         [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize("stored", ["inside", "external"])
+def test_two_initializers_of_one_name_are_refused_by_name(stored, tmp_path):
+    """ORT 1.31 runs such a model on the first where the data is inside the model and on
+    the last where it is external data: the session refuses it (CorruptModel, as ONNX's
+    checker does), and plain ORT sessions keep working."""
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(2))
+    model = make_model([helper.make_node("MatMul", ["x", "W"], ["y"])], [tensor("x", [2, 64])], [tensor("y", [2, 64])],
+                       [numpy_helper.from_array(a, "W"), numpy_helper.from_array(b, "W")])
+    path = str(tmp_path / "twice.onnx")
+    if stored == "external":
+        onnx.save(model, path, save_as_external_data=True, location="twice.data", size_threshold=0)
+    else:
+        onnx.save(model, path)
+    for src in (path, model):  # a path, and bytes
+        with pytest.raises(CorruptModel, match="names two initializers 'W'"):
+            offloaded(src)
+    with pytest.raises(CorruptModel, match="names two initializers 'W'"):
+        OffloadSession(path, providers=CPU, cache_dir=str(tmp_path / "cache"))
+    x = np.ones((2, 64), np.float32)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3  # ORT warns of the repeated name
+    assert ort.InferenceSession(path, so, providers=CPU).run(None, {"x": x})[0].shape == (2, 64)

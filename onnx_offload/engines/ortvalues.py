@@ -193,14 +193,20 @@ def check_required(required: Sequence[str], feeds) -> None:
 
 
 def check_feeds(required: Sequence[str], inputs: Sequence[IOInfo], known_outputs: Sequence[str], feeds,
-                output_names) -> None:
-    """Raises what ORT raises for feeds or output names that do not match the graph:
-    an unknown or missing name, a wrong element type, rank or fixed dimension."""
+                output_names, run_options=None) -> None:
+    """Raises what ORT's run() and run_with_ort_values() raise for feeds, output names or
+    run options that do not match the graph or the call: an unknown or missing name, a
+    wrong element type, rank or fixed dimension, an argument of the wrong type."""
     by_name = {i.name: i for i in inputs}
     check_required(required, feeds)  # ORT's Python layer checks this first
+    check_run_options(run_options)
     if isinstance(output_names, (str, bytes)):
         raise TypeError(f"run(): incompatible function arguments: output_names must be a sequence of names, not "
                         f"{type(output_names).__name__} {output_names!r}")
+    odd = [n for n in output_names or () if not isinstance(n, (str, bytes))]  # ORT's binding takes bytes too
+    if odd:
+        raise TypeError(f"run(): incompatible function arguments: output_names must be a sequence of str, not one "
+                        f"holding {type(odd[0]).__name__} {odd[0]!r}")
     for name, value in feeds.items():  # what ORT's Python layer cannot make a tensor of
         if isinstance(value, (str, tuple)):
             raise RuntimeError(f"Input must be a list of dictionaries or a single numpy array for input '{name}'.")
@@ -228,6 +234,15 @@ def check_feeds(required: Sequence[str], inputs: Sequence[IOInfo], known_outputs
     for n in output_names or ():
         if n not in known_outputs:
             raise InvalidArgument(f"Invalid output name: {n} (the model's outputs are {list(known_outputs)})")
+
+
+def check_run_options(run_options) -> None:
+    """Raises the TypeError ORT's binding raises in run() and run_with_ort_values() for run
+    options that are not RunOptions (run_with_iobinding reads them first in Python, and
+    raises AttributeError, as the segments' own calls of it do)."""
+    if run_options is not None and not isinstance(run_options, ort.RunOptions):
+        raise TypeError(f"run(): incompatible function arguments: run_options must be an onnxruntime.RunOptions "
+                        f"or None, not {type(run_options).__name__} {run_options!r}")
 
 
 def _type_string(dtype: np.dtype) -> str:

@@ -23,6 +23,11 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
+        if not isinstance(self.do_sample, (bool, np.bool_)):  # "no" would be true
+            raise TypeError(f"do_sample must be a bool, got {type(self.do_sample).__name__} {self.do_sample!r}")
+        for name in ("temperature", "top_k", "top_p"):
+            if isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"{name} must be a number, got the bool {getattr(self, name)!r}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
         if operator.index(self.top_k) < 0:  # TypeError for a non-integer
@@ -96,6 +101,8 @@ def check_generate_args(session, input_ids, max_new_tokens, eos_token_id, attent
         raise ValueError(f"input_ids must be [batch, prompt] with a non-empty prompt, got shape {ids.shape}")
     if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"input_ids must be integers, got {ids.dtype}")
+    if isinstance(max_new_tokens, (bool, np.bool_)):  # True would be 1 token
+        raise TypeError(f"max_new_tokens must be an integer, got the bool {max_new_tokens!r}")
     new = operator.index(max_new_tokens)  # TypeError for 2.5 or "3"
     if new < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")

@@ -11,31 +11,23 @@ being renamed aside under an exclusive one, so a session sees an entry whole or 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
-import glob
 import json
 import os
-import re
 import shutil
 import stat
 import tempfile
-import time
-from typing import List, NamedTuple, Optional, Set, Tuple
+from typing import List, Optional, Set, Tuple
 
 from . import workdir
-from .files import read_json, read_range
-from .fingerprints import MANIFEST, HeldFiles, fingerprint_fd
+from .cache_marks import PARTIAL, STALE, adopt, is_partial, is_set_aside, marked, write_mark
+from .files import read_range
+from .fingerprints import MANIFEST, MARK, HeldFiles, fingerprint_fd
 from .graphs import external_locations
 from .optimize import OPTIMIZED, OPTIMIZED_DATA
 from .weights import load_optimized
-
-PARTIAL = ".partial-"  # an entry being made, by the process its name names (see workdir.make_owned_dir)
-_ENTRY = re.compile(r"[0-9a-f]{24}$")  # a published entry is named by its key
-_STALE = re.compile(r"\.stale-[0-9a-z_]{8}$")  # an entry set aside (tempfile.mkdtemp's names)
-# A partial folder named without its owner (by an older version) is left alone unless it
-# is this old: a pass that old was killed before it could clean up.
-ABANDONED_S = 3600
 
 
 def cache_folder(cache: str) -> Tuple[Optional[str], str]:
@@ -48,7 +40,8 @@ def cache_folder(cache: str) -> Tuple[Optional[str], str]:
     writable by nobody else unless it is sticky, as /tmp is: there nobody can rename or
     remove what is not theirs, so nobody can put another folder in the cache's place. The
     real path is what the session uses from then on: a link to the cache switched later
-    changes nothing."""
+    changes nothing. A folder used that holds only the package's own is tagged as a
+    cache (cache_marks.adopt)."""
     try:
         _make_private_folders(cache)
         real = os.path.realpath(cache)
@@ -58,6 +51,8 @@ def cache_folder(cache: str) -> Tuple[Optional[str], str]:
         while not why and parent != os.path.dirname(parent):
             parent = os.path.dirname(parent)
             why = _not_safe_above(os.stat(parent), parent)
+        if not why:
+            adopt(real)  # tagged as a cache folder, where all it holds is the package's
     except OSError as e:
         return None, f"cannot be used ({e})"
     return (None, f"is not used: {why}") if why else (real, "")
@@ -170,39 +165,6 @@ def _entry_problem(path: str, dir_fd: int, key: str, sources: Set[str], held: He
     return None
 
 
-class CacheEntry(NamedTuple):
-    path: str
-    nbytes: int  # the entry's own files (not the model files it reads weights from)
-    made: float  # when it was published (seconds since the epoch)
-    model: str = ""  # the model it was made from, as its manifest says ("" where it does not)
-
-
-def _made_from(path: str) -> str:
-    """What the entry's manifest says it was made from; "" where it cannot be read."""
-    try:
-        model = read_json(os.path.join(path, MANIFEST)).get("model", "")
-        return model if isinstance(model, str) else ""
-    except (OSError, ValueError, AttributeError):
-        return ""
-
-
-def cache_entries(cache: str) -> List[CacheEntry]:
-    """The published entries under `cache`, oldest first."""
-    found = []
-    try:
-        names = os.listdir(cache)
-    except FileNotFoundError:
-        return found
-    for name in names:
-        path = os.path.join(cache, name)
-        if _ENTRY.match(name) and os.path.isdir(path) and not os.path.islink(path):
-            try:
-                found.append(CacheEntry(path, _tree_bytes(path), os.stat(path).st_mtime, _made_from(path)))
-            except FileNotFoundError:  # removed meanwhile by another process
-                continue
-    return sorted(found, key=lambda e: (e.made, e.path))
-
-
 def hold_entry(path: str) -> Optional[int]:
     """A shared lock on the published entry `path`, held (an open descriptor of the folder,
     never through a symbolic link) while a session reads it; None when the entry was set
@@ -234,115 +196,59 @@ def set_aside(cache: str, path: str) -> bool:
     that has its files open keeps them. False when another process moved it first (or
     the folder cannot be written)."""
     try:
-        os.rename(path, os.path.join(tempfile.mkdtemp(dir=cache, prefix=".stale-"), "entry"))
+        aside = tempfile.mkdtemp(dir=cache, prefix=STALE)
+    except OSError:
+        return False
+    try:
+        write_mark(aside)  # so that remove_set_aside and `cache clear` know it for the package's
+        os.rename(path, os.path.join(aside, "entry"))
         return True
     except OSError:
+        shutil.rmtree(aside, ignore_errors=True)  # this call's folder: nothing else is in it
         return False
 
 
 def remove_set_aside(cache: str) -> None:
-    for stale in glob.glob(os.path.join(glob.escape(cache), ".stale-*")):
-        if _STALE.match(os.path.basename(stale)) and not os.path.islink(stale):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-class Cleared(NamedTuple):
-    removed: int  # entries
-    freed: int  # their bytes
-    busy: int  # entries kept because a session is reading them
-    links: int  # symbolic links (never what they point at)
-    partials: int  # partial folders of passes that are over
-
-
-def clear_cache(cache: str) -> Cleared:
-    """Removes every published entry under `cache` that no session is reading, the ones
-    set aside, every symbolic link named as the cache names what it makes (none is ever
-    the session's; a link of another name is the user's, as the folder may be one the
-    user has other uses for), and the partial folders
-    of passes whose process is gone (or, named without their owner, older than
-    ABANDONED_S).
-
-    Each entry is renamed aside under an exclusive lock, so a session that looks it up
-    sees it whole or not at all, and one that is reading it (holding the shared lock of
-    ``hold_entry``) keeps it."""
-    removed = freed = busy = 0
-    links = _remove_links(cache)
-    for entry in cache_entries(cache):
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError:
-            continue  # set aside by another process first
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            busy += 1
-            os.close(fd)
-            continue
-        try:
-            moved = set_aside(cache, entry.path)
-        finally:
-            os.close(fd)
-        if moved:
-            removed += 1
-            freed += entry.nbytes
-    remove_set_aside(cache)
-    return Cleared(removed, freed, busy, links, len(sweep_partials(cache, ABANDONED_S)))
-
-
-def _cache_name(name: str) -> bool:
-    """Whether `name` is one the cache gives what it makes: an entry, an entry set aside,
-    a partial folder."""
-    return bool(_ENTRY.match(name) or _STALE.match(name) or name.startswith(PARTIAL))
-
-
-def _remove_links(cache: str) -> int:
-    removed = 0
-    try:
-        names = os.listdir(cache)
-    except FileNotFoundError:
-        return 0
-    for name in names:
-        path = os.path.join(cache, name)
-        try:
-            if _cache_name(name) and stat.S_ISLNK(os.lstat(path).st_mode):
-                os.unlink(path)
-                removed += 1
-        except FileNotFoundError:
-            continue
-    return removed
+    """Removes the folders entries were set aside into (only those, see
+    cache_marks.is_set_aside)."""
+    for name in os.listdir(cache):
+        if name.startswith(STALE) and is_set_aside(os.path.join(cache, name)):
+            shutil.rmtree(os.path.join(cache, name), ignore_errors=True)
 
 
 def make_partial(cache: str) -> str:
-    """A new partial folder (0700) for an entry being made, named after this process and
-    removed when it exits or gets SIGTERM (see workdir.make_owned_dir)."""
-    return workdir.make_owned_dir(cache, PARTIAL)
+    """A new partial folder (0700, marked as the package's) for an entry being made, named
+    after this process and removed when it exits or gets SIGTERM (see
+    workdir.make_owned_dir)."""
+    path = workdir.make_owned_dir(cache, PARTIAL)
+    try:
+        write_mark(path)
+    except BaseException:
+        workdir.remove_workdir(path)
+        raise
+    return path
 
 
-def sweep_partials(cache: str, unnamed_after: Optional[float] = None) -> List[str]:
-    """Removes the partial folders of passes whose process is gone, and (`unnamed_after`
-    seconds old) those named without their owner, by older versions; returns them."""
-    swept = workdir.sweep_stale(cache, PARTIAL)
-    if unnamed_after is None:
-        return swept
-    now = time.time()
-    for partial in glob.glob(os.path.join(glob.escape(cache), PARTIAL + "*")):
-        try:
-            st = os.lstat(partial)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISDIR(st.st_mode) and not workdir.owned_name(os.path.basename(partial), PARTIAL) \
-                and now - st.st_mtime > unnamed_after:
-            shutil.rmtree(partial, ignore_errors=True)
-            swept.append(partial)
+def publish(partial: str, entry: str) -> None:
+    """Publishes the partial folder `partial` as `entry` with one rename, without its mark
+    (an entry's files are as its manifest lists them). OSError where `entry` exists."""
+    os.unlink(os.path.join(partial, MARK))
+    os.rename(partial, entry)
+
+
+def sweep_partials(cache: str) -> List[str]:
+    """Removes the partial folders of passes whose process is gone (see
+    cache_marks.is_partial: a folder of the user's is never taken for one); returns them."""
+    swept = []
+    for name in os.listdir(cache):
+        path = os.path.join(cache, name)
+        if name.startswith(PARTIAL) and workdir.owner_gone(name, PARTIAL) and is_partial(path):
+            if marked(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)  # only while it is empty
+            swept.append(path)
     return swept
 
 
-def _tree_bytes(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except FileNotFoundError:
-                continue
-    return total

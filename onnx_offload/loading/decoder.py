@@ -84,11 +84,11 @@ def read_genai_config(model_dir: Optional[str]) -> dict:
         cfg = read_json(path)
         if not isinstance(cfg, dict):
             raise ValueError(f"it holds {type(cfg).__name__}, not an object")
-        model = cfg.get("model", {})
-        decoder = model.get("decoder", {})
-        search = cfg.get("search", {})
-        if not all(isinstance(x, dict) for x in (model, decoder, search)):
-            raise ValueError("'model', 'model.decoder' and 'search' must be objects")
+        model, search = cfg.get("model", {}), cfg.get("search", {})
+        decoder = model.get("decoder", {}) if isinstance(model, dict) else {}
+        for key, x in (("model", model), ("search", search), ("model.decoder", decoder)):
+            if not isinstance(x, dict):
+                raise ValueError(f"{key!r} must be an object, got {type(x).__name__} {_shown(x)}")
         out = {}
         for key, value in (("kv_heads", decoder.get("num_key_value_heads")), ("head_size", decoder.get("head_size")),
                            ("max_length", search.get("max_length") or model.get("context_length"))):

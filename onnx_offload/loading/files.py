@@ -23,7 +23,7 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
 from ..errors import CorruptModel, ModelNotFound, OffloadError, invalid_protobuf, with_ort_type
-from .graphs import all_tensors, external_info
+from .graphs import all_tensors, external_info, nested_graphs
 from .ort_options import EXTERNAL_FOLDER_KEY, config_entry
 
 
@@ -110,6 +110,7 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
             model = onnx.load(path, load_external_data=False)
         except Exception as e:  # protobuf raises its own DecodeError types
             raise invalid_protobuf(f"the model bytes are not a valid ONNX model: {e}") from e
+        refuse_repeated_initializers(model, "the model bytes")
         folder = external_folder or os.getcwd()
         for location in check_external_data(model, folder, "the model bytes", as_bytes=True):
             link = os.path.join(workdir, location)
@@ -122,11 +123,34 @@ def materialize(path_or_bytes, workdir: str, external_folder: Optional[str] = No
     if not os.path.exists(path):
         raise ModelNotFound(2, "the model file does not exist", path)
     try:
-        model = onnx.load(path, load_external_data=False)
+        fd = open_regular(path)  # a FIFO would hold onnx.load (and ORT) for ever, /dev/zero fill memory
+    except OSError as e:
+        raise _fail(CorruptModel, f"{path!r} cannot be read as a model: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            model = onnx.load_model_from_string(f.read())  # its external data is not read here
     except Exception as e:  # protobuf raises its own DecodeError types
         raise invalid_protobuf(f"{path!r} is not a valid ONNX model: {e}") from e
+    refuse_repeated_initializers(model, repr(path))
     check_external_data(model, os.path.dirname(os.path.abspath(path)), repr(path))
     return path, model
+
+
+def refuse_repeated_initializers(model: onnx.ModelProto, what: str) -> None:
+    """Refuses (CorruptModel) a graph, the main one or a subgraph, that names two of its
+    initializers alike, as ONNX's checker does ("initializer name is not unique"). ORT
+    1.31 runs such a model with a warning that it takes the latest, but takes the first
+    where the data is inside the model and the last where it is external data: no one
+    answer would match it."""
+    for graph in (model.graph, *nested_graphs(model.graph)):
+        seen = set()
+        for name in [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]:
+            if name in seen:
+                raise CorruptModel(f"{what} names two initializers {name!r} in graph {graph.name!r}: ONNX requires "
+                                   f"initializer names to be unique (onnx.checker refuses it), and ONNX Runtime "
+                                   f"takes the first or the last depending on where their data is stored; remove "
+                                   f"one of them")
+            seen.add(name)
 
 
 def _link_or_copy(target: str, link: str) -> None:
@@ -251,19 +275,32 @@ def opened(path: str, files: Optional[Files] = None):
 CONFIG_BYTES = 64 << 20  # the most a configuration file (JSON) beside a model may hold
 
 
-def read_json(path: str):
-    """The JSON value of the configuration file `path`, read as every file is (a regular
-    file: a FIFO cannot hold the read, /dev/zero cannot fill memory) and at most
-    CONFIG_BYTES long. OSError where it cannot be read so; ValueError for a file that is
-    no JSON, or one nested too deeply for the parser (which recurses once per level)."""
+def read_config(path: str, limit: int = CONFIG_BYTES) -> bytes:
+    """The bytes of `path`, a file beside a model that the package reads or hands to another
+    library (tokenizers, transformers): read as every file is, a regular file only (a FIFO
+    cannot hold the read, /dev/zero cannot fill memory), and at most `limit` bytes long.
+    OSError where it cannot be read so (its strerror says why: "not a regular file but a
+    FIFO"), ValueError where it is longer."""
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
-        if size > CONFIG_BYTES:
-            raise ValueError(f"it is {size} bytes long; a configuration file holds at most {CONFIG_BYTES}")
-        data = read_range(fd, 0, size, path)
+        if size > limit:
+            raise ValueError(f"it is {size} bytes long; a configuration file holds at most {limit}")
+        return read_range(fd, 0, size, path)
     finally:
         os.close(fd)
+
+
+def config_problem(path: str, e: BaseException) -> str:
+    """`path` and why read_config refused it (or the parse of what it read), for a message."""
+    return f"{path} cannot be read: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+
+
+def read_json(path: str):
+    """The JSON value of the configuration file `path`, read by read_config. OSError where
+    it cannot be read so; ValueError for a file that is too long, no JSON, or one nested
+    too deeply for the parser (which recurses once per level)."""
+    data = read_config(path)
     try:
         return json.loads(data)
     except RecursionError:

@@ -183,6 +183,9 @@ def fingerprint_fd(fd: int) -> bytes:
 
 
 MANIFEST = "manifest.json"  # the fingerprints of an entry's files, written before it is published
+# The file that marks a partial or set-aside folder of the cache as the package's (see
+# cache_marks); a partial folder's is removed just before the folder is published.
+MARK = ".onnx-offload-cache"
 
 
 def write_manifest(folder: str, key: str, made_from: str = "") -> None:
@@ -198,7 +201,7 @@ def write_manifest(folder: str, key: str, made_from: str = "") -> None:
     sources = sorted(loc for loc in external_locations(model) if os.path.isabs(loc))
     fd = os.open(os.path.join(folder, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with open(fd, "w") as f:
-        json.dump({"key": key, "files": prints, "sources": sources, "model": made_from}, f)
+        json.dump({"made_by": "onnx-offload", "key": key, "files": prints, "sources": sources, "model": made_from}, f)
 
 
 def hold_made(folder: str, published: str) -> HeldFiles:
@@ -219,4 +222,4 @@ def hold_made(folder: str, published: str) -> HeldFiles:
 
 def _entry_files(folder: str) -> List[str]:
     return sorted(os.path.relpath(os.path.join(root, f), folder) for root, _, files in os.walk(folder)
-                  for f in files if not (root == folder and f == MANIFEST))
+                  for f in files if not (root == folder and f in (MANIFEST, MARK)))

@@ -25,7 +25,7 @@ import onnx
 
 from ..config import fmt_bytes
 from ..errors import OffloadWarning, UnsupportedModel
-from .cache import cache_folder, make_partial, open_entry, remove_set_aside, set_aside, sweep_partials
+from .cache import cache_folder, make_partial, open_entry, publish, remove_set_aside, set_aside, sweep_partials
 from .cache_env import check_env_cache_dir, named_by_env
 from .decoder import decoder_spec, rotary_rows, window_caches
 from .lengths import length_thresholds
@@ -258,7 +258,7 @@ def _publish_entry(cache: str, opt_dir: str, key: str, src: str, level, own_file
                    f"made of what it read; the optimized model stays in the session's folder")
         else:
             try:
-                os.rename(tmp, opt_dir)
+                publish(tmp, opt_dir)
             except OSError:
                 pass  # another process published it first: it is looked up next
             else:

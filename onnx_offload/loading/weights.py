@@ -90,9 +90,10 @@ def load_optimized(path: str, files: Optional[Files] = None) -> onnx.ModelProto:
 
 
 def drop_repeated_initializers(graph: onnx.GraphProto) -> int:
-    """Removes the second and later initializers of one name; returns how many. ORT runs
-    such a model (with a warning) on the first one, and its optimized model keeps them
-    all; a slot or a segment takes a name once."""
+    """Removes the second and later initializers of one name; returns how many. A model
+    that names two alike is refused when it is loaded (files.refuse_repeated_initializers);
+    this keeps an optimized model read from a cache entry to one per name, as a slot or
+    a segment takes a name once."""
     seen, repeated = set(), []
     for i, t in enumerate(graph.initializer):
         if t.name in seen:

@@ -5,6 +5,7 @@ arguments name (feeds, prompt ids, the tokenizer), read and checked before any w
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -13,7 +14,8 @@ import numpy as np
 
 from ..config import (ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_ENGINE, ENV_EXPERTS, ENV_OFFLOAD,
                       ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT, env_is_set)
-from ..errors import OffloadError
+from ..errors import OffloadError, UnsupportedModel
+from ..loading import config_problem, open_regular, read_config
 from ..memory import cuda_available
 
 
@@ -79,6 +81,7 @@ _KEYWORD = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")='?(\w+)'?")
 
 # The budget flags that take one value per device with --devices (StagedSession's lists).
 PER_DEVICE_FLAGS = ("vram_limit", "weight_bytes", "kv_bytes", "scratch_bytes")
+ZERO_OK = ("kv_bytes", "scratch_bytes")  # reserves, which the API takes as 0 too
 # A staged session's advice names one device's entry of such a list (devices.generation).
 DEVICE_ENTRY = re.compile(r"\b(" + "|".join(PER_DEVICE_FLAGS) + r")=(\w+) for device (\d+) "
                            r"\(its entry in a list of one value per device\)")
@@ -131,7 +134,10 @@ def check_config_flags(args) -> None:
     from ..config import parse_bytes, parse_vram_limit
     for attr in PER_DEVICE_FLAGS:
         text, flag = getattr(args, attr, None), "--" + attr.replace("_", "-")
-        parse = parse_vram_limit if attr == "vram_limit" else parse_bytes
+        if attr == "vram_limit":
+            parse = parse_vram_limit
+        else:  # a reserve (kv, scratch) may be 0, as the API's kv_bytes default is
+            parse = functools.partial(parse_bytes, zero=attr in ZERO_OK)
         if text is None:
             continue
         if "," not in text:
@@ -212,7 +218,11 @@ def load_feeds(path: str) -> dict:
     if os.path.isdir(path):
         raise IsADirectoryError(f"--inputs {path!r} is a folder, not an .npz file of feeds")
     bad = f"--inputs {path!r} is not an .npz file of feeds (np.savez)"
-    with open(path, "rb") as f:  # np.load leaves a path it opened unclosed where the zip is bad
+    try:
+        fd = open_regular(path)  # a FIFO or a device is refused, never waited on or read without end
+    except OSError as e:
+        raise ValueError(f"{bad}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:  # np.load leaves a path it opened unclosed where the zip is bad
         magic = f.read(6)
         f.seek(0)
         if magic.startswith(b"\x93NUMPY"):
@@ -273,6 +283,9 @@ def parse_prompt_ids(text: str) -> np.ndarray:
     return np.array(rows, np.int64)
 
 
+TOKENIZER_BYTES = 512 << 20  # the largest tokenizer.json read (the largest vocabularies' are tens of MB)
+
+
 def load_tokenizer(model: str):
     """The tokenizer.json beside the model, through the `tokenizers` package."""
     folder = model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model))
@@ -286,6 +299,12 @@ def load_tokenizer(model: str):
         raise ValueError("--prompt needs the 'tokenizers' package (pip install tokenizers); "
                          "pass --prompt-ids instead") from None
     try:
-        return tokenizers.Tokenizer.from_file(path)
+        # Read here, as a regular file of bounded size, and handed over as text: tokenizers
+        # would wait on a FIFO for ever, and read /dev/zero until memory runs out.
+        text = read_config(path, TOKENIZER_BYTES).decode("utf-8")
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise UnsupportedModel(config_problem(path, e)) from None
+    try:
+        return tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
         raise ValueError(f"{path} cannot be read by tokenizers: {e}") from None

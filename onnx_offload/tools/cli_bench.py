@@ -138,7 +138,7 @@ def cmd_bench(args) -> int:
 
 def cmd_cache(args) -> int:
     from ..config import OffloadConfig, env_is_set, parse_cache_dir
-    from ..loading import cache_entries, clear_cache
+    from ..loading import cache_entries, cache_tagged, clear_cache
     from ..stats import fmt_bytes, table
     # Only the cache's own flag and variable: the others configure sessions, not the cache.
     # An empty variable is unset, as a session reads it.
@@ -154,14 +154,18 @@ def cmd_cache(args) -> int:
     if args.action == "clear":
         cleared = clear_cache(cache)
         kept = f"; kept {cleared.busy} that sessions are reading now" if cleared.busy else ""
-        also = "".join(f", {n} {what}" for n, what in ((cleared.links, "symbolic links"),
-                                                        (cleared.partials, "partial folders of passes that are over"))
-                       if n)
-        print(f"removed {cleared.removed} optimized models ({fmt_bytes(cleared.freed)}){also} from {cache}{kept}")
+        also = f", {cleared.partials} partial folders of passes that are over" if cleared.partials else ""
+        left = (f"; left alone {cleared.kept} files and folders that onnx-offload did not make" if cleared.kept
+                else "")
+        print(f"removed {cleared.removed} optimized models ({fmt_bytes(cleared.freed)}){also} from {cache}{kept}"
+              f"{left}")
         return 0
     entries = cache_entries(cache)
     print(f"{cache}: {len(entries)} optimized models, {fmt_bytes(sum(e.nbytes for e in entries))} "
           f"(weights that optimization left unchanged are read from the models' own files, not kept here)")
+    if entries and not cache_tagged(cache):
+        print("the folder is not marked as onnx-offload's cache (it has no CACHEDIR.TAG): `cache clear` refuses it "
+              "while it holds anything onnx-offload did not make")
     if entries:
         rows = [(e.model or "(not recorded)", fmt_bytes(e.nbytes),
                  time.strftime("%Y-%m-%d %H:%M", time.localtime(e.made)), os.path.basename(e.path)[:12])

@@ -110,7 +110,7 @@ def cached_model(base: str, seed: int) -> Tuple[np.ndarray, str, str, str]:
 
 def the_entry(cache: str) -> str:
     """The one published entry in `cache`."""
-    (name,) = [n for n in os.listdir(cache) if not n.startswith(".")]
+    (name,) = [n for n in os.listdir(cache) if not n.startswith(".") and n != "CACHEDIR.TAG"]
     return os.path.join(cache, name)
 
 

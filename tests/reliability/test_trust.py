@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from onnx_offload import OffloadWarning
+from onnx_offload.loading.cache_marks import TAG
 from onnx_offload.loading.fingerprints import MANIFEST
 from onnx_offload.loading.optimize import OPTIMIZED, OPTIMIZED_DATA
 from onnx_offload.tools import reliability_trust_kit as trust
@@ -27,6 +28,11 @@ from onnx_offload.tools.reliability_trust import SCENARIOS
 
 SECOND_USER, NO_SECOND_USER = trust.attacker()
 second_user = pytest.mark.skipif(SECOND_USER is None, reason=NO_SECOND_USER)
+
+
+def listed(cache):
+    """What `cache` holds besides its CACHEDIR.TAG, sorted."""
+    return sorted(set(os.listdir(cache)) - {TAG})
 
 
 @pytest.fixture
@@ -99,7 +105,7 @@ def test_an_entry_another_user_owns_is_not_served(world):
     os.chmod(cache, 0o700)
     with pytest.warns(OffloadWarning, match=f"owned by uid {SECOND_USER}"):
         assert_not_served(zero_output(path, cache), w)
-    assert os.listdir(cache) == [key] and os.stat(os.path.join(cache, key)).st_uid == os.getuid()
+    assert listed(cache) == [key] and os.stat(os.path.join(cache, key)).st_uid == os.getuid()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the entry made again is this user's: used as it is
         assert_not_served(zero_output(path, cache), w)
@@ -120,7 +126,7 @@ def test_a_cache_below_a_folder_others_can_write_is_used_only_below_a_sticky_one
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert_not_served(zero_output(path, cache), w)
-        assert len(os.listdir(cache)) == 1
+        assert len(listed(cache)) == 1
         assert os.stat(cache).st_mode & 0o777 == 0o700 and os.stat(trust.the_entry(cache)).st_mode & 0o777 == 0o700
     else:
         with pytest.warns(OffloadWarning, match="writable by others"):
@@ -154,7 +160,7 @@ def test_entries_moved_to_another_models_key_are_not_served(tmp_path):
     a = trust.add_model(str(tmp_path), wa, name="a.onnx")
     ea = honest_entry(a, cache)
     zero_output(trust.add_model(str(tmp_path), wb, name="b.onnx"), cache)
-    (eb,) = {os.path.join(cache, n) for n in os.listdir(cache)} - {ea}
+    (eb,) = {os.path.join(cache, n) for n in listed(cache)} - {ea}
     os.rename(ea, ea + ".x")
     os.rename(eb, ea)
     os.rename(ea + ".x", eb)
@@ -204,15 +210,14 @@ def test_no_symbolic_link_inside_the_cache_is_followed(tmp_path, where):
     assert sorted(os.listdir(elsewhere)) == sorted([MANIFEST, OPTIMIZED, OPTIMIZED_DATA])
 
 
-def test_cache_clear_removes_links_and_the_partial_folders_of_dead_starts(tmp_path, capsys):
-    """`cache clear` removes entries, links named as entries (never what they point at) and
-    the partial folder of a start that was killed, at once; a partial folder whose maker may
-    be alive stays, and so does a link of another name (the user's, where the folder given
-    is not only the cache)."""
+def test_cache_clear_removes_entries_and_the_partial_folders_of_dead_starts_and_no_link(tmp_path, capsys):
+    """`cache clear` removes entries and the partial folder of a start that was killed, at
+    once; it removes no symbolic link (whatever its name, the package makes none) and never
+    what a link points at, and a partial folder the package did not mark stays."""
     import onnx
 
     from onnx_offload.tools import cli
-    from onnx_offload.loading.cache import clear_cache
+    from onnx_offload.loading import clear_cache
     from onnx_offload.models import mlp_stack
     cache = str(tmp_path / "cache")
     entry = honest_entry(trust.add_model(str(tmp_path), trust.weight(8)), cache)
@@ -224,15 +229,14 @@ def test_cache_clear_removes_links_and_the_partial_folders_of_dead_starts(tmp_pa
     shutil.copytree(entry, elsewhere)
     os.symlink(elsewhere, os.path.join(cache, "0" * 24))
     os.symlink(elsewhere, os.path.join(cache, "stray"))
-    os.makedirs(os.path.join(cache, ".partial-live"))  # no owner in its name, and young: may be a live pass
+    os.makedirs(os.path.join(cache, ".partial-live"))  # not marked as the package's
     cleared = clear_cache(cache)
-    assert sorted(os.listdir(cache)) == [".partial-live", "stray"]
-    assert (cleared.removed, cleared.links, cleared.partials, cleared.busy) == (1, 1, 1, 0), cleared
+    assert listed(cache) == [".partial-live", "0" * 24, "stray"]
+    assert (cleared.removed, cleared.kept, cleared.partials, cleared.busy) == (1, 3, 1, 0), cleared
     assert sorted(os.listdir(elsewhere)) == sorted([MANIFEST, OPTIMIZED, OPTIMIZED_DATA])
-    os.symlink(elsewhere, os.path.join(cache, "1" * 24))
     assert cli.main(["cache", "clear", "--cache-dir", cache]) == 0
     assert "removed 0 optimized models" in capsys.readouterr().out
-    assert sorted(os.listdir(cache)) == [".partial-live", "stray"]
+    assert listed(cache) == [".partial-live", "0" * 24, "stray"]
 
 
 def test_an_entry_whose_weight_reads_dev_zero_is_not_served(tmp_path):
@@ -328,7 +332,7 @@ def child_file_size_limit() -> dict:
             except Exception as e:  # noqa: BLE001 - reported
                 out[where] = dict(ran=False, types=[c.__name__ for c in type(e).__mro__],
                                   errno=getattr(e, "errno", None), message=str(e))
-        out["cache left"] = sorted(os.listdir(cache)) if os.path.isdir(cache) else []
+        out["cache left"] = listed(cache) if os.path.isdir(cache) else []
         return out
     finally:
         shutil.rmtree(base, ignore_errors=True)
