@@ -441,3 +441,18 @@ def test_a_full_device_under_a_budget_with_room_is_a_typed_shortage_and_loses_no
         assert s.device.arena.stats().unaccounted_bytes == 0
         np.testing.assert_array_equal(s.generate(ids, 4), want)
     assert s.close().committed == 0
+
+
+def test_the_advice_for_a_cache_that_doubles_while_decoding_runs_in_one_round():
+    """Standard attention's cache doubles as it decodes, each bucket's buffers held beside
+    the next one's: the advice sizes the KV reserve from that peak, which the cache's
+    buffers commit no more than, and following it runs the generation."""
+    model = model_of("standard")
+    ids = prompt(2, 5)
+    with session(model, vram_limit="1MiB") as s:
+        with pytest.raises(BudgetExceeded) as e:
+            s.generate(ids, 1000)
+    kw = advice_of(e.value)
+    with session(model, **kw) as s:
+        np.testing.assert_array_equal(s.generate(ids, 1000), reference_greedy(model, ids, 1000))
+        assert s.device.ledger.snapshot().zones["kv"].committed.peak <= kw["kv_bytes"]

@@ -42,7 +42,10 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
     if not over and engines.release_kept():
         return None  # the kept generation's bytes were the ones missing, perhaps
     in_force = engines.plan
-    kv = round_up(kv_peak, g)
+    # The cache's peak as planned, or, where the cache already holds more than that with
+    # this buffer (its buffers, placed in the gaps older ones left, commit granules the
+    # plan does not count), what it holds: so that the cache planned for holds it.
+    kv = round_up(max(kv_peak, zones["kv"].committed.current + nbytes), g)
     if engines.graph_possible and cfg.offload:
         # On CUDA the streaming engine takes the weights: planned (again) for this cache
         # and for the step buffers held and asked for, or the advice of why it cannot be.

@@ -36,6 +36,8 @@ from ..engines import FixedBuffer, nbytes_of
 from ..errors import BudgetExceeded
 from ..memory import describe_zones
 
+_ALIGNMENT = _core.DEFAULT_ALIGNMENT  # of each buffer in a growing cache's block, as the scratch allocator aligns
+
 
 class DeviceBuffers:
     """Buffers in one zone, freed together; every byte is in the ledger. They come from
@@ -52,10 +54,42 @@ class DeviceBuffers:
         # is tried again), else advice for the error.
         self._shortage = shortage
         self._ptrs: List[int] = []
+        self._blocks = None  # the allocator of blocks in whole granules (block()), made when first asked
+        self._block_ptrs: List[int] = []
 
     def new(self, shape: Sequence[int], dtype, *, zero: bool = False, what: str = "") -> FixedBuffer:
         dtype = np.dtype(dtype)
         nbytes = max(1, nbytes_of(shape, dtype))
+        ptr = self._allocate(self._alloc, nbytes, what)
+        self._ptrs.append(ptr)
+        dev = self.device
+        buf = FixedBuffer.on(dev, ptr, shape, dtype)
+        if zero:
+            dev.backend.fill(ptr, 0, nbytes, dev.compute_stream)
+        return buf
+
+    def block(self, nbytes: int, *, what: str = "") -> int:
+        """The address of `nbytes` in whole granules of their own: a block shares no
+        granule with another allocation, so that giving it back gives back every granule
+        it took (a granule shared with a live neighbour keeps its whole mapping), and a
+        group of buffers laid out in it commits its rounded size, wherever it lies."""
+        if self._blocks is None:
+            self._blocks = _core.ScratchAllocator(self.device.arena, self.zone, self.device.granularity)
+        ptr = self._allocate(self._blocks, max(1, nbytes), what)
+        self._block_ptrs.append(ptr)
+        return ptr
+
+    def free_block(self, *ptrs: int) -> None:
+        """Blocks back to the budget now, once the stream has run what it queued on them."""
+        if not ptrs:
+            return
+        self.device.compute_stream.synchronize()
+        for ptr in ptrs:
+            self._block_ptrs.remove(ptr)
+            self._blocks.deallocate(ptr)
+        self._blocks.empty_cache()
+
+    def _allocate(self, alloc, nbytes: int, what: str) -> int:
         ledger = self.device.ledger
         if nbytes > ledger.snapshot().budget:
             # No plan makes room for it in this budget: the shortage, asked, plans nothing
@@ -69,7 +103,7 @@ class DeviceBuffers:
             try:
                 # A shortage makes the allocator ask lower-priority zones (the weights first)
                 # to give way, then try once more.
-                ptr = self._alloc.allocate(nbytes)
+                ptr = alloc.allocate(nbytes)
                 break
             except BudgetExceeded as e:
                 full = e.device_full
@@ -85,12 +119,7 @@ class DeviceBuffers:
                     f"{': ' + advice if advice else ''}")
                 short.device_full = full
                 raise short from e
-        self._ptrs.append(ptr)
-        dev = self.device
-        buf = FixedBuffer.on(dev, ptr, shape, dtype)
-        if zero:
-            dev.backend.fill(ptr, 0, nbytes, dev.compute_stream)
-        return buf
+        return ptr
 
     def free(self, *bufs: FixedBuffer) -> None:
         """Buffers back to the budget now (a cache that grew, a mask replaced, an
@@ -106,10 +135,15 @@ class DeviceBuffers:
 
     def close(self) -> None:
         self._ptrs.clear()
+        self._block_ptrs.clear()
         if self.device.closed:  # the session closed first: the arena gave everything back
             return
         self.device.compute_stream.synchronize()  # no copy still reads or writes them
-        self._alloc.release_all()  # the zone's committed bytes: back to what they were
+        try:
+            self._alloc.release_all()  # the zone's committed bytes: back to what they were
+        finally:
+            if self._blocks is not None:
+                self._blocks.release_all()
 
 
 def write(device, *pairs) -> None:
@@ -175,6 +209,7 @@ class _GrowingKV:
         self.room = 0
         self.past: List[FixedBuffer] = []
         self.present: List[FixedBuffer] = []
+        self._block: Optional[int] = None
         self._allocate(bucket_for(length))
 
     @property
@@ -189,18 +224,21 @@ class _GrowingKV:
         raise NotImplementedError
 
     def _allocate(self, room: int):
-        """New past and present buffers for `room` positions; returns the old ones."""
+        """New past and present buffers for `room` positions, one after another in one
+        block (what kv_cache.peak_bytes counts); returns the old ones and their block."""
         past_shape, present_shape, zero = self._shapes(room)
-        past, present = [], []
-        try:
-            for _ in range(2 * self.layers):
-                past.append(self._bufs.new(past_shape, self.dtype, zero=zero, what=f"the KV cache ({room} positions)"))
-                present.append(self._bufs.new(present_shape, self.dtype, what="the KV cache's present"))
-        except BaseException:
-            self._bufs.free(*past, *present)
-            raise
-        old = (self.past, self.present)
-        self.past, self.present, self.room = past, present, room
+        sizes = [round_up(nbytes_of(sh, self.dtype), _ALIGNMENT) for sh in (past_shape, present_shape)]
+        dev = self._bufs.device
+        block = self._bufs.block(self.layers * 2 * sum(sizes), what=f"the KV cache ({room} positions)")
+        past, present, at = [], [], block
+        for _ in range(2 * self.layers):
+            past.append(FixedBuffer.on(dev, at, past_shape, self.dtype))
+            present.append(FixedBuffer.on(dev, at + sizes[0], present_shape, self.dtype))
+            if zero:
+                dev.backend.fill(at, 0, nbytes_of(past_shape, self.dtype), dev.compute_stream)
+            at += sum(sizes)
+        old = (self.past, self.present, self._block)
+        self.past, self.present, self.room, self._block = past, present, room, block
         return old
 
     def _grow(self, length: int, copy) -> None:
@@ -208,15 +246,16 @@ class _GrowingKV:
         if length <= self.room:
             return
         old_room = self.room
-        old_past, old_present = self._allocate(bucket_for(length))
+        old_past, _, old_block = self._allocate(bucket_for(length))
         for buf, prev in zip(self.past, old_past):
             copy(buf, prev, old_room)
-        self._bufs.free(*old_past, *old_present)  # once the copies have run
+        self._bufs.free_block(old_block)  # once the copies have run
 
     def release(self) -> None:
         """Gives the buffers back (the generation goes on with another cache)."""
-        self._bufs.free(*self.past, *self.present)  # once no copy reads them
-        self.past, self.present = [], []
+        if self._block is not None:
+            self._bufs.free_block(self._block)  # once no copy reads them
+        self.past, self.present, self._block = [], [], None
 
 
 class BucketKV(_GrowingKV):
@@ -337,7 +376,7 @@ class ExactKV(_GrowingKV):
 
 
 def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: int, dtype, prompt: int,
-               total: int, granularity: int, alignment: int = 256, chunk: int = 1, windows: Sequence[int] = ()) -> int:
+               total: int, granularity: int, alignment: int = _ALIGNMENT, chunk: int = 1, windows: Sequence[int] = ()) -> int:
     """The most committed bytes the cache of one generation holds at once: the whole
     length for the shared layout (a window's positions for the layers of `windows`, one
     entry each, which are among `layers`); for buckets, the last growth, when the old
