@@ -3,6 +3,7 @@ scratch bounded by the chunk, every budget from the smallest the package names u
 whole model giving plain ORT's tokens, and every piece of advice the package gives,
 followed, running."""
 import re
+import shlex
 import subprocess
 import sys
 
@@ -212,9 +213,9 @@ def _one_advice(run) -> list:
     """The flags of the one piece of advice a failed command gave, on its one line of
     stderr (what the probe session says is not the command's)."""
     assert run.returncode == 2 and "BudgetExceeded" in run.stderr, run.stderr
-    advice = re.findall(r"pass ((?:--[\w-]+ \d+(?:, )?)+)", run.stderr)
+    advice = re.findall(r"pass ((?:--[\w-]+ \d+(?: |$))+)", run.stderr.strip())
     assert len(advice) == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
-    return [w for kv in advice[0].rstrip(", ").split(", ") for w in kv.split(" ")]
+    return advice[0].split()
 
 
 def test_the_cli_gives_its_own_flags_as_advice_and_they_run(tmp_path):
@@ -231,6 +232,24 @@ def test_the_cli_gives_its_own_flags_as_advice_and_they_run(tmp_path):
         run = _generate(path, prompt(1, 300), *base, *flags, cwd=tmp_path)
         assert run.returncode == 0, run.stderr
         assert "tokens: " in run.stdout
+
+
+@pytest.mark.parametrize("devices", [None, "0,1"])
+def test_the_cli_s_advice_pastes_into_a_shell_as_given(tmp_path, devices):
+    """The flags after "pass" are a shell line: pasted after the command, as given, they run."""
+    path = _saved("gqa", tmp_path)
+    ids = ",".join(str(t) for t in prompt(1, 300)[0])
+    base = ["--max-new-tokens", "4", "--prefill-chunk", "64"] + (["--devices", devices] if devices else [])
+    run = _generate(path, ids, *base, "--vram-limit", "2MiB", cwd=tmp_path)
+    assert run.returncode == 2 and "BudgetExceeded" in run.stderr and len(run.stderr.strip().splitlines()) == 1, \
+        run.stderr
+    said = run.stderr.strip().split(" pass ")[-1]
+    assert said.startswith("--") and ", " not in said, run.stderr
+    line = " ".join(shlex.quote(w) for w in [sys.executable, "-m", "onnx_offload", "generate", path, "--cpu",
+                                                "--prompt-ids", ids, "--cache-dir", "off", *base]) + " " + said
+    pasted = subprocess.run(["sh", "-c", line], capture_output=True, text=True, cwd=str(tmp_path), env=_env())
+    assert pasted.returncode == 0, (said, pasted.stderr)
+    assert "tokens: " in pasted.stdout
 
 
 def test_the_cli_s_advice_across_devices_names_one_value_per_device_and_runs_in_one_round(tmp_path):

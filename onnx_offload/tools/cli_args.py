@@ -108,7 +108,18 @@ def as_flags(message: str, args=None) -> str:
             return flag_list(attr, entries)
         message = DEVICE_ENTRY.sub(whole, message)
     message = _KEYWORD.sub(lambda m: f"{_FLAG_OF[m.group(1)]} {m.group(2)}", message)
-    return message.replace("offload=True", "--offload")
+    message = message.replace("offload=True", "--offload")
+    # Flags one after another, as a shell line takes them: a comma after a flag's value
+    # would join the next flag's to it ("--vram-limit 1, --kv-bytes 2" is a list of values).
+    while True:
+        joined = _FLAG_THEN_FLAG.sub(r"\1 ", message)
+        if joined == message:
+            return message
+        message = joined
+
+
+# A flag and its value (a list of one value per device included), then ", " and a flag.
+_FLAG_THEN_FLAG = re.compile(r"(--[\w-]+ [^\s,]+(?:,[^\s,]+)*), (?=--[\w-])")
 
 
 def config_kwargs(args) -> dict:

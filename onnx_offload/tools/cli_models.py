@@ -127,8 +127,9 @@ def _staged_session(model: str, provider_name: str, kw: dict, ids: np.ndarray, n
 
 
 def _said(tried: dict, changed: set) -> str:
-    """The budget flags `changed` names, as whole lists of one value per device."""
-    return ", ".join(flag_list(a, tried[a]) for a in PER_DEVICE_FLAGS if a in changed)
+    """The budget flags `changed` names, as whole lists of one value per device, one after
+    another as a shell line takes them."""
+    return " ".join(flag_list(a, tried[a]) for a in PER_DEVICE_FLAGS if a in changed)
 
 
 def cmd_generate(args) -> int:
