@@ -24,12 +24,13 @@ import onnxruntime as ort
 from ..config import OffloadConfig
 from ..dropin import run_async
 from ..engines import GraphCaptureDecision, as_arrays, as_ortvalue, check_feeds
-from ..errors import StateError
-from ..generation import GenerationMembers
+from ..errors import BudgetExceeded, StateError
+from ..generation import GenerationMembers, probing
 from ..interrupts import deferred_interrupts
 from ..loading import external_data_folder, make_workdir, remove_workdir
 from ..memory import weights_allowance
 from ..session import ClosedAtExit, OffloadSession, session_arguments
+from .advice import whole_advice
 from .balance import DeviceShare
 from .generation import StagedGeneration, on_device, shortage
 from .moves import StepMoves
@@ -73,6 +74,7 @@ class StagedSession(ClosedAtExit, GenerationMembers):
         self._pid = os.getpid()
         self._closed, self.stages, self._workdir = True, [], None
         self.devices = ids = check_devices(devices)
+        asked = dict(config_kwargs)  # for the advice of a budget too small, tried whole
         per = {k: config_kwargs.pop(k) for k in PER_DEVICE if isinstance(config_kwargs.get(k), (list, tuple))}
         for k, v in per.items():
             if len(v) != len(ids):
@@ -104,6 +106,14 @@ class StagedSession(ClosedAtExit, GenerationMembers):
                     session_kw = {k: v for k, v in kw.items() if k in SESSION_KEYWORDS}
                     self.stages.append(OffloadSession(path, sess_options, providers, provider_options, config=cfg,
                                                       progress=progress, **(kw if cfg is None else session_kw)))
+        except BudgetExceeded as e:
+            spec = getattr(self, "_decoder_spec", None)
+            self._teardown()
+            if config is not None or probing():
+                raise
+            raise whole_advice(e, lambda **tried: StagedSession(
+                path_or_bytes, sess_options, providers, provider_options, devices=ids, **tried), ids, asked,
+                spec) from None
         except BaseException:
             self._teardown()
             raise

@@ -39,6 +39,11 @@ def own_probe():
         _TRYING.on = was
 
 
+def probing() -> bool:
+    """Whether sessions made now give their errors as they are (own_probe)."""
+    return getattr(_TRYING, "on", False)
+
+
 def default_generation(spec) -> tuple:
     """(batch, prompt, total) of the generation a decoder's session plans for: one
     sequence of up to DEFAULT_CONTEXT positions (or the model's context, if shorter), all
@@ -71,7 +76,7 @@ def with_generation(error: BudgetExceeded, make: Callable[..., object], batch: i
     generation's arguments; a ValueError or TypeError of it, which no budget mends, is
     returned instead."""
     least = error.smallest_budget
-    if not least or getattr(_TRYING, "on", False):
+    if not least or probing():
         return error
     keywords, short = {"vram_limit": least}, None
     for _ in range(TRIES):

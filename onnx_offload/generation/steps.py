@@ -19,7 +19,8 @@ from ..engines import FixedBuffer, StreamEngine
 from ..errors import BudgetExceeded, OffloadError, OffloadWarning
 from ..interrupts import deferred_interrupts
 from ..loading import DecoderSpec
-from .kv_cache import BucketKV, DeviceBuffers, ExactKV, SharedKV, bucket_for, write
+from .buffers import DeviceBuffers, write
+from .kv_cache import BucketKV, ExactKV, SharedKV, bucket_for
 from .loop import chunk_rows, kv_peak, last_position, prompt_chunk
 from .prompt import PromptSteps
 
