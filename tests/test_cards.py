@@ -6,11 +6,12 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
 
-from onnx_offload import BudgetExceeded, OffloadSession
+from onnx_offload import BudgetExceeded, OffloadSession, OffloadWarning
 from onnx_offload.generation.steps import CHUNK_NOTE
 from onnx_offload.models import weight_bytes
 from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
@@ -110,7 +111,7 @@ def test_every_budget_from_the_smallest_named_up_to_the_whole_model_gives_ort_s_
                 got = s.generate(ids, 6)
             except BudgetExceeded as short:  # the cache does not fit this budget: the advice runs
                 kw = advice_of(short)
-                with session(model, prefill_chunk=64, **kw) as t:
+                with session(model, **{"prefill_chunk": 64, **kw}) as t:  # the advice may name a smaller chunk
                     got = t.generate(ids, 6)
             np.testing.assert_array_equal(got, want, err_msg=f"budget {budget}")
             assert s.close().committed == 0
@@ -125,9 +126,10 @@ def test_the_advice_of_a_budget_too_small_for_the_session_holds_a_sequence_of_it
     with pytest.raises(BudgetExceeded, match="one sequence of up to 4096 positions") as e:
         session(model, vram_limit=64 << 10, prefill_chunk=256)
     kw = advice_of(e.value)
-    assert set(kw) == {"vram_limit", "kv_bytes", "scratch_bytes"} and kw["vram_limit"] > e.value.smallest_budget
+    assert set(kw) - {"prefill_chunk"} == {"vram_limit", "kv_bytes", "scratch_bytes"}
+    assert kw["vram_limit"] > e.value.smallest_budget
     for ids, new in ((prompt(1, 3000), 8), (prompt(1, 600), 8), (prompt(1, 8), 300)):
-        with session(model, prefill_chunk=256, **kw) as s:
+        with session(model, **{"prefill_chunk": 256, **kw}) as s:  # the advice may name a smaller chunk
             np.testing.assert_array_equal(s.generate(ids, new), reference_greedy(model, ids, new))
             assert s.close().committed == 0
 
@@ -172,7 +174,7 @@ def test_the_advice_for_a_cache_that_does_not_fit_runs_when_followed():
         assert s.device.ledger.snapshot().zones["kv"].committed.current == 0  # nothing left behind
         np.testing.assert_array_equal(s.generate(ids[:1, :8], 4), reference_greedy(model, ids[:1, :8], 4))
     kw = advice_of(e.value)
-    with session(model, prefill_chunk=128, **kw) as s:
+    with session(model, **{"prefill_chunk": 128, **kw}) as s:  # the advice may name a smaller chunk
         np.testing.assert_array_equal(s.generate(ids, 4), reference_greedy(model, ids, 4))
 
 
@@ -475,3 +477,58 @@ def test_the_advice_for_a_cache_that_doubles_while_decoding_runs_in_one_round():
     with session(model, **kw) as s:
         np.testing.assert_array_equal(s.generate(ids, 1000), reference_greedy(model, ids, 1000))
         assert s.device.ledger.snapshot().zones["kv"].committed.peak <= kw["kv_bytes"]
+
+
+_LLAMA = {}
+
+
+def builder_llama():
+    """A builder-layout Llama of about 74 MB of weights, most of them the embedding and the
+    head of a 32000-token vocabulary: a prompt chunk's logits (512 x 32000 floats, 62.5
+    MiB) outweigh its KV cache, as a small real model's do."""
+    if not _LLAMA:
+        _LLAMA["m"] = decoder_lm("gqa", layers=2, hidden=256, heads=8, kv_heads=4, intermediate=1024, vocab=32000,
+                                 max_length=4096)
+    return _LLAMA["m"]
+
+
+def llama_session(**kw):
+    """builder_llama()'s session at the host backend's own granule, as a user makes it;
+    the notes of weights that stream are not the test's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadWarning)
+        return OffloadSession(builder_llama().SerializeToString(), providers=CPU, offload=True, vmm=True, **kw)
+
+
+def test_the_advice_for_a_long_prompt_names_the_prompt_chunk_that_runs_it_within_the_budget():
+    """A 1500-token prompt at 64 MiB: its chunk's logits drive the scratch reserve, so the
+    advice says so, names the smallest budget with the configured chunk, and offers the
+    chunk that runs it at this budget; followed, it runs."""
+    model = builder_llama()
+    ids = np.random.default_rng(0).integers(0, 32000, (1, 1500))
+    with llama_session(vram_limit="64MiB") as s:
+        with pytest.raises(BudgetExceeded) as e, warnings.catch_warnings():
+            warnings.simplefilter("ignore", OffloadWarning)
+            s.generate(ids, 3)
+    said = str(e.value)
+    assert "the scratch reserve the most of it: a prompt chunk's step of 512 tokens" in said, said
+    kw = advice_of(e.value)
+    assert kw["prefill_chunk"] < 512 and kw["vram_limit"] <= 64 << 20, said
+    with llama_session(**kw) as s:
+        np.testing.assert_array_equal(s.generate(ids, 3), reference_greedy(model, ids, 3))
+
+
+def test_the_advice_of_a_budget_below_the_weights_names_what_drives_it_and_runs():
+    """At 32 MiB the session's advice holds a sequence of the model's context: the prompt
+    chunk's step drives its scratch, and a smaller chunk lowers the budget to within
+    the weights and the cache, not 2.4 times the weights; followed, it runs."""
+    model = builder_llama()
+    with pytest.raises(BudgetExceeded) as e:
+        llama_session(vram_limit="32MiB")
+    said = str(e.value)
+    assert "the scratch reserve the most of it" in said and "A smaller prompt chunk lowers it" in said, said
+    kw = advice_of(e.value)
+    assert kw["vram_limit"] < 1.25 * weight_bytes(model) + kw["kv_bytes"], said
+    for ids, new in ((prompt(1, 8), 4), (np.random.default_rng(1).integers(0, 32000, (1, 700)), 3)):
+        with llama_session(**kw) as s:
+            np.testing.assert_array_equal(s.generate(ids, new), reference_greedy(model, ids, new))
