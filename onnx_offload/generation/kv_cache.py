@@ -260,18 +260,19 @@ def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: i
     length for the shared layout (a window's positions for the layers of `windows`, one
     entry each, which are among `layers`); for buckets, the last growth, when the old
     bucket and the new one are both held (past and present of each; for the exact layout,
-    its two buffers of each). The buffers of one allocation lie one after another; each
-    group counts a granule more, for the partly used granules at its ends."""
+    its two buffers of each). The buffers of one allocation lie one after another: the
+    shared layout's count a granule more, for the partly used granules at their ends;
+    a growing cache's lie in a block of whole granules of its own (_GrowingKV._allocate)."""
     row = batch * kv_heads * head_size * np.dtype(dtype).itemsize
 
     def group(*positions, count=layers):
         return 2 * count * sum(round_up(row * n, alignment) for n in positions)
 
     def held(nbytes):
-        return round_up(nbytes, granularity) + granularity
+        return round_up(nbytes, granularity)
 
     if layout == "gqa":
-        return held(group(total, count=layers - len(windows)) + sum(group(w, count=1) for w in windows))
+        return held(group(total, count=layers - len(windows)) + sum(group(w, count=1) for w in windows)) + granularity
     last, first = bucket_for(total), bucket_for(prompt)
     # A bucket's present holds a step's positions more than its past: one, or a prompt chunk's.
     extra = 0 if layout == "exact" else max(1, chunk)
