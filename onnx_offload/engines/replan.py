@@ -120,7 +120,7 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
     if not least:
         return f"not even the device's {fmt_bytes(dev.device_total)} holds the weights and this cache"
     what = f"the smallest budget that holds the weights and this cache (up to {fmt_bytes(kv_peak)}) is {fmt_bytes(least)}"
-    said = f"vram_limit={least}, kv_bytes={trial.kv_bytes}, scratch_bytes={trial.scratch_bytes}"
+    said = _keywords(least, trial)
     if trial.scratch_bytes <= trial.kv_bytes:
         return f"{what}, the KV reserve the most of it (kv_bytes, the cache of this batch and length): pass {said}"
     lower = _smaller_chunk(cfg, at_chunk, io_peak, least, dev.budget,
@@ -134,8 +134,14 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
     where = "which this budget holds" if low <= dev.budget else "the smallest budget of any prompt chunk"
     return (f"{what} ({said}), the scratch reserve the most of it: a prompt chunk's step of {cfg.prefill_chunk} "
             f"tokens, whose buffers and logits the steps hold. A smaller prompt chunk lowers it: with "
-            f"prefill_chunk={chunk}, {fmt_bytes(low)} ({where}): pass prefill_chunk={chunk}, vram_limit={low}, "
-            f"kv_bytes={at.kv_bytes}, scratch_bytes={at.scratch_bytes}")
+            f"prefill_chunk={chunk}, {fmt_bytes(low)} ({where}): pass prefill_chunk={chunk}, {_keywords(low, at)}")
+
+
+def _keywords(budget: int, trial) -> str:
+    """The budget keywords of advice: the budget and its reserves (a KV reserve of 0, for
+    a device whose stage holds no layer's cache, is the default and goes unsaid)."""
+    kv = f"kv_bytes={trial.kv_bytes}, " if trial.kv_bytes else ""
+    return f"vram_limit={budget}, {kv}scratch_bytes={trial.scratch_bytes}"
 
 
 def _smallest(trial_for: Callable[[int], object], segments: int, plan_inputs: dict) -> tuple:
