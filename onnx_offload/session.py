@@ -267,10 +267,11 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
         """The engine's run_bound, for generate()'s steps."""
         return self._with_fallback(lambda: self._runner.run_bound(feeds, outputs, fixed=fixed, key=key))
 
-    def _kv_shortage(self, nbytes: int, kv_peak: int, io_peak: int, boundary: int, device_full: bool = False):
+    def _kv_shortage(self, nbytes: int, kv_peak: int, io_peak: int, boundary: int, device_full: bool = False,
+                     at_chunk=None):
         """A generation's KV cache found no room: None once the budget is planned again,
         else the advice for the error (engines.replan.kv_short)."""
-        return self._engines.kv_short(nbytes, kv_peak, io_peak, boundary, device_full)
+        return self._engines.kv_short(nbytes, kv_peak, io_peak, boundary, device_full, at_chunk)
 
     # ------------------------------------------------------------------ running
     def _check_process(self):

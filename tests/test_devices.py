@@ -422,17 +422,44 @@ def test_an_input_no_node_reads_is_listed_as_ort_lists_it():
         assert [i.name for i in s.get_inputs()] == want == ["x", "unused"]
 
 
-def test_a_shortage_names_its_device_and_its_advice_for_that_device_runs():
+def _list_advice(error) -> dict:
+    """The budget keywords a staged session's error tells the caller to pass, each a list
+    of one value per device."""
+    import ast
     import re
+    said = str(error).split(" pass ")[-1]
+    advice = {k: ast.literal_eval(v) for k, v in re.findall(r"\b(\w+)=(\[[^\]]*\])", said)}
+    assert advice, str(error)
+    return advice
+
+
+def test_a_shortage_names_its_device_and_the_advice_runs():
     from onnx_offload import BudgetExceeded
     m = mlp_stack(layers=6, hidden=128, batch=3)
     with pytest.raises(BudgetExceeded, match=r"^device 7 \(stage 2 of 2\): ") as e:
         staged(m, devices=(3, 7), vram_limit=["360KiB", "140KiB"])
-    advice = re.search(r"vram_limit=(\d+) for device 7", str(e.value))
-    assert advice, str(e.value)
-    with staged(m, devices=(3, 7), vram_limit=["360KiB", int(advice.group(1))]) as s:
+    with staged(m, devices=(3, 7), **_list_advice(e.value)) as s:
         x = np.ones((3, 128), np.float32)
         np.testing.assert_array_equal(s.run(None, {"x": x})[0], plain(m, {"x": x})[0])
+
+
+@pytest.mark.parametrize("layout", ["gqa", "standard"])
+def test_a_staged_session_s_advice_holds_a_generation_in_one_round(layout):
+    """Following one device's entry moves more of the model onto that device (the split
+    balances by allowance): the advice is tried with the split it causes, every device's
+    entries at once, with the caches of a sequence of the model's context and a prompt
+    chunk's step, so that following it once runs."""
+    from onnx_offload import BudgetExceeded
+    m = decoder_lm(layout, layers=4, hidden=128, intermediate=384, vocab=512, max_length=512)
+    ids = np.random.default_rng(0).integers(0, 512, (1, 300))
+    kw = dict(offload=True, vmm=True, prefill_chunk=128)
+    with pytest.raises(BudgetExceeded, match="on every device, these hold it") as e:
+        staged(m, vram_limit=[300000, 300000], **kw)
+    advice = _list_advice(e.value)
+    assert set(advice) >= {"vram_limit", "kv_bytes"} and all(len(v) == 2 for v in advice.values())
+    with staged(m, **advice, **kw) as s:
+        np.testing.assert_array_equal(s.generate(ids, 4), reference_greedy(m, ids, 4))
+        np.testing.assert_array_equal(s.generate(ids[:, :8], 300), reference_greedy(m, ids[:, :8], 300))
 
 
 @pytest.mark.parametrize("layout", ["gqa", "standard"])

@@ -472,7 +472,7 @@ def test_a_generation_cut_short_leaves_nothing_kept(monkeypatch):
 @pytest.mark.parametrize("where", ["allocating the cache", "dropping the plans"])
 @pytest.mark.usefixtures("ctrl_c")
 def test_ctrl_c_while_the_cache_is_made_or_given_back_leaks_nothing(where, monkeypatch):
-    from onnx_offload.generation.kv_cache import DeviceBuffers
+    from onnx_offload.generation.buffers import DeviceBuffers
     from onnx_offload.engines.runner import SegmentRunner
     model = model_of("gqa")
     ids = prompt(1)

@@ -339,6 +339,6 @@ class StagedGeneration:
                 raise failed
 
 def shortage(stage, kv_peak: int, io: int):
-    """The shortage callback of a stage's buffers (kv_cache.DeviceBuffers): of the KV cache
+    """The shortage callback of a stage's buffers (generation.buffers.DeviceBuffers): of the KV cache
     (`io` 0), which holds at most `kv_peak` bytes, or of the step buffers (`io` 1)."""
     return lambda nbytes, full: stage._kv_shortage(0 if io else nbytes, kv_peak, nbytes if io else 0, 0, full)

@@ -25,14 +25,15 @@ import onnxruntime as ort
 from ..config import MAX_DEVICE_ID, OffloadConfig
 from ..dropin import run_async
 from ..engines import GraphCaptureDecision, as_arrays, as_ortvalue, check_feeds
-from ..errors import OffloadWarning, StateError, UnsupportedModel
-from ..generation import GenerationMembers, model_folder
+from ..errors import BudgetExceeded, OffloadWarning, StateError, UnsupportedModel
+from ..generation import GenerationMembers, model_folder, probing
 from ..interrupts import deferred_interrupts
 from ..loading import (copy_options, external_data_folder, make_workdir, optimization_level, remove_workdir,
                        unseen, write_optimized)
 from ..memory import weights_allowance
 from ..progress import LoadProgress
 from ..session import ClosedAtExit, OffloadSession, session_arguments
+from .advice import whole_advice
 from .balance import DeviceShare
 from .dropin import StagedMembers
 from .generation import StagedGeneration, on_device, shortage
@@ -82,6 +83,7 @@ class StagedSession(ClosedAtExit, StagedMembers, GenerationMembers):
         self._closed, self.stages, self._workdir = True, [], None
         self.devices = ids = check_devices(devices)
         self._model_folder = model_folder(path_or_bytes)  # its tokenizer and chat template
+        asked = dict(config_kwargs)  # for the advice of a budget too small, tried whole
         per = {k: config_kwargs.pop(k) for k in PER_DEVICE if isinstance(config_kwargs.get(k), (list, tuple))}
         for k, v in per.items():
             if len(v) != len(ids):
@@ -125,6 +127,14 @@ class StagedSession(ClosedAtExit, StagedMembers, GenerationMembers):
                                                       progress=progress, **(kw if cfg is None else session_kw)))
                     if m.note:
                         self.stages[-1]._notes.append(m.note)
+        except BudgetExceeded as e:
+            spec = getattr(self, "_decoder_spec", None)
+            self._teardown()
+            if config is not None or probing():
+                raise
+            raise whole_advice(e, lambda **tried: StagedSession(
+                path_or_bytes, sess_options, providers, provider_options, devices=ids, **tried), ids, asked,
+                spec) from None
         except BaseException:
             self._teardown()
             raise

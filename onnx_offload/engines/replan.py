@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 from .._core import round_up
 from ..config import ENV_VRAM_LIMIT, fmt_bytes
@@ -23,14 +23,16 @@ from .streaming import StreamEngine
 
 
 def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
-             device_full: bool = False) -> Optional[str]:
+             device_full: bool = False, at_chunk: Optional[Callable[[int], tuple]] = None) -> Optional[str]:
     """A generation's KV cache, which holds at most `kv_peak` bytes (with `io_peak` bytes
     of step buffers in scratch, and about `boundary` bytes per segment boundary once the
     weights stream), found no room for `nbytes` more. None says the budget was planned
     again and to try again; a text is the advice for the error. `device_full`: the
     budget had room and the device did not, so the engine's plan sets aside more for the
     steps (as for a step that ran out), which keeps fewer weights resident. The caller
-    holds the session's lock."""
+    holds the session's lock. `at_chunk(prefill_chunk)`: the generation's (kv_peak,
+    io_peak) with its prompt fed that many tokens a step, for the advice to offer a
+    smaller prefill_chunk where the prompt's chunk drives the budget."""
     cfg, dev = engines.config, engines.device
     g = dev.granularity
     zones = dev.ledger.snapshot().zones
@@ -42,7 +44,10 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
     if not over and engines.release_kept():
         return None  # the kept generation's bytes were the ones missing, perhaps
     in_force = engines.plan
-    kv = round_up(kv_peak, g)
+    # The cache's peak as planned, or, where the cache already holds more than that with
+    # this buffer (its buffers, placed in the gaps older ones left, commit granules the
+    # plan does not count), what it holds: so that the cache planned for holds it.
+    kv = round_up(max(kv_peak, zones["kv"].committed.current + nbytes), g)
     if engines.graph_possible and cfg.offload:
         # On CUDA the streaming engine takes the weights: planned (again) for this cache
         # and for the step buffers held and asked for, or the advice of why it cannot be.
@@ -68,11 +73,11 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
     # raised: a plan depends on the cache it is for, not on the ones before it.)
     plan_inputs = engines.run_inputs.plan_inputs
     configured = base_zones(cfg, in_force.budget, g, plan_inputs.get("reserves"))["scratch"].reserve
-    base = 2 * max(configured, round_up(zones["scratch"].committed.current + io_peak, g))
 
-    def trial_for(segments: int):
+    def trial_for(segments: int, kv: int = kv, io: int = io_peak, **more):
+        base = 2 * max(configured, round_up(zones["scratch"].committed.current + io, g))
         scratch = base + round_up(boundary * segments, g)
-        return dataclasses.replace(cfg, kv_bytes=max(cfg.kv_bytes, kv), scratch_bytes=scratch)
+        return dataclasses.replace(cfg, kv_bytes=max(cfg.kv_bytes, kv), scratch_bytes=scratch, **more)
 
     trial = trial_for(len(in_force.segments))
     pinned = isinstance(engines.runner, StreamEngine) or not in_force.streaming
@@ -111,9 +116,38 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
             engines.notes.append(why)
             warnings.warn(why, OffloadWarning, stacklevel=4)
             return None
-    # The smallest budget for this cache, with the scratch its segments need: their
-    # number depends on the budget, so the search runs again while it grows.
-    segments = len(in_force.segments)
+    least, trial = _smallest(lambda segments: trial_for(segments), len(in_force.segments), plan_inputs)
+    if not least:
+        return f"not even the device's {fmt_bytes(dev.device_total)} holds the weights and this cache"
+    what = f"the smallest budget that holds the weights and this cache (up to {fmt_bytes(kv_peak)}) is {fmt_bytes(least)}"
+    said = _keywords(least, trial)
+    if trial.scratch_bytes <= trial.kv_bytes:
+        return f"{what}, the KV reserve the most of it (kv_bytes, the cache of this batch and length): pass {said}"
+    lower = _smaller_chunk(cfg, at_chunk, io_peak, least, dev.budget,
+                           lambda c, peaks: _smallest(lambda n: trial_for(n, round_up(peaks[0], g), peaks[1],
+                                                                          prefill_chunk=c),
+                                                      len(in_force.segments), plan_inputs))
+    if lower is None:
+        return (f"{what}, the scratch reserve the most of it (scratch_bytes, a step's memory: the largest step's "
+                f"buffers and what ORT takes beside them): pass {said}")
+    chunk, low, at = lower
+    where = "which this budget holds" if low <= dev.budget else "the smallest budget of any prompt chunk"
+    return (f"{what} ({said}), the scratch reserve the most of it: a prompt chunk's step of {cfg.prefill_chunk} "
+            f"tokens, whose buffers and logits the steps hold. A smaller prompt chunk lowers it: with "
+            f"prefill_chunk={chunk}, {fmt_bytes(low)} ({where}): pass prefill_chunk={chunk}, {_keywords(low, at)}")
+
+
+def _keywords(budget: int, trial) -> str:
+    """The budget keywords of advice: the budget and its reserves (a KV reserve of 0, for
+    a device whose stage holds no layer's cache, is the default and goes unsaid)."""
+    kv = f"kv_bytes={trial.kv_bytes}, " if trial.kv_bytes else ""
+    return f"vram_limit={budget}, {kv}scratch_bytes={trial.scratch_bytes}"
+
+
+def _smallest(trial_for: Callable[[int], object], segments: int, plan_inputs: dict) -> tuple:
+    """(the smallest budget, the configuration tried) for `trial_for(segments)`, whose
+    scratch depends on the number of segments, which depends on the budget: the search
+    runs again while it grows. (0, ...) where no budget of the device holds it."""
     for _ in range(3):
         trial = trial_for(segments)
         least = smallest_budget(trial, **plan_inputs)
@@ -124,11 +158,34 @@ def kv_short(engines, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
         if len(at.segments) <= segments:
             break
         segments = len(at.segments)
-    if not least:
-        return f"not even the device's {fmt_bytes(dev.device_total)} holds the weights and this cache"
-    return (f"the smallest budget that holds the weights and this cache (up to {fmt_bytes(kv_peak)}) is "
-            f"{fmt_bytes(least)}: pass vram_limit={least}, kv_bytes={trial.kv_bytes}, "
-            f"scratch_bytes={trial.scratch_bytes}")
+    return least, trial
+
+
+def _smaller_chunk(cfg, at_chunk, io_peak: int, least: int, budget: int, smallest) -> Optional[tuple]:
+    """(prefill_chunk, its smallest budget, its configuration) of a prompt chunk smaller
+    than the configuration's that lowers the smallest budget `least`: the largest such
+    chunk whose budget `budget` holds, else the largest within 1/16 of the lowest any
+    chunk down to 16 tokens gives. None where the prompt's chunk does not drive the
+    scratch (a prompt within one step, or a decode step's buffers)."""
+    if at_chunk is None:
+        return None
+    found = []
+    chunk = cfg.prefill_chunk // 2
+    while chunk >= 16:
+        peaks = at_chunk(chunk)
+        if peaks[1] >= io_peak:
+            break  # the prompt runs in one step at this chunk, or the chunk was not what drove it
+        low, at = smallest(chunk, peaks)
+        if low and low < least:
+            found.append((chunk, low, at))
+        chunk //= 2
+    if not found:
+        return None
+    fits = [f for f in found if f[1] <= budget]
+    if fits:
+        return fits[0]
+    lowest = min(f[1] for f in found)
+    return next(f for f in found if f[1] <= lowest + lowest // 16)
 
 
 def engine_short(engines, kv: int, scratch: int, why) -> BudgetExceeded:

@@ -345,9 +345,9 @@ class Engines:
                 raise engine_short(self, kv, scratch, e) from None
 
     def kv_short(self, nbytes: int, kv_peak: int, io_peak: int, boundary: int,
-                 device_full: bool = False) -> Optional[str]:
+                 device_full: bool = False, at_chunk=None) -> Optional[str]:
         """See replan.kv_short."""
-        return kv_short(self, nbytes, kv_peak, io_peak, boundary, device_full)
+        return kv_short(self, nbytes, kv_peak, io_peak, boundary, device_full, at_chunk)
 
     def close(self) -> None:
         if self.runner is not None:

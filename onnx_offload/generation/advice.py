@@ -39,6 +39,11 @@ def own_probe():
         _TRYING.on = was
 
 
+def probing() -> bool:
+    """Whether sessions made now give their errors as they are (own_probe)."""
+    return getattr(_TRYING, "on", False)
+
+
 def default_generation(spec) -> tuple:
     """(batch, prompt, total) of the generation a decoder's session plans for: one
     sequence of up to DEFAULT_CONTEXT positions (or the model's context, if shorter), all
@@ -48,8 +53,12 @@ def default_generation(spec) -> tuple:
 
 
 # The advice a shortage gives, as the package words it: "pass vram_limit=N, kv_bytes=M".
-_ADVICE = re.compile(r"pass ((?:(?:vram_limit|kv_bytes|scratch_bytes)=\d+(?:, )?)+)")
+_ADVICE = re.compile(r"pass ((?:(?:prefill_chunk|vram_limit|kv_bytes|scratch_bytes)=\d+(?:, )?)+)")
 TRIES = 4
+# A shortage's account of its figure (engines.replan.kv_short): the smallest budget, and
+# the reserve that is the most of it, before the advice.
+_DRIVES = re.compile(r"raise the budget: (the smallest budget that holds .*?, the \w+ reserve the most of it.*?)"
+                     r"(?:: pass |$)")
 
 
 def advised(error: BaseException) -> dict:
@@ -71,7 +80,7 @@ def with_generation(error: BudgetExceeded, make: Callable[..., object], batch: i
     generation's arguments; a ValueError or TypeError of it, which no budget mends, is
     returned instead."""
     least = error.smallest_budget
-    if not least or getattr(_TRYING, "on", False):
+    if not least or probing():
         return error
     keywords, short = {"vram_limit": least}, None
     for _ in range(TRIES):
@@ -110,8 +119,11 @@ def with_generation(error: BudgetExceeded, make: Callable[..., object], batch: i
         return error  # the smallest budget holds the generation too
     said = ", ".join(f"{k}={v}" for k, v in keywords.items())
     why = str(short).split(":")[0]  # what ran short, without the advice that was tried after it
+    # What drives the figure, as the shortage whose advice was followed last says it.
+    drives = _DRIVES.search(str(short))
+    drives = f" {drives.group(1)[0].upper()}{drives.group(1)[1:]}." if drives else ""
     out = BudgetExceeded(f"{error.reason} The smallest budget that runs it with this configuration is "
-                         f"{fmt_bytes(least)} ({least} bytes); tried with {what}, it fell short ({why}); "
-                         f"tried, {fmt_bytes(keywords['vram_limit'])} holds both: pass {said}")
+                         f"{fmt_bytes(least)} ({least} bytes); tried with {what}, it fell short ({why}).{drives} "
+                         f"Tried, {fmt_bytes(keywords['vram_limit'])} holds both: pass {said}")
     out.smallest_budget, out.reason = least, error.reason
     return out

@@ -25,7 +25,7 @@ smallest budget that holds the weights and the cache (``peak_bytes``).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import onnxruntime as ort
@@ -33,96 +33,9 @@ import onnxruntime as ort
 from .. import _core
 from .._core import round_up
 from ..engines import FixedBuffer, nbytes_of
-from ..errors import BudgetExceeded
-from ..memory import describe_zones
+from .buffers import DeviceBuffers
 
-
-class DeviceBuffers:
-    """Buffers in one zone, freed together; every byte is in the ledger. They come from
-    an allocator of their own, which gives back whatever it holds in one call (or when it
-    is dropped): an interrupt between an allocation and its bookkeeping, or half way
-    through close(), leaves nothing behind."""
-
-    def __init__(self, device, zone: str, shortage: Optional[Callable[[int, bool], Optional[str]]] = None):
-        self.device = device
-        self._alloc = _core.ScratchAllocator(device.arena, zone)
-        self.zone = zone
-        # Called when the budget cannot give a buffer (with the bytes, and whether the
-        # budget had room but the device did not): None once it made room (the allocation
-        # is tried again), else advice for the error.
-        self._shortage = shortage
-        self._ptrs: List[int] = []
-
-    def new(self, shape: Sequence[int], dtype, *, zero: bool = False, what: str = "") -> FixedBuffer:
-        dtype = np.dtype(dtype)
-        nbytes = max(1, nbytes_of(shape, dtype))
-        ledger = self.device.ledger
-        if nbytes > ledger.snapshot().budget:
-            # No plan makes room for it in this budget: the shortage, asked, plans nothing
-            # again and answers with the budget that would.
-            advice = self._shortage(nbytes, False) if self._shortage is not None else None
-            raise BudgetExceeded(f"{what or 'a buffer'} needs {nbytes} bytes, more than the whole budget: "
-                                 f"{describe_zones(ledger)}. Lower the batch or the length, or raise the budget"
-                                 f"{': ' + advice if advice else ''}")
-        advice = None
-        for attempt in range(2):
-            try:
-                # A shortage makes the allocator ask lower-priority zones (the weights first)
-                # to give way, then try once more.
-                ptr = self._alloc.allocate(nbytes)
-                break
-            except BudgetExceeded as e:
-                full = e.device_full
-                if attempt == 0 and self._shortage is not None:
-                    advice = self._shortage(nbytes, full)
-                    if advice is None:
-                        continue
-                why = (f"the device cannot give them although the budget has room ({e})" if full else
-                       "the budget cannot give them, after every weight that can give way did")
-                short = BudgetExceeded(
-                    f"{what or 'a buffer'} needs {nbytes} bytes in the {self.zone} zone and {why}: "
-                    f"{describe_zones(ledger)}. Lower the batch or the length, or raise the budget"
-                    f"{': ' + advice if advice else ''}")
-                short.device_full = full
-                raise short from e
-        self._ptrs.append(ptr)
-        dev = self.device
-        buf = FixedBuffer.on(dev, ptr, shape, dtype)
-        if zero:
-            dev.backend.fill(ptr, 0, nbytes, dev.compute_stream)
-        return buf
-
-    def free(self, *bufs: FixedBuffer) -> None:
-        """Buffers back to the budget now (a cache that grew, a mask replaced, an
-        allocation rolled back), once the stream has run what it queued on them (a zero
-        fill, a copy): their memory is unmapped."""
-        if not bufs:
-            return
-        self.device.compute_stream.synchronize()
-        for buf in bufs:
-            self._ptrs.remove(buf.ptr)
-            self._alloc.deallocate(buf.ptr)
-        self._alloc.empty_cache()
-
-    def close(self) -> None:
-        self._ptrs.clear()
-        if self.device.closed:  # the session closed first: the arena gave everything back
-            return
-        self.device.compute_stream.synchronize()  # no copy still reads or writes them
-        self._alloc.release_all()  # the zone's committed bytes: back to what they were
-
-
-def write(device, *pairs) -> None:
-    """Host values into device buffers ((buffer, array) pairs), in order on the compute
-    stream. The arrays may be temporaries: on CUDA a copy from pageable memory returns
-    once the driver has staged it; the host backend's stream is a thread, waited for."""
-    keep = []
-    for buf, array in pairs:
-        a = np.ascontiguousarray(array, dtype=buf.dtype).reshape(buf.shape)
-        keep.append(a)
-        device.backend.copy_h2d(buf.ptr, a.ctypes.data, a.nbytes, device.compute_stream)
-    if not device.is_cuda:
-        device.compute_stream.synchronize()
+_ALIGNMENT = _core.DEFAULT_ALIGNMENT  # of each buffer in a growing cache's block, as the scratch allocator aligns
 
 
 class SharedKV:
@@ -175,6 +88,7 @@ class _GrowingKV:
         self.room = 0
         self.past: List[FixedBuffer] = []
         self.present: List[FixedBuffer] = []
+        self._block: Optional[int] = None
         self._allocate(bucket_for(length))
 
     @property
@@ -189,18 +103,21 @@ class _GrowingKV:
         raise NotImplementedError
 
     def _allocate(self, room: int):
-        """New past and present buffers for `room` positions; returns the old ones."""
+        """New past and present buffers for `room` positions, one after another in one
+        block (what kv_cache.peak_bytes counts); returns the old ones and their block."""
         past_shape, present_shape, zero = self._shapes(room)
-        past, present = [], []
-        try:
-            for _ in range(2 * self.layers):
-                past.append(self._bufs.new(past_shape, self.dtype, zero=zero, what=f"the KV cache ({room} positions)"))
-                present.append(self._bufs.new(present_shape, self.dtype, what="the KV cache's present"))
-        except BaseException:
-            self._bufs.free(*past, *present)
-            raise
-        old = (self.past, self.present)
-        self.past, self.present, self.room = past, present, room
+        sizes = [round_up(nbytes_of(sh, self.dtype), _ALIGNMENT) for sh in (past_shape, present_shape)]
+        dev = self._bufs.device
+        block = self._bufs.block(self.layers * 2 * sum(sizes), what=f"the KV cache ({room} positions)")
+        past, present, at = [], [], block
+        for _ in range(2 * self.layers):
+            past.append(FixedBuffer.on(dev, at, past_shape, self.dtype))
+            present.append(FixedBuffer.on(dev, at + sizes[0], present_shape, self.dtype))
+            if zero:
+                dev.backend.fill(at, 0, nbytes_of(past_shape, self.dtype), dev.compute_stream)
+            at += sum(sizes)
+        old = (self.past, self.present, self._block)
+        self.past, self.present, self.room, self._block = past, present, room, block
         return old
 
     def _grow(self, length: int, copy) -> None:
@@ -208,15 +125,16 @@ class _GrowingKV:
         if length <= self.room:
             return
         old_room = self.room
-        old_past, old_present = self._allocate(bucket_for(length))
+        old_past, _, old_block = self._allocate(bucket_for(length))
         for buf, prev in zip(self.past, old_past):
             copy(buf, prev, old_room)
-        self._bufs.free(*old_past, *old_present)  # once the copies have run
+        self._bufs.free_block(old_block)  # once the copies have run
 
     def release(self) -> None:
         """Gives the buffers back (the generation goes on with another cache)."""
-        self._bufs.free(*self.past, *self.present)  # once no copy reads them
-        self.past, self.present = [], []
+        if self._block is not None:
+            self._bufs.free_block(self._block)  # once no copy reads them
+        self.past, self.present, self._block = [], [], None
 
 
 class BucketKV(_GrowingKV):
@@ -337,23 +255,24 @@ class ExactKV(_GrowingKV):
 
 
 def peak_bytes(layout: str, layers: int, batch: int, kv_heads: int, head_size: int, dtype, prompt: int,
-               total: int, granularity: int, alignment: int = 256, chunk: int = 1, windows: Sequence[int] = ()) -> int:
+               total: int, granularity: int, alignment: int = _ALIGNMENT, chunk: int = 1, windows: Sequence[int] = ()) -> int:
     """The most committed bytes the cache of one generation holds at once: the whole
     length for the shared layout (a window's positions for the layers of `windows`, one
     entry each, which are among `layers`); for buckets, the last growth, when the old
     bucket and the new one are both held (past and present of each; for the exact layout,
-    its two buffers of each). The buffers of one allocation lie one after another; each
-    group counts a granule more, for the partly used granules at its ends."""
+    its two buffers of each). The buffers of one allocation lie one after another: the
+    shared layout's count a granule more, for the partly used granules at their ends;
+    a growing cache's lie in a block of whole granules of its own (_GrowingKV._allocate)."""
     row = batch * kv_heads * head_size * np.dtype(dtype).itemsize
 
     def group(*positions, count=layers):
         return 2 * count * sum(round_up(row * n, alignment) for n in positions)
 
     def held(nbytes):
-        return round_up(nbytes, granularity) + granularity
+        return round_up(nbytes, granularity)
 
     if layout == "gqa":
-        return held(group(total, count=layers - len(windows)) + sum(group(w, count=1) for w in windows))
+        return held(group(total, count=layers - len(windows)) + sum(group(w, count=1) for w in windows)) + granularity
     last, first = bucket_for(total), bucket_for(prompt)
     # A bucket's present holds a step's positions more than its past: one, or a prompt chunk's.
     extra = 0 if layout == "exact" else max(1, chunk)

@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..engines import FixedBuffer, StreamEngine
-from .kv_cache import write
+from .buffers import write
 from .loop import fed_length, last_logits, prompt_pieces
 
 

@@ -19,7 +19,8 @@ from ..engines import FixedBuffer, StreamEngine
 from ..errors import BudgetExceeded, OffloadError, OffloadWarning
 from ..interrupts import deferred_interrupts
 from ..loading import DecoderSpec
-from .kv_cache import BucketKV, DeviceBuffers, ExactKV, SharedKV, bucket_for, write
+from .buffers import DeviceBuffers, write
+from .kv_cache import BucketKV, ExactKV, SharedKV, bucket_for
 from .loop import chunk_rows, fed_length, kv_peak, largest_step, last_logits, prompt_chunk
 from .prompt import PromptSteps
 
@@ -31,6 +32,18 @@ CHUNK_NOTE = ("a prompt longer than prefill_chunk runs in chunks; on CUDA, ORT's
               "past rounds otherwise than one step's, so the tokens may part from an unchunked run's where two "
               "logits nearly tie. A prefill_chunk of at least the prompt's length runs it in one step, where the "
               "budget holds that step")
+
+
+def peaks(spec: DecoderSpec, batch: int, prompt: int, total: int, granularity: int, prefill_chunk: int) -> tuple:
+    """(the KV cache's peak, the step buffers' peak in scratch: ids, positions, mask and
+    logits) of a generation whose prompt is fed `prefill_chunk` tokens a step."""
+    chunk = largest_step(spec, prompt, prefill_chunk) if prompt_chunk(prompt, prefill_chunk,
+                                                                        spec.length_thresholds) else 0
+    mask_peak = total if spec.layout == "gqa" else bucket_for(total) + max(1, chunk)
+    rows = chunk_rows(spec, batch, prompt, chunk)
+    io_peak = batch * (2 * 8 + 8 * mask_peak + 4 * (spec.vocab or 0))
+    io_peak += rows * (chunk * (3 * 8 + 4 * (spec.vocab or 0)) + 8 * mask_peak)
+    return kv_peak(spec, batch, prompt, total, granularity, prefill_chunk), io_peak
 
 
 class Generation(PromptSteps):
@@ -48,11 +61,11 @@ class Generation(PromptSteps):
         chunk = largest_step(spec, prompt, session.config.prefill_chunk) if self.chunk else 0
         if chunk and dev.is_cuda and CHUNK_NOTE not in session._notes:
             session._notes.append(CHUNK_NOTE)
-        peak = kv_peak(spec, batch, prompt, total, dev.granularity, session.config.prefill_chunk)
-        mask_peak = total if spec.layout == "gqa" else bucket_for(total) + max(1, chunk)
-        rows = chunk_rows(spec, batch, prompt, chunk)
-        io_peak = batch * (2 * 8 + 8 * mask_peak + 4 * (spec.vocab or 0))
-        io_peak += rows * (chunk * (3 * 8 + 4 * (spec.vocab or 0)) + 8 * mask_peak)
+        peak, io_peak = peaks(spec, batch, prompt, total, dev.granularity, session.config.prefill_chunk)
+
+        def at_chunk(prefill_chunk: int) -> tuple:
+            """This generation's peaks with its prompt fed `prefill_chunk` tokens a step."""
+            return peaks(spec, batch, prompt, total, dev.granularity, prefill_chunk)
         # and, per segment boundary, a mask-sized value (as the mask a split model's
         # layers pass on; the hidden state of one position is smaller), twice: the
         # buffers of each bucket's steps are kept until the generation ends, and the
@@ -60,11 +73,12 @@ class Generation(PromptSteps):
         boundary = 2 * batch * 8 * (total + 1)
         self.kv_bufs = DeviceBuffers(dev, "kv",
                                      lambda nbytes, full: session._kv_shortage(nbytes, peak, io_peak, boundary,
-                                                                               full))
-        # A step buffer short of room is the same shortage, seen from the scratch zone.
+                                                                               full, at_chunk))
+        # A step buffer short of room is the same shortage, seen from the scratch zone
+        # (the buffer asked for is one of those io_peak counts).
         self.io_bufs = DeviceBuffers(dev, "scratch",
-                                     lambda nbytes, full: session._kv_shortage(0, peak, io_peak + nbytes,
-                                                                               boundary, full))
+                                     lambda nbytes, full: session._kv_shortage(0, peak, max(io_peak, nbytes),
+                                                                               boundary, full, at_chunk))
         try:
             if spec.layout == "gqa":
                 self.cache = SharedKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, total, spec.head_size,

@@ -77,6 +77,7 @@ _FLAG_OF = {"vram_limit": "--vram-limit", "weight_bytes": "--weight-bytes", "kv_
             "scratch_bytes": "--scratch-bytes", "prefill_chunk": "--prefill-chunk", "engine": "--engine",
             "experts": "--experts"}
 _KEYWORD = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")='?(\w+)'?")
+_KEYWORD_LIST = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")=\[((?:'?\w+'?(?:, )?)+)\]")
 
 
 # The budget flags that take one value per device with --devices (StagedSession's lists).
@@ -110,8 +111,26 @@ def as_flags(message: str, args=None) -> str:
                 entries[devices.index(device)] = value
             return flag_list(attr, entries)
         message = DEVICE_ENTRY.sub(whole, message)
+    # A staged session's advice names a whole list of one value per device.
+    message = _KEYWORD_LIST.sub(lambda m: f"{_FLAG_OF[m.group(1)]} {_entries(m.group(2))}", message)
     message = _KEYWORD.sub(lambda m: f"{_FLAG_OF[m.group(1)]} {m.group(2)}", message)
-    return message.replace("offload=True", "--offload")
+    message = message.replace("offload=True", "--offload")
+    # Flags one after another, as a shell line takes them: a comma after a flag's value
+    # would join the next flag's to it ("--vram-limit 1, --kv-bytes 2" is a list of values).
+    while True:
+        joined = _FLAG_THEN_FLAG.sub(r"\1 ", message)
+        if joined == message:
+            return message
+        message = joined
+
+
+def _entries(listed: str) -> str:
+    """A Python list's entries ("1, None, '2MiB'") as a flag's value takes them: "1,auto,2MiB"."""
+    return ",".join("auto" if v == "None" else v.strip("'") for v in listed.split(", "))
+
+
+# A flag and its value (a list of one value per device included), then ", " and a flag.
+_FLAG_THEN_FLAG = re.compile(r"(--[\w-]+ [^\s,]+(?:,[^\s,]+)*), (?=--[\w-])")
 
 
 def config_kwargs(args) -> dict:

@@ -67,69 +67,35 @@ def _advice_for(error, model: str, provider_name: str, kw: dict, ids: np.ndarray
 def _staged_session(model: str, provider_name: str, kw: dict, ids: np.ndarray, new: int):
     """With --devices (two or more): the session, once this generation's caches were
     allocated on every device at their last size (and given back). A staged shortage
-    names one device's entry of a budget flag at a time (devices.generation.on_device);
-    each is tried in turn, every device's, and the advice given is what ran, in this
-    command's flags: one round. The probe's warnings are the user's only where the flags
-    given hold the generation."""
+    names one device's entry of a budget flag at a time; each is tried in turn, every
+    device's, and the advice given is what ran, in this command's flags: one round
+    (devices.advice). The probe's warnings are the user's only where the flags given
+    hold the generation."""
     import warnings
-    from ..generation import own_probe
+    from ..devices.advice import follow, hold_generation, reason
     from ..generation.sampling import check_generate_args
     from ..session import OffloadSession
     devices, (batch, prompt) = kw["devices"], ids.shape
     total = prompt + max(new - 1, 0)
-    tried, first, last, changed = dict(kw), None, None, set()
 
-    def stops(e: BaseException) -> BaseException:
-        """The error that stops the flags tried (not the first, whose advice ran)."""
-        if e is first:
-            return e
-        return BudgetExceeded(f"{str(first).split(': pass ')[0]}; with {_said(tried, changed)} this generation "
-                              f"still fell short: {str(e).split(': pass ')[0]}")
+    def use(s):
+        check_generate_args(s, ids, new, None)  # arguments no budget mends are said first
+        hold_generation(s, batch, prompt, total)
 
-    for _ in range(4 * len(devices)):
-        s = None
-        try:
-            with own_probe(), warnings.catch_warnings(record=True) as noted:
-                s = OffloadSession(model, providers=[provider_name], **tried)
-                check_generate_args(s, ids, new, None)  # arguments no budget mends are said first
-                gen = s._new_generation(s.decoder_spec, batch, prompt, total)
-                try:
-                    gen.hold(total)
-                finally:
-                    gen.close()
-        except BudgetExceeded as e:
-            if s is not None:
-                s.close()
-            first, last = first or e, e
-            fresh = False
-            for m in DEVICE_ENTRY.finditer(str(e)):
-                attr, value, device = m.group(1), int(m.group(2)), int(m.group(3))
-                entries = per_device(tried.get(attr), devices)
-                if device in devices and entries[devices.index(device)] != value:
-                    entries[devices.index(device)] = value
-                    tried[attr], fresh = entries, True
-                    changed.add(attr)
-            if not fresh:
-                raise stops(e) from None  # nothing new to try
-            continue
-        except BaseException:
-            if s is not None:
-                s.close()
-            raise
-        if first is None:
-            for w in noted:  # the flags given hold it: the session's warnings are the user's
-                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-            return s
-        s.close()
-        raise BudgetExceeded(f"{str(first).split(': pass ')[0]}; tried with this generation ({batch} x {prompt} "
-                             f"tokens, {new} new) on every device, these flags hold it: pass "
-                             f"{_said(tried, changed)}") from None
-    raise stops(last)  # the tries ran out
-
-
-def _said(tried: dict, changed: set) -> str:
-    """The budget flags `changed` names, as whole lists of one value per device."""
-    return ", ".join(flag_list(a, tried[a]) for a in PER_DEVICE_FLAGS if a in changed)
+    got = follow(lambda **tried: OffloadSession(model, providers=[provider_name], **tried), devices, kw, use)
+    said = got.said(devices, flag_list)
+    if got.session is None:
+        if got.last is got.first:
+            raise got.first
+        raise BudgetExceeded(f"{reason(got.first)}; with {said} this generation still fell short: "
+                             f"{reason(got.last)}") from None
+    if got.first is None:
+        for w in got.noted:  # the flags given hold it: the session's warnings are the user's
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        return got.session
+    got.session.close()
+    raise BudgetExceeded(f"{reason(got.first)}; tried with this generation ({batch} x {prompt} tokens, {new} new) "
+                         f"on every device, these flags hold it: pass {said}") from None
 
 
 def cmd_generate(args) -> int:
