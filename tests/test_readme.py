@@ -121,8 +121,9 @@ def test_the_readme_s_commands_and_snippets_run_on_the_cpu(tmp_path):
         # A chat read from standard input: a line a turn, the end of input ends it.
         chat_run = pool.submit(run, argv_of(chats[0]), str(tmp_path), input="w1 w2\nw3\n")
         # The Python blocks run in order in one process, as a reader pastes them.
-        snippets = [body for lang, body, run_it in blocks(md) if lang == "python"]
-        assert snippets and all(run_it for lang, body, run_it in blocks(md) if lang == "python")
+        # (The one unrun block needs a running server: see the test below.)
+        snippets = [body for lang, body, run_it in blocks(md) if lang == "python" and run_it]
+        assert snippets
         script = tmp_path / "readme_snippets.py"
         script.write_text("\n".join(snippets))
         out = run([sys.executable, str(script)], str(tmp_path)).stdout
