@@ -120,6 +120,8 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
             self._lock = threading.RLock()  # one step at a time: slots, pins and fixed buffers are shared
         self._closed, self._closing = True, False
         self._parked = None  # the last generation's buffers, kept for the next of its shape (generation.kept)
+        self._chat = None  # the last chat's cache, kept for its next turn (generation.chat_cache)
+        self.last_chat = None  # what the last chat() fed (generation.chat_cache.ChatTurn)
         # A keyword InferenceSession takes: ORT optimizers the caller turns off.
         self._disabled_optimizers = sorted(config_kwargs.pop("disabled_optimizers", None) or ())
         if devices is not None:  # one device: its id

@@ -261,6 +261,9 @@ class StagedSession(ClosedAtExit, StagedMembers, GenerationMembers):
         return values
 
     # ------------------------------------------------------------------ generation
+    # chat() runs each turn's whole conversation (generation.chat_cache)
+    _chat_refused = "the model is split across devices"
+
     def _new_generation(self, spec, batch: int, prompt: int, total: int):
         return StagedGeneration(self, spec, batch, prompt, total)
 

@@ -12,6 +12,7 @@ The functions take the session (``OffloadSession``) and use its lock, its engine
 from __future__ import annotations
 
 from ..interrupts import deferred_interrupts
+from .chat_cache import release_chat
 from .steps import Generation
 from .needs import generation_needs
 
@@ -60,10 +61,11 @@ def park(session, gen: Generation) -> None:
 
 
 def release_kept(session) -> bool:
-    """Gives the kept generation's buffers back; whether there were any. The caller holds
-    the session's lock."""
+    """Gives the kept generation's buffers back, and the kept chat's cache
+    (chat_cache); whether there were any. The caller holds the session's lock."""
+    chat = release_chat(session)
     gen, session._parked = session._parked, None
     if gen is None:
-        return False
+        return chat
     gen.close()
     return True

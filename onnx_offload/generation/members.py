@@ -15,6 +15,7 @@ from ..errors import UnsupportedModel
 from ..loading import SAMPLING_DEFAULTS
 from .loop import generate_tokens
 from .sampling import Sampling, check_generate_args
+from .chat_cache import chat_tokens
 from .kept import new_generation, park, release_kept
 from .text_steps import chat_prompt, encode_rows, is_text, text_model as _text_model, text_pieces
 
@@ -74,21 +75,29 @@ class GenerationMembers:
     def chat_iter(self, messages, max_new_tokens: int = 256, *, do_sample: Optional[bool] = None,
                   temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
                   seed: Optional[int] = None, eos_token_id=None):
-        """The step-wise form of chat(): yields the reply's text as it decodes."""
+        """The step-wise form of chat(): yields the reply's text as it decodes. The KV cache
+        of the reply stays with the session: a next call whose messages continue these
+        feeds only the tokens its rendering adds (last_chat says how many; see
+        generation.chat_cache for where the whole conversation runs again)."""
         ids = chat_prompt(self, messages)
-        _, steps, eos = self._generation(ids, max_new_tokens, None, do_sample, temperature, top_k, top_p, seed,
-                                         eos_token_id)
+        self._check_open()
+        sampling = self._sampling(do_sample, temperature, top_k, top_p)
+        ids, new, eos, _ = check_generate_args(self, ids, max_new_tokens, eos_token_id, None, seed)
+        steps = chat_tokens(self, [int(t) for t in ids[0]], new, sampling, seed, eos)
         return (p[0] for p in text_pieces(_text_model(self), steps, 1, eos))
+
+    def _sampling(self, do_sample, temperature, top_k, top_p) -> Sampling:
+        """The arguments given, else the model's sampling defaults, else the package's."""
+        given = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        model = dict(self.decoder_spec.sampling)  # UnsupportedModel for a model generate() cannot run
+        return Sampling(**{k: v if v is not None else model.get(k, SAMPLING_DEFAULTS[k]) for k, v in given.items()})
 
     def _generation(self, input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k, top_p, seed,
                     eos_token_id):
         """(the checked prompt ids, the generator of new tokens, the EOS ids); the arguments
         are checked now, not at the first next()."""
         self._check_open()
-        given = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-        model = dict(self.decoder_spec.sampling)  # UnsupportedModel for a model generate() cannot run
-        sampling = Sampling(**{k: v if v is not None else model.get(k, SAMPLING_DEFAULTS[k])
-                               for k, v in given.items()})
+        sampling = self._sampling(do_sample, temperature, top_k, top_p)
         ids, new, eos, mask = check_generate_args(self, input_ids, max_new_tokens, eos_token_id, attention_mask, seed)
         return ids, generate_tokens(self, ids, new, sampling, seed, eos, mask), eos
 

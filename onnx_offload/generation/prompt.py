@@ -189,3 +189,57 @@ class PromptSteps:
         if self._logits_shape is None:
             self._logits_shape = (self.batch,) + tuple(logits.shape())[1:]
         return last_logits(dev, logits)
+
+    # ------------------------------------------------------------ a prompt continued
+    def extend(self, ids, start: int) -> np.ndarray:
+        """Feeds one row's tokens `ids` after the first `start` positions of the cache, as a
+        prompt's later chunks run (a chat's next turn, whose history the cache holds up to
+        `start`; positions after it are written over). Each piece, of at most a chunk's
+        tokens (the standard layout's: what its present holds beyond the past), is a step
+        of its own, uncaptured; Ctrl-C ends between them, `_tokens` counting the positions
+        fed. The exact layout continues only at its end. Returns the last position's
+        logits [1, vocab]."""
+        if self.batch != 1 or not len(ids):
+            raise ValueError("a prompt continues one row by at least one token")
+        if self.spec.layout == "exact" and start != self.cache.length:
+            raise ValueError(f"the exact layout's cache holds {self.cache.length} positions; it continues there, "
+                             f"not at {start}")
+        piece = max(1, self.cache.extra) if self.spec.layout == "standard" else \
+            max(1, self.chunk or self.session.config.prefill_chunk)
+        logits = None
+        for at in range(0, len(ids), piece):
+            with self.session._step():
+                logits = self._extend_step(np.asarray(ids[at:at + piece], np.int64)[None], start + at)
+        return logits
+
+    def _extend_step(self, ids: np.ndarray, start: int) -> np.ndarray:
+        spec, dev = self.spec, self.session.device
+        n = ids.shape[1]
+        end = start + n
+        feeds = {"input_ids": _host(ids, spec.ids_dtype)}
+        if spec.position_ids:
+            feeds["position_ids"] = _host(np.arange(start, end)[None], spec.pos_dtype)
+        outputs: Dict[str, ort.OrtValue] = {}
+        if spec.layout == "gqa":  # the cache's whole length, ones up to the piece's end
+            mask = np.zeros((1, self.cache.length), np.int64)
+            mask[:, :end] = 1
+            self.cache.bind(feeds, outputs)
+        else:
+            self.cache.ensure(end)
+            if spec.layout == "exact":
+                mask = np.ones((1, end), np.int64)
+            else:  # the past padded to its bucket, the padding (and what lies past `start`) masked out
+                mask = np.zeros((1, self.cache.bucket + n), np.int64)
+                mask[:, :start] = 1
+                mask[:, self.cache.bucket:] = 1
+            self.cache.bind(feeds, outputs, new=n)
+        feeds["attention_mask"] = _host(mask, spec.mask_dtype)
+        values = self.session._run_bound(feeds, outputs, fixed=False)[0]
+        if spec.layout == "exact":
+            self.cache.advance(n)
+        elif spec.layout == "standard":
+            self.cache.append(start, n)
+            if not dev.is_cuda:  # the copy runs on the host backend's stream; the next step reads it here
+                dev.compute_stream.synchronize()
+        self._tokens = np.full(1, end, np.int64)
+        return last_logits(dev, values["logits"])

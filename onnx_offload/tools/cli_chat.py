@@ -1,13 +1,16 @@
 """`onnx-offload chat FOLDER`: a multi-turn chat in the terminal, through the model's chat
 template, each reply printed as it decodes.
 
-Each turn renders the whole conversation and runs it as the prompt (the KV cache is not
-kept across turns). Ctrl-C during a reply ends the reply, which stays in the history as far
-as it came; Ctrl-C at the prompt, Ctrl-D or /exit end the chat.
+The KV cache stays across turns (generation.chat_cache): a turn feeds only the tokens its
+rendering of the conversation adds, and the first time the whole conversation runs again
+a line says why. Ctrl-C during a reply ends the reply, which stays in the history (and its
+tokens fed so far in the cache) as far as it came; Ctrl-C at the prompt, Ctrl-D or /exit end
+the chat. --stats prints, after each reply, the prompt tokens the turn fed and kept.
 """
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional
 
 from ..generation import SAMPLING_DEFAULTS
@@ -77,6 +80,7 @@ def cmd_chat(args) -> int:
         tm.render(history + [{"role": "user", "content": "hello"}])  # a template that cannot render fails now
         print(settings_line(sampling_sources(s, given), args.max_new_tokens, "--flag"), flush=True)
         print("Ctrl-C ends a reply; Ctrl-D, /exit or Ctrl-C at the prompt ends the chat.", flush=True)
+        told = set()  # the reasons already shown for running the conversation again
         while True:
             try:
                 line = input("> ")
@@ -88,7 +92,7 @@ def cmd_chat(args) -> int:
             if not line.strip():
                 continue
             history.append({"role": "user", "content": line})
-            reply = []
+            reply, start = [], time.perf_counter()
             try:
                 for piece in s.chat_iter(history, args.max_new_tokens, seed=args.seed, **given):
                     reply.append(piece)
@@ -97,6 +101,13 @@ def cmd_chat(args) -> int:
             except KeyboardInterrupt:
                 print(" [reply stopped]", flush=True)
             history.append({"role": "assistant", "content": "".join(reply)})
+            turn = s.last_chat
+            if turn is not None and turn.note and turn.note not in told:
+                told.add(turn.note)
+                print(f"[{turn.note}]", flush=True)
+            if args.stats and turn is not None:
+                print(f"[{turn.fed} prompt tokens fed, {turn.reused} kept in the cache; "
+                      f"{time.perf_counter() - start:.2f} s]", flush=True)
 
 
 def sampling_flags(p) -> None:
@@ -121,6 +132,9 @@ def add_chat_parser(sub, config_flags) -> None:
     c.add_argument("--max-new-tokens", type=positive_int, default=512,
                    help="the most tokens a reply takes (default 512)")
     c.add_argument("--system", help="a system message that starts the conversation")
+    c.add_argument("--stats", action="store_true",
+                   help="after each reply, print the prompt tokens the turn fed, those kept in the KV cache from "
+                        "earlier turns, and the turn's time")
     sampling_flags(c)
     config_flags(c)
     c.set_defaults(fn=cmd_chat)

@@ -1,0 +1,143 @@
+"""chat() keeps the KV cache across turns: a later turn feeds only the tokens its rendering
+adds, and its reply equals recomputing the whole conversation. Random-weight decoders of
+each layout with SmolLM2's tokenizer and chat template (its vocabulary's size)."""
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+
+from onnx_offload import OffloadSession
+from onnx_offload.generation.chat_cache import _common
+from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
+
+VOCAB = 49152  # SmolLM2's tokenizer
+NEW = 6
+
+
+@pytest.fixture(scope="module", params=["gqa", "standard", "exact"])
+def folder(request, smollm2, tmp_path_factory):
+    layout = request.param
+    out = str(tmp_path_factory.mktemp(layout))
+    model = decoder_lm("gqa" if layout == "gqa" else "standard", vocab=VOCAB, max_length=512,
+                       position_ids=layout != "exact")
+    save_decoder(model, out, genai_config(2, 64, 4, 2, VOCAB, 512, layout="gqa" if layout == "gqa" else "standard"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(smollm2, name), out)
+    return out
+
+
+class Fed:
+    """Counts the tokens each step of a session feeds (its input_ids' lengths)."""
+
+    def __init__(self, s):
+        self.lengths, run = [], s._run_bound
+
+        def counted(feeds, outputs, **kw):
+            self.lengths.append(feeds["input_ids"].shape()[1])
+            return run(feeds, outputs, **kw)
+        s._run_bound = counted
+
+
+def ids_of(s, messages):
+    from onnx_offload.generation.text_steps import chat_prompt
+    return [int(t) for t in chat_prompt(s, messages)[0]]
+
+
+def recomputed(ref, ids, new=NEW):
+    """The new tokens of the whole conversation run as one prompt, up to EOS."""
+    out = [int(t) for t in ref.generate(np.array([ids]), new, eos_token_id=2)[0, len(ids):]]
+    return out[:out.index(2) + 1] if 2 in out else out
+
+
+def test_a_later_turn_feeds_only_its_new_tokens_and_replies_as_recomputing_the_conversation(folder):
+    with OffloadSession(folder, prefill_chunk=8) as s, OffloadSession(folder, prefill_chunk=8) as ref:
+        assert s.decoder_spec.layout == os.path.basename(folder).rstrip("0123456789")
+        tm, fed = s.text_model, Fed(s)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        cached = []
+        for turn, question in enumerate(["And of Germany?", "Name a river there, please.", "Thanks!"]):
+            ids = ids_of(s, messages)
+            want = recomputed(ref, ids)
+            fed.lengths.clear()
+            reply = s.chat(messages, NEW, eos_token_id=2)
+            assert reply == tm.decode([t for t in want if t != 2])
+            reused = _common(cached, ids) if turn else 0
+            if turn == 1:  # the conversation so far stays in the cache
+                assert reused == len(cached)
+            if turn == 2:
+                assert len(ids_of(s, messages[:-2])) <= reused < len(cached)
+            if s.decoder_spec.layout == "exact" and reused < len(cached):
+                assert s.last_chat == (0, len(ids), s.last_chat.note) and "cut back" in s.last_chat.note
+                reused = 0
+            else:
+                assert s.last_chat == (reused, len(ids) - reused, None)
+            # the prompt's steps feed the new tokens alone (in chunks of 8), then one a step
+            assert sum(fed.lengths[:len(fed.lengths) - (len(want) - 1)]) == len(ids) - reused
+            assert fed.lengths[len(fed.lengths) - (len(want) - 1):] == [1] * (len(want) - 1)
+            cached = ids + want[:-1]
+            # the second reply goes back edited (as a template that strips it would render
+            # it): the cache is cut back where the renderings part
+            said = reply if turn != 1 else "Well," + reply
+            messages += [{"role": "assistant", "content": said}, {"role": "user", "content": question}]
+
+
+def test_ctrl_c_in_a_reply_keeps_what_was_fed_and_the_next_turn_equals_recomputing(folder, ctrl_c):
+    with OffloadSession(folder, prefill_chunk=8) as s, OffloadSession(folder, prefill_chunk=8) as ref:
+        messages = [{"role": "user", "content": "Tell me a story."}]
+        ids = ids_of(s, messages)
+        pieces, decoded, run = [], [], s._run_bound
+
+        def interrupted(feeds, outputs, **kw):  # Ctrl-C during the third decode step
+            if pieces:
+                decoded.append(feeds["input_ids"].shape()[1])
+                if len(decoded) == 3:
+                    signal.raise_signal(signal.SIGINT)
+            return run(feeds, outputs, **kw)
+        s._run_bound = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            for piece in s.chat_iter(messages, 40, eos_token_id=2):
+                pieces.append(piece)
+        s._run_bound = run
+        want = recomputed(ref, ids, 40)
+        assert len(pieces) == 3 and decoded == [1, 1, 1]
+        # the step Ctrl-C arrived in ran whole: the prompt and three tokens are in the cache
+        assert s._chat.ids == ids + want[:3]
+        messages += [{"role": "assistant", "content": "".join(pieces)}, {"role": "user", "content": "Go on."}]
+        ids = ids_of(s, messages)
+        reply = s.chat(messages, NEW, eos_token_id=2)
+        assert reply == tm_text(s, recomputed(ref, ids))
+        if s.last_chat.note is None:
+            assert s.last_chat.reused == _common(ids_of(s, messages[:1]) + want[:3], ids) > 0
+        # a caller that stops early keeps the cache too; a new conversation starts afresh
+        first = next(iter(s.chat_iter(messages, NEW, eos_token_id=2)))
+        assert isinstance(first, str) and s._chat is not None
+        other = [{"role": "user", "content": "Hi"}]
+        assert s.chat(other, NEW, eos_token_id=2) == tm_text(s, recomputed(ref, ids_of(s, other)))
+        assert s.last_chat.reused <= len(ids_of(s, other))
+        s.free_generation_cache()
+        assert s._chat is None
+
+
+def tm_text(s, tokens):
+    return s.text_model.decode([t for t in tokens if t != 2])
+
+
+def test_the_real_model_s_second_turn_keeps_the_first_in_the_cache_and_answers_as_recomputing(smollm2):
+    with OffloadSession(smollm2) as s:
+        fed = Fed(s)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        first = s.chat(messages, 40)
+        assert "Paris" in first and s.last_chat.reused == 0
+        messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And of Germany?"}]
+        ids = ids_of(s, messages)
+        fed.lengths.clear()
+        second = s.chat(messages, 40)
+        turn, steps = s.last_chat, list(fed.lengths)
+        want = recomputed(s, ids, 40)
+        assert "Berlin" in second and second == tm_text(s, want)
+        # the first turn and its reply stay: the new user turn alone is fed, in one step
+        assert turn.note is None and turn.reused == len(ids_of(s, messages[:1])) + len(s.text_model.encode(
+            first, False)) and turn.fed == len(ids) - turn.reused < 20
+        assert steps == [turn.fed] + [1] * (len(want) - 1)
