@@ -141,3 +141,39 @@ def test_the_real_model_s_second_turn_keeps_the_first_in_the_cache_and_answers_a
         assert turn.note is None and turn.reused == len(ids_of(s, messages[:1])) + len(s.text_model.encode(
             first, False)) and turn.fed == len(ids) - turn.reused < 20
         assert steps == [turn.fed] + [1] * (len(want) - 1)
+
+
+def tiny(root, smollm2, **kw):
+    model = decoder_lm("gqa", vocab=VOCAB, **kw)
+    save_decoder(model, root, genai_config(2, 64, 4, 2, VOCAB, kw.get("max_length", 128)))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(smollm2, name), root)
+    return root
+
+
+def test_a_conversation_past_its_planned_cache_or_on_window_caches_runs_whole_and_says_why(smollm2, tmp_path):
+    from onnx_offload.generation.loop import FIRST_CONTEXT
+    folder = tiny(str(tmp_path / "long"), smollm2, max_length=4 * FIRST_CONTEXT)
+    with OffloadSession(folder, prefill_chunk=256) as s, OffloadSession(folder, prefill_chunk=256) as ref:
+        messages = [{"role": "user", "content": "Hello there."}]
+        reply = s.chat(messages, NEW, eos_token_id=2)
+        planned = s._chat.total
+        assert planned == FIRST_CONTEXT
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": "Count: " + " ".join(str(i % 10) for i in range(FIRST_CONTEXT // 2))}]
+        ids = ids_of(s, messages)
+        assert len(ids) > planned
+        assert s.chat(messages, NEW, eos_token_id=2) == tm_text(s, recomputed(ref, ids))
+        assert s.last_chat[:2] == (0, len(ids)) and f"more than the {planned} its cache" in s.last_chat.note
+        assert s._chat.total >= 2 * len(ids)
+    folder = tiny(str(tmp_path / "window"), smollm2, window_cache=8)
+    with OffloadSession(folder) as s, OffloadSession(folder) as ref:
+        messages = [{"role": "user", "content": "Hello there."}]
+        for turn in range(2):
+            ids = ids_of(s, messages)
+            reply = s.chat(messages, NEW, eos_token_id=2)
+            assert reply == tm_text(s, recomputed(ref, ids))
+            assert s.last_chat == (0, len(ids), "each turn runs the whole conversation again: its window-sized "
+                                                "caches evict positions")
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
+        assert s._chat is None

@@ -22,6 +22,7 @@ from typing import Iterator, NamedTuple, Optional
 
 import numpy as np
 
+from ..errors import OffloadError
 from ..interrupts import deferred_interrupts
 from .loop import FIRST_CONTEXT, generate_tokens
 from .sampling import MAX_POSITIONS, Sampling
@@ -106,6 +107,17 @@ def _give(session, state: ChatCache) -> None:
         session._chat = state
 
 
+def _fresh(session, spec, prompt: int, needed: int) -> ChatCache:
+    """A new chat cache for a conversation of `needed` positions: twice as many (at least
+    FIRST_CONTEXT), as far as the model holds."""
+    limit = spec.max_length or MAX_POSITIONS
+    total = max(needed, min(limit, max(2 * needed, FIRST_CONTEXT)))
+    chunk = session.config.prefill_chunk
+    # planned as a prompt in chunks: the standard layout's present then holds a chunk's
+    # positions, which a later turn's tokens fill
+    return ChatCache(session._new_generation(spec, 1, min(max(prompt, chunk + 1), total), total), total)
+
+
 def chat_tokens(session, ids: list, new: int, sampling: Sampling, seed: Optional[int],
                 eos: tuple) -> Iterator[np.ndarray]:
     """Each step's new token [1] of a chat whose rendered conversation is `ids`, through
@@ -123,20 +135,24 @@ def chat_tokens(session, ids: list, new: int, sampling: Sampling, seed: Optional
     seq = list(ids)
     kept = False
     try:
+        logits = None
+        if state is not None:
+            try:
+                logits = state.gen.extend(ids[reused:], reused)
+            except RuntimeError as e:
+                if isinstance(e, OffloadError):
+                    raise
+                # ORT refused the past beside new tokens (as a model that slices a table by
+                # the past's length may): the conversation runs from its start
+                why = f"ONNX Runtime failed on the cached past beside the new tokens ({str(e).strip()[:200]})"
+                state.close()
+                state, reused = None, 0
         if state is None:
-            limit = spec.max_length or MAX_POSITIONS
-            total = max(needed, min(limit, max(2 * needed, FIRST_CONTEXT)))
-            chunk = session.config.prefill_chunk
-            # planned as a prompt in chunks: the standard layout's present holds a chunk's
-            # positions, which a later turn's tokens fill
-            state = ChatCache(session._new_generation(spec, 1, min(max(len(ids), chunk + 1), total), total), total)
+            state = _fresh(session, spec, len(ids), needed)
+            logits = state.gen.prompt(np.array([ids], np.int64), None)
         gen = state.gen
         session.last_chat = ChatTurn(reused, len(ids) - reused,
                                      why and f"this turn ran the whole conversation again: {why}")
-        if reused:
-            logits = gen.extend(ids[reused:], reused)
-        else:
-            logits = gen.prompt(np.array([ids], np.int64), None)
         rng = np.random.default_rng(seed)
         eos_ids = set(int(e) for e in eos)
         for step in range(new):
@@ -154,7 +170,7 @@ def chat_tokens(session, ids: list, new: int, sampling: Sampling, seed: Optional
         # Each step changes the cache whole (Ctrl-C waits for its end): it holds the
         # positions the generation counts.
         if not kept and state is not None and state.gen._tokens is not None:
-            state.ids = seq[:int(gen._tokens[0])]
+            state.ids = seq[:int(state.gen._tokens[0])]
             _give(session, state)
             kept = True
         raise
