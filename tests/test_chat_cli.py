@@ -1,5 +1,6 @@
 """`onnx-offload chat` on the real model (SmolLM2-135M-Instruct), driven through a
-pseudo-terminal as a user types: two turns, Ctrl-C during a reply, a third turn."""
+pseudo-terminal as a user types: two turns, Ctrl-C during a reply, a third turn; each turn
+after the first feeds only the tokens it adds to the conversation (--stats)."""
 import os
 import pty
 import re
@@ -53,24 +54,38 @@ class Terminal:
         os.close(self.master)
 
 
+def fed(turn: str) -> int:
+    return int(re.search(r"\[(\d+) prompt tokens fed, \d+ kept in the cache", turn).group(1))
+
+
+def kept(turn: str) -> int:
+    return int(re.search(r"prompt tokens fed, (\d+) kept in the cache", turn).group(1))
+
+
 def test_two_turns_then_ctrl_c_ends_a_reply_not_the_chat_then_a_third_turn(smollm2):
-    t = Terminal([sys.executable, "-m", "onnx_offload", "chat", smollm2, "--cpu", "--max-new-tokens", "400"])
+    t = Terminal([sys.executable, "-m", "onnx_offload", "chat", smollm2, "--cpu", "--max-new-tokens", "400",
+                  "--stats"])
     try:
         head = t.expect(r"\n> ")
         assert "decoding: greedy (the model's generation config sets no sampling); up to 400 new tokens a reply" in head
         t.send("What is the capital of France?\n")
-        assert "Paris" in t.expect(r"\n> ")
+        first = t.expect(r"\n> ")
+        assert "Paris" in first and kept(first) == 0
         t.send("Say that again in one word.\n")
         second = t.expect(r"\n> ")
-        assert second.strip().splitlines()[-2].strip()  # a reply, in the context of the first turn
+        assert second.strip().splitlines()[-3].strip()  # a reply, in the context of the first turn
+        assert fed(second) < 20 and kept(second) > fed(first)  # the first turn stays in the cache
         t.send("Write a very long story about a dragon.\n")
         t.expect(r"dragon\.\n")  # the line, as the terminal echoes it
         story = t.expect(r"\w+ \w+ \w+ \w+")  # the reply is coming
         t.send("\x03")  # Ctrl-C, as the terminal sends it: SIGINT to the foreground process group
-        stopped = t.expect(r"\[reply stopped\]\n> ")
+        stopped = t.expect(r"\[reply stopped\]\n.*\n> ")
         assert len(story + stopped) < 1500  # stopped well before its 400 tokens
         t.send("What is the capital of France?\n")
-        assert "Paris" in t.expect(r"\n> ")
+        third = t.expect(r"\n> ")
+        assert "Paris" in third
+        # the stopped reply's tokens stay in the cache and in the conversation
+        assert fed(third) < 20 and kept(third) > kept(second) + fed(second) + 4
         t.send("\x04")  # Ctrl-D at the prompt ends the chat
         assert t.proc.wait(60) == 0
     finally:
