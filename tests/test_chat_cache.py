@@ -188,3 +188,23 @@ def test_a_conversation_past_its_planned_cache_or_on_window_caches_runs_whole_an
                                                 "caches evict positions")
             messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
         assert s._chat is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["resident", "a third"])
+@pytest.mark.parametrize("capture", [None, False])
+def test_on_cuda_a_later_turn_feeds_only_its_new_tokens_and_replies_as_recomputing(folder, weights, capture):
+    kw = dict(providers=["CUDAExecutionProvider"], vram_limit="2GiB", cuda_graph=capture, prefill_chunk=8)
+    if weights == "a third":  # the weights stream through a third of their size
+        kw.update(offload=True, vmm=True, weight_bytes=os.path.getsize(os.path.join(folder, "model.onnx.data")) // 3)
+    with OffloadSession(folder, **kw) as s, OffloadSession(folder, **kw) as ref:
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        cached = []
+        for turn, question in enumerate(["And of Germany?", "Name a river there, please."]):
+            ids = ids_of(s, messages)
+            want = recomputed(ref, ids, 12)
+            assert s.chat(messages, 12, eos_token_id=2) == tm_text(s, want)
+            reused = common_prefix(cached, ids) if turn else 0
+            assert s.last_chat == (reused, len(ids) - reused, None) and (reused == len(cached))
+            cached = ids + want[:-1]
+            messages += [{"role": "assistant", "content": tm_text(s, want)}, {"role": "user", "content": question}]
