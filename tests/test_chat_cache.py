@@ -208,3 +208,37 @@ def test_on_cuda_a_later_turn_feeds_only_its_new_tokens_and_replies_as_recomputi
             assert s.last_chat == (reused, len(ids) - reused, None) and (reused == len(cached))
             cached = ids + want[:-1]
             messages += [{"role": "assistant", "content": tm_text(s, want)}, {"role": "user", "content": question}]
+
+
+def test_ctrl_c_while_a_turn_feeds_its_tokens_keeps_the_pieces_fed(folder, ctrl_c):
+    with OffloadSession(folder, prefill_chunk=8) as s, OffloadSession(folder, prefill_chunk=8) as ref:
+        messages = [{"role": "user", "content": "Hello there."}]
+        reply = s.chat(messages, NEW, eos_token_id=2)
+        before = list(s._chat.ids)
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": "Tell me about rivers, lakes and the sea, please."}]
+        ids = ids_of(s, messages)
+        reused = common_prefix(before, ids)
+        assert len(ids) - reused > 16  # three pieces at least
+        pieces, run = [], s._run_bound
+
+        def interrupted(feeds, outputs, **kw):  # Ctrl-C during the second piece
+            pieces.append(feeds["input_ids"].shape()[1])
+            if len(pieces) == 2:
+                signal.raise_signal(signal.SIGINT)
+            return run(feeds, outputs, **kw)
+        s._run_bound = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            s.chat(messages, NEW, eos_token_id=2)
+        s._run_bound = run
+        whole = s.decoder_spec.layout == "exact" and reused < len(before)
+        if whole:  # not cut back: the prompt ran whole, its chunks one step that Ctrl-C waits for
+            assert s._chat.ids == ids
+        else:  # the continued prompt's pieces are steps of their own
+            assert pieces == [8, 8] and s._chat.ids == ids[:reused + 16]
+        # the next turn goes on after what was fed, and replies as recomputing
+        assert s.chat(messages, NEW, eos_token_id=2) == tm_text(s, recomputed(ref, ids))
+        if whole:
+            assert s.last_chat[:2] == (0, len(ids)) and "cut back" in s.last_chat.note
+        else:
+            assert s.last_chat == (reused + 16, len(ids) - reused - 16, None)

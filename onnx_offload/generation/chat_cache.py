@@ -86,6 +86,8 @@ def _take(session, spec, ids: list, needed: int) -> tuple:
     elif needed > state.total:
         why = (f"the conversation needs {needed} positions, more than the {state.total} its cache was planned "
                f"with; it runs again in a cache planned for more")
+    elif not state.ids:
+        why = ""  # nothing cached: no reason to tell
     elif reused == 0:
         why = "the conversation does not start as the cached one did"
     elif spec.layout == "exact" and reused < len(state.ids):
@@ -93,7 +95,7 @@ def _take(session, spec, ids: list, needed: int) -> tuple:
                "layout's cache cannot be cut back")
     if why is not None:
         state.close()
-        return None, 0, why
+        return None, 0, why or None
     return state, reused, None
 
 
@@ -133,10 +135,14 @@ def chat_tokens(session, ids: list, new: int, sampling: Sampling, seed: Optional
     needed = len(ids) + new - 1
     state, reused, why = _take(session, spec, ids, needed)
     seq = list(ids)
+    held = state.ids if state is not None else []  # the ids whose first positions the cache holds
     kept = False
     try:
         logits = None
         if state is not None:
+            with deferred_interrupts():  # the positions after `reused` are dropped, and the ids say so
+                state.gen.rewind(reused)
+                held = seq
             try:
                 logits = state.gen.extend(ids[reused:], reused)
             except RuntimeError as e:
@@ -149,6 +155,9 @@ def chat_tokens(session, ids: list, new: int, sampling: Sampling, seed: Optional
                 state, reused = None, 0
         if state is None:
             state = _fresh(session, spec, len(ids), needed)
+            with deferred_interrupts():  # (kept buffers may count an earlier generation's positions)
+                state.gen.rewind(0)
+                held = seq
             logits = state.gen.prompt(np.array([ids], np.int64), None)
         gen = state.gen
         session.last_chat = ChatTurn(reused, len(ids) - reused,
@@ -169,8 +178,8 @@ def chat_tokens(session, ids: list, new: int, sampling: Sampling, seed: Optional
     except (KeyboardInterrupt, GeneratorExit):
         # Each step changes the cache whole (Ctrl-C waits for its end): it holds the
         # positions the generation counts.
-        if not kept and state is not None and state.gen._tokens is not None:
-            state.ids = seq[:int(state.gen._tokens[0])]
+        if not kept and state is not None:
+            state.ids = held[:int(state.gen._tokens[0])]
             _give(session, state)
             kept = True
         raise

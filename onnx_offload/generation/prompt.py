@@ -191,6 +191,11 @@ class PromptSteps:
         return last_logits(dev, logits)
 
     # ------------------------------------------------------------ a prompt continued
+    def rewind(self, positions: int) -> None:
+        """Counts the first `positions` of the cache as the sequence (one row's): the
+        next step writes after them, over what lies there."""
+        self._tokens = np.full(self.batch, positions, np.int64)
+
     def extend(self, ids, start: int) -> np.ndarray:
         """Feeds one row's tokens `ids` after the first `start` positions of the cache, as a
         prompt's later chunks run (a chat's next turn, whose history the cache holds up to
