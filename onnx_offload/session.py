@@ -121,7 +121,7 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
         self._closed, self._closing = True, False
         self._parked = None  # the last generation's buffers, kept for the next of its shape (generation.kept)
         self._chat = None  # the last chat's cache, kept for its next turn (generation.chat_cache)
-        self.last_chat = None  # what the last chat() fed (generation.chat_cache.ChatTurn)
+        self.last_chat = None  # what the last chat() fed (GenerationMembers.last_chat)
         # A keyword InferenceSession takes: ORT optimizers the caller turns off.
         self._disabled_optimizers = sorted(config_kwargs.pop("disabled_optimizers", None) or ())
         if devices is not None:  # one device: its id

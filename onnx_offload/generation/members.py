@@ -23,6 +23,10 @@ from .text_steps import chat_prompt, encode_rows, is_text, text_model as _text_m
 class GenerationMembers:
     """Mixed into OffloadSession; uses its _check_open(), _step() and _decoder_spec."""
 
+    # What the last chat() fed (chat_cache.ChatTurn: positions reused from the cache, prompt
+    # tokens fed, why the conversation ran whole); None before the first.
+    last_chat = None
+
     def generate(self, input_ids, max_new_tokens: int = 32, *, attention_mask=None, do_sample: Optional[bool] = None,
                  temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
                  seed: Optional[int] = None, eos_token_id=None):
