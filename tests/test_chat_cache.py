@@ -242,3 +242,18 @@ def test_ctrl_c_while_a_turn_feeds_its_tokens_keeps_the_pieces_fed(folder, ctrl_
             assert s.last_chat[:2] == (0, len(ids)) and "cut back" in s.last_chat.note
         else:
             assert s.last_chat == (reused + 16, len(ids) - reused - 16, None)
+
+
+def test_a_model_split_across_devices_runs_each_turn_whole_and_says_so(smollm2, tmp_path):
+    folder = tiny(str(tmp_path / "split"), smollm2)
+    with OffloadSession(folder, providers=["CPUExecutionProvider"], devices=[0, 1], host_granularity=4096) as s, \
+            OffloadSession(folder) as ref:
+        assert s.last_chat is None
+        messages = [{"role": "user", "content": "Hello there."}]
+        for turn in range(2):
+            ids = ids_of(s, messages)
+            reply = s.chat(messages, NEW, eos_token_id=2)
+            assert reply == tm_text(s, recomputed(ref, ids))
+            assert s.last_chat == (0, len(ids), "each turn runs the whole conversation again: the model is split "
+                                                "across devices")
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
