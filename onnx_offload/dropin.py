@@ -20,7 +20,51 @@ from .errors import StateError
 from .loading import ModelMeta
 
 
-class InferenceSessionMembers:
+class FanOutMembers:
+    """InferenceSession's members that a session made of parts (its segments' ORT sessions,
+    or a split session's stages) answers from its first part, where the question is one the
+    parts share (providers, options), or passes to every part, joining their answers."""
+
+    def _parts(self) -> list:
+        raise NotImplementedError
+
+    def get_input_epdevices(self):
+        return self._parts()[0].get_input_epdevices()
+
+    def create_ortvalue_from_shape_and_type(self, shape, element_type, device_type, device_id=0, vendor_id=-1):
+        return self._parts()[0].create_ortvalue_from_shape_and_type(shape, element_type, device_type, device_id,
+                                                                     vendor_id)
+
+    def get_provider_graph_assignment_info(self):
+        return [info for part in self._parts() for info in part.get_provider_graph_assignment_info()]
+
+    def get_tuning_results(self):
+        return [r for part in self._parts() for r in part.get_tuning_results()]
+
+    def disable_fallback(self) -> None:
+        for part in self._parts():
+            part.disable_fallback()
+
+    def enable_fallback(self) -> None:
+        for part in self._parts():
+            part.enable_fallback()
+
+    def set_tuning_results(self, results, *, error_on_invalid=False):
+        for part in self._parts():
+            part.set_tuning_results(results, error_on_invalid=error_on_invalid)
+
+    def set_ep_dynamic_options(self, options):
+        for part in self._parts():
+            part.set_ep_dynamic_options(options)
+
+    def release_captured_graph(self, graph_annotation_id: int = 0) -> None:
+        """Releases what ORT captured under the caller's own gpu_graph_id, in every part (the
+        package's own graphs live as long as the session)."""
+        for part in self._parts():
+            part.release_captured_graph(graph_annotation_id)
+
+
+class InferenceSessionMembers(FanOutMembers):
     """Mixed into OffloadSession; uses its _step(), _runner, _ask_runner(), _with_fallback(),
     _check_call() and the model facts it records at construction
     (_modelmeta, _overridable)."""
@@ -107,14 +151,6 @@ class InferenceSessionMembers:
         raise StateError("an OffloadSession's providers are fixed when it is made: its weights, budget, streams and "
                          "memory belong to that device. Create a new OffloadSession with the providers you want")
 
-    def disable_fallback(self) -> None:
-        for sess in self._sessions():
-            sess.disable_fallback()
-
-    def enable_fallback(self) -> None:
-        for sess in self._sessions():
-            sess.enable_fallback()
-
     def get_profiling_start_time_ns(self) -> int:
         return min(sess.get_profiling_start_time_ns() for sess in self._sessions())
 
@@ -152,38 +188,14 @@ class InferenceSessionMembers:
             return [run.session for run in runner.runs]
         return self._ask_runner(sessions)
 
+    def _parts(self) -> list:
+        return self._sessions()
+
     def get_input_memory_infos(self):
         return self._runner_single("get_input_memory_infos", "the caller's inputs feed the first segment only")
 
     def get_output_memory_infos(self):
         return self._runner_single("get_output_memory_infos", "the outputs come from several segments")
-
-    def get_input_epdevices(self):
-        return self._sessions()[0].get_input_epdevices()
-
-    def get_provider_graph_assignment_info(self):
-        return [info for sess in self._sessions() for info in sess.get_provider_graph_assignment_info()]
-
-    def get_tuning_results(self):
-        return [r for sess in self._sessions() for r in sess.get_tuning_results()]
-
-    def set_tuning_results(self, results, *, error_on_invalid=False):
-        for sess in self._sessions():
-            sess.set_tuning_results(results, error_on_invalid=error_on_invalid)
-
-    def set_ep_dynamic_options(self, options):
-        for sess in self._sessions():
-            sess.set_ep_dynamic_options(options)
-
-    def release_captured_graph(self, graph_annotation_id: int = 0) -> None:
-        """Releases what ORT captured under the caller's own gpu_graph_id (the package's
-        own graphs live as long as the session)."""
-        for sess in self._sessions():
-            sess.release_captured_graph(graph_annotation_id)
-
-    def create_ortvalue_from_shape_and_type(self, shape, element_type, device_type, device_id=0, vendor_id=-1):
-        return self._sessions()[0].create_ortvalue_from_shape_and_type(shape, element_type, device_type, device_id,
-                                                                        vendor_id)
 
     def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches, fetch_devices):
         with self._step():
