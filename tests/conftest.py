@@ -38,6 +38,20 @@ from onnx_offload.stats import invariant_violations
 
 MiB = 1 << 20
 
+# A child Python's working folder: not the repository root, whose source tree (without its
+# compiled core) would come first on the child's sys.path.
+CHILD_CWD = tempfile.gettempdir()
+
+
+def child_env(**extra) -> dict:
+    """The environment of a child Python that imports the package from where this process
+    imported it (an installed copy, or a source tree with its compiled core)."""
+    import onnx_offload
+    root = os.path.dirname(os.path.dirname(os.path.abspath(onnx_offload.__file__)))
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return env
+
 
 @functools.lru_cache(maxsize=None)
 def gpu_skip_reason() -> str:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from conftest import CHILD_CWD, child_env
+
 
 # Run first in the child, a session leader of its own: opening the pseudo-terminal makes it
 # the session's controlling terminal (so that its Ctrl-C reaches the chat as SIGINT), then
@@ -23,7 +25,7 @@ class Terminal:
         self.master, slave = pty.openpty()
         self.proc = subprocess.Popen([sys.executable, "-c", _ATTACH, os.ttyname(slave)] + argv, stdin=slave,
                                      stdout=slave, stderr=slave, start_new_session=True,
-                                     env={**os.environ, "PYTHONPATH": os.getcwd()})
+                                     env=child_env(), cwd=CHILD_CWD)
         os.close(slave)
         self.out = ""
 

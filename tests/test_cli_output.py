@@ -8,6 +8,7 @@ import pytest
 
 from onnx_offload.models.decoder import decoder_lm, save_decoder
 from onnx_offload.tools.cli import main
+from conftest import child_env
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def test_a_prompt_id_outside_the_vocabulary_is_said_before_any_output(llm, tmp_p
     proc = subprocess.run([sys.executable, "-m", "onnx_offload", "generate", llm, "--prompt-ids", "1,2,40000",
                            "--cpu", "--cache-dir", "off"], cwd=str(tmp_path), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                          env=child_env())
     assert proc.returncode == 2, proc.stdout
     assert proc.stdout.startswith("onnx-offload: ValueError: token ids must lie in [0, 97)"), proc.stdout
     assert "tokens:" not in proc.stdout

@@ -12,15 +12,14 @@ import textwrap
 import pytest
 
 from onnx_offload.models.decoder import decoder_lm, save_decoder
+from conftest import CHILD_CWD, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 60
 
 
 def child(code: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env=env, stdin=subprocess.DEVNULL)
+                          timeout=TIMEOUT_S, env=child_env(), cwd=CHILD_CWD, stdin=subprocess.DEVNULL)
 
 
 def spoil(path: str, how: str) -> str:

@@ -13,6 +13,8 @@ import urllib.request
 
 import pytest
 
+from conftest import CHILD_CWD, child_env
+
 openai = pytest.importorskip("openai", reason="the server's tests use OpenAI's client (the [test] extra)")
 pytest.importorskip("uvicorn", reason="the server needs uvicorn (the [serve] extra)")
 pytest.importorskip("starlette", reason="the server needs starlette (the [serve] extra)")
@@ -29,7 +31,7 @@ def server(smollm2, tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "onnx_offload", "serve", smollm2, "--port", "0", "--model-id",
                                  MODEL, "--cpu"], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": os.getcwd()})
+                                env=child_env(), cwd=CHILD_CWD)
     try:
         deadline = time.monotonic() + 300
         while not (m := re.search(r"at (http://127\.0\.0\.1:\d+/v1)", log.read_text())):

@@ -12,6 +12,7 @@ import pytest
 
 from onnx_offload import OffloadSession
 from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
+from conftest import CHILD_CWD, child_env
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -123,7 +124,7 @@ def test_without_the_llm_extra_the_error_names_it(smollm2):
             f"s = OffloadSession({smollm2!r})\n"
             "try:\n    s.generate('hi', 2)\nexcept ImportError as e:\n    print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         env=child_env(), cwd=CHILD_CWD)
     assert "ERR text and chat need the 'tokenizers' package, of onnx-offload's [llm] extra" in out.stdout, out.stderr
 
 
