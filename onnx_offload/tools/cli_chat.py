@@ -6,10 +6,18 @@ rendering of the conversation adds, and the first time the whole conversation ru
 a line says why. Ctrl-C during a reply ends the reply, which stays in the history (and its
 tokens fed so far in the cache) as far as it came; Ctrl-C at the prompt, Ctrl-D or /exit end
 the chat. --stats prints, after each reply, the prompt tokens the turn fed and kept.
+
+In a terminal the chat takes Ctrl-C itself, as llama-cli does, even where it was started
+with SIGINT ignored (a job started with `&` or nohup, then brought to the foreground):
+the terminal's user has no other way to stop a reply.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import sys
+import threading
 import time
 from typing import Optional
 
@@ -63,7 +71,26 @@ def settings_line(sources: dict, max_new_tokens: Optional[int], given_as: str = 
             f"config), {shown}{limit}; temperature 0 decodes greedily")
 
 
+@contextlib.contextmanager
+def _ctrl_c_interrupts():
+    """Ctrl-C raises KeyboardInterrupt while the chat runs in a terminal; the previous handler after."""
+    if not sys.stdin.isatty() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler set outside Python, which cannot be put back
+            signal.signal(signal.SIGINT, previous)
+
+
 def cmd_chat(args) -> int:
+    with _ctrl_c_interrupts():
+        return _chat(args)
+
+
+def _chat(args) -> int:
     from ..generation import text_model
     from ..session import OffloadSession
     from .cli_args import check_config_flags, config_kwargs, device_kind, provider
