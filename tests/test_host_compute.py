@@ -22,6 +22,7 @@ from onnx_offload.loading import (HostComputeRefused, core_matmul, load_host_wei
                                   rewrite_for_host, run_host_split)
 from onnx_offload.loading.host_run import chain_depth, dequantize_nbits
 from onnx_offload.models import decoder_like, decoder_lm, int4, transformer_block
+from onnx_offload.models.decoder import save_decoder
 
 CPU = ["CPUExecutionProvider"]
 ULPS = 16
@@ -137,6 +138,17 @@ def test_external_data_is_not_read(tmp_path):
     out, _ = run_host_split(rewritten, hosts, feeds, load_host_weights(model, hosts, str(tmp_path)),
                             folder=str(tmp_path))
     assert_within_bound({k: out[k] for k in ref}, ref)
+
+
+@pytest.mark.parametrize("layout", ["gqa", "standard"])
+def test_an_llm_folder_with_its_data_file(tmp_path, layout):
+    """make_model.py's llm and llm-standard folders: model.onnx beside model.onnx.data."""
+    path = save_decoder(decoder_lm(layout, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
+                                   dtype=np.float16), str(tmp_path / "llm"))
+    model = onnx.load(path, load_external_data=False)
+    feeds = make_feeds(model, seq=1, past=3)
+    _, hosts, _ = check(model, matmul_weights(model), feeds, folder=str(tmp_path / "llm"), ref=plain(path, feeds))
+    assert len(hosts) == 15
 
 
 def tiny(dtype=TensorProto.FLOAT, opset=17, extra_nodes=(), weights=("w1", "w2", "w3")):
