@@ -282,13 +282,15 @@ def test_int4_dequantized_as_orts_kernel_reads_it(zero_points, k):
     assert w.shape == (k, 24)
 
 
-def test_the_compiled_kernels_as_the_host_s_part():
-    """The hostkern branch's kernels, where the compiled core has them, in place of numpy."""
+@pytest.mark.parametrize("layout,dtype,quantized", DECODERS[:4])
+def test_the_compiled_kernels_as_the_host_s_part(layout, dtype, quantized):
+    """The compiled core's host kernels, where it has them, in place of numpy."""
     from onnx_offload import _core
     if not hasattr(_core, "host_matmul"):
         pytest.skip("this compiled core has no host kernels")
-    model = int4(decoder_lm("gqa", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, dtype=np.float16),
-                 block_size=32, accuracy_level=0)
+    model = decoder_lm(layout, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, dtype=dtype)
+    if quantized:
+        model = int4(model, block_size=32, accuracy_level=0)
     feeds = make_feeds(model)
     ref = plain(model, feeds)
     rewritten, hosts = rewrite_for_host(model, matmul_weights(model))
