@@ -18,8 +18,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_offload.errors import UnsupportedModel
-from onnx_offload.loading import (HostComputeRefused, core_matmul, load_host_weights, numpy_matmul,
+from onnx_offload.loading import (HostComputeRefused, core_matmul, host_candidates, load_host_weights, numpy_matmul,
                                   rewrite_for_host, run_host_split)
+from onnx_offload.memory import StepWeight, plan_host_split
 from onnx_offload.loading.host_run import chain_depth, dequantize_nbits
 from onnx_offload.models import decoder_like, decoder_lm, int4, transformer_block
 from onnx_offload.models.decoder import save_decoder
@@ -149,6 +150,31 @@ def test_an_llm_folder_with_its_data_file(tmp_path, layout):
     feeds = make_feeds(model, seq=1, past=3)
     _, hosts, _ = check(model, matmul_weights(model), feeds, folder=str(tmp_path / "llm"), ref=plain(path, feeds))
     assert len(hosts) == 15
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_candidates_the_planner_is_given_and_its_plan_rewritten(quantized):
+    """host_candidates names every MatMul weight (B, and scales for int4) and nothing else;
+    the planner's host set, rewritten, gives plain ORT's outputs."""
+    model = decoder_lm("gqa", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, dtype=np.float16)
+    if quantized:
+        model = int4(model, block_size=32, accuracy_level=0)
+    found = host_candidates(model)
+    b_names = matmul_weights(model)
+    scales = [n + "_scales" for n in (w[:-len("_Q4")] for w in b_names)] if quantized else []
+    assert set(found) == set(b_names) | set(scales)
+    assert {kind for _, kind in found.values()} == {"int4" if quantized else "float16"}
+    assert len({matmul for matmul, _ in found.values()}) == 15
+    sizes = {t.name: len(t.raw_data) for t in model.graph.initializer}
+    ws = [StepWeight(t.name, sizes[t.name], *reversed(found.get(t.name, ("", "")))) for t in model.graph.initializer
+          if sizes[t.name] >= 1024]
+    rate = 1e9
+    plan = plan_host_split(ws, 2 * rate, {"int4" if quantized else "float16": {1: rate}}, gpu_seconds=0, tokens=1,
+                           node_seconds=0)
+    assert 0 < len(plan.host) < 15
+    feeds = make_feeds(model)
+    _, hosts, _ = check(model, plan.host_weights, feeds)
+    assert sorted(h.node for h in hosts) == sorted(plan.host)
 
 
 def tiny(dtype=TensorProto.FLOAT, opset=17, extra_nodes=(), weights=("w1", "w2", "w3")):

@@ -13,7 +13,7 @@ from .files import (CONFIG_BYTES, Files, check_external_data, config_problem, co
                     materialize, model_file, open_regular, opened, read_config, read_json, read_range, saving)
 from .fingerprints import MANIFEST
 from .graphs import external_info, node_inputs, read_as_tables
-from .host_compute import HostComputeRefused, HostMatMul, rewrite_for_host
+from .host_compute import HostComputeRefused, HostMatMul, host_candidates, rewrite_for_host
 from .host_run import core_matmul, load_host_weights, numpy_matmul, run_host_split
 from .lengths import length_thresholds
 from .optimize import OPTIMIZED, OPTIMIZED_DATA, optimization_level, optimize_once
@@ -41,5 +41,5 @@ __all__ = ["CONFIG_BYTES", "CPU_EP", "CUDA_DEFAULTS", "CUDA_EP", "CUDA_LEVERS", 
 # The optimization pass, for a model split across devices (optimized whole, then split).
 __all__ += ["load_optimized", "optimization_level", "optimize_once", "write_optimized"]
 # Host compute: the graph rewrite, and the run that checks it on plain ORT.
-__all__ += ["HostComputeRefused", "HostMatMul", "core_matmul", "load_host_weights", "numpy_matmul", "rewrite_for_host",
-            "run_host_split"]
+__all__ += ["HostComputeRefused", "HostMatMul", "core_matmul", "host_candidates", "load_host_weights", "numpy_matmul",
+            "rewrite_for_host", "run_host_split"]

@@ -141,20 +141,19 @@ def _dims(x_type: Optional[onnx.TypeProto]) -> Optional[list]:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in x_type.tensor_type.shape.dim]
 
 
-def rewrite_for_host(model: onnx.ModelProto, names: Iterable[str]) -> Tuple[onnx.ModelProto, List[HostMatMul]]:
-    """A copy of `model` in which the MatMuls that read the weights `names` are computed by
-    the host (see the module's docstring), and their descriptions in graph order. Every
-    MatMul that reads a named weight is taken, with all the weights it reads (B, scales,
-    zero points). A name no MatMul of those kinds reads, or that another node also reads,
-    raises HostComputeRefused naming it. External data is neither read nor changed."""
-    names = list(dict.fromkeys(names))
-    g = model.graph
-    inits = {t.name: t for t in g.initializer}
+def _index(g: onnx.GraphProto) -> tuple:
+    """(initializers by name, {value: indices of the nodes that read it}, graph outputs)."""
     readers: Dict[str, list] = {}
     for i, node in enumerate(g.node):
         for name in dict.fromkeys(node_inputs(node)):
             readers.setdefault(name, []).append(i)
-    outputs = {o.name for o in g.output}
+    return {t.name: t for t in g.initializer}, readers, {o.name for o in g.output}
+
+
+def _choose(g: onnx.GraphProto, names: Sequence[str], index: tuple) -> Tuple[Dict[int, dict], Dict[str, str]]:
+    """({node index: its host description} for the nodes that read `names`, {name: why the
+    host cannot take it})."""
+    inits, readers, outputs = index
     refused, chosen = {}, {}
     for name in names:
         if name not in inits:
@@ -179,17 +178,65 @@ def rewrite_for_host(model: onnx.ModelProto, names: Iterable[str]) -> Tuple[onnx
             if others:
                 refused.setdefault(w, f"it is read by {g.node[i].name or g.node[i].output[0]!r}, which the host "
                                       f"would compute, and by {g.node[others[0]].name or g.node[others[0]].output[0]!r}")
+    return chosen, refused
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _opset_allows(opset: int, found: dict) -> str:
+    """Why the model's opset rules the node out, or ""."""
+    if opset < 9:
+        return f"the model's opset is {opset}; host compute needs opset 9 or later (Where, IsNaN)"
+    if opset < 16 and found["y_type"] == TensorProto.BFLOAT16:
+        return (f"the model's opset is {opset}; a bfloat16 host MatMul needs opset 16 or later "
+                "(ORT's CUDA Where takes bfloat16 from opset 16)")
+    return ""
+
+
+def host_candidates(model: onnx.ModelProto) -> Dict[str, Tuple[str, str]]:
+    """{weight name: (the MatMul that reads it, its kind)} for every weight that
+    rewrite_for_host takes; the weights of one MatMul name the same MatMul (the split
+    planner's StepWeight.matmul and .kind)."""
+    g = model.graph
+    opset, types, index = _opset(model), None, _index(model.graph)
+    found_for: Dict[str, Tuple[str, str]] = {}
+    for node in g.node:
+        if node.op_type not in ("MatMul", "MatMulNBits") or len(node.input) < 2 or node.input[1] in found_for:
+            continue
+        chosen, refused = _choose(g, [node.input[1]], index)
+        if refused or not chosen or any(_opset_allows(opset, f) for f in chosen.values()):
+            continue
+        types = _shapes(model) if types is None else types
+        first = min(chosen)
+        if not all(_dims(types.get(g.node[i].input[0])) for i in chosen):
+            continue
+        label = g.node[first].name or g.node[first].output[0]
+        for f in chosen.values():
+            for w in f["weights"]:
+                found_for[w] = (label, f["kind"])
+    return found_for
+
+
+def rewrite_for_host(model: onnx.ModelProto, names: Iterable[str]) -> Tuple[onnx.ModelProto, List[HostMatMul]]:
+    """A copy of `model` in which the MatMuls that read the weights `names` are computed by
+    the host (see the module's docstring), and their descriptions in graph order. Every
+    MatMul that reads a named weight is taken, with all the weights it reads (B, scales,
+    zero points). A name no MatMul of those kinds reads, or that another node also reads,
+    raises HostComputeRefused naming it. External data is neither read nor changed."""
+    chosen, refused = _choose(model.graph, list(dict.fromkeys(names)), _index(model.graph))
     if refused:
         error = HostComputeRefused("the host cannot compute these weights: " +
                                    "; ".join(f"{n!r}: {why}" for n, why in refused.items()))
         error.names = tuple(refused)
         raise error
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if chosen and opset < 9:
-        raise HostComputeRefused(f"the model's opset is {opset}; host compute needs opset 9 or later (Where, IsNaN)")
-    if opset < 16 and any(f["y_type"] == TensorProto.BFLOAT16 for f in chosen.values()):
-        raise HostComputeRefused(f"the model's opset is {opset}; a bfloat16 host MatMul needs opset 16 or later "
-                                 "(ORT's CUDA Where takes bfloat16 from opset 16)")
+    opset = _opset(model)
+    why = next((w for w in (_opset_allows(opset, f) for f in chosen.values()) if w), "")
+    if why:
+        error = HostComputeRefused(why)
+        error.names = tuple(w for f in chosen.values() for w in f["weights"])
+        raise error
     out = onnx.ModelProto()
     out.CopyFrom(model)
     hosts = _rewrite(out, chosen, _shapes(model) if chosen else {}, opset)
