@@ -7,7 +7,6 @@ type: 2**-10 for float16, 2**-23 for float32). The host sums in float32 and roun
 where ORT's CPU kernels round on their own schedule; over a few layers that moves outputs
 by a few units in the last place of their largest values.
 """
-import os
 import shutil
 
 import ml_dtypes

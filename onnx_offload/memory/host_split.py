@@ -13,6 +13,8 @@ ones, the one with the most host bytes), which favours the weights the host runs
 per byte. MatMuls of one kind and size are interchangeable, so the search runs over how
 many of each such group the host takes, and the plan spreads the ones it takes evenly
 through the step: host MatMuls bunched at the end would leave the link idle while they run.
+The search is exact while the front of (host bytes, host seconds) points it keeps stays
+under FRONT (a Llama-shaped step's does: its MatMuls fall in a handful of groups).
 
 A step of many tokens (a prompt) is compute-bound on the GPU and streams everything.
 """
