@@ -52,6 +52,19 @@ class UnsupportedModel(OffloadError, ValueError):
     """A valid model that this use of the package cannot run, with the reason."""
 
 
+class HostComputeRefused(UnsupportedModel):
+    """Weights named for host compute that the graph rewrite cannot take (read by a node
+    other than a MatMul or an int4 MatMulNBits of initializers, not initializers, ...):
+    ``names`` lists them and the message says why for each. The model is left unchanged."""
+
+    def __init__(self, message: str = "", names=()):
+        super().__init__(message)
+        self.names = tuple(names)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.names)
+
+
 class CacheNotMarked(OffloadError):
     """`onnx-offload cache clear` was given a folder that is not marked as the package's
     cache (it has no CACHEDIR.TAG) and holds what the package did not make: nothing was

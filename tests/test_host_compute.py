@@ -7,6 +7,7 @@ type: 2**-10 for float16, 2**-23 for float32). The host sums in float32 and roun
 where ORT's CPU kernels round on their own schedule; over a few layers that moves outputs
 by a few units in the last place of their largest values.
 """
+import pickle
 import shutil
 
 import ml_dtypes
@@ -262,6 +263,20 @@ def test_weights_the_host_cannot_take_are_refused_by_name(case):
         rewrite_for_host(model, names)
     assert isinstance(e.value, UnsupportedModel) and isinstance(e.value, ValueError)
     assert e.value.names == (names[-1],) and repr(names[-1]) in str(e.value)
+    again = pickle.loads(pickle.dumps(e.value))  # as multiprocessing sends it
+    assert type(again) is HostComputeRefused and again.names == e.value.names and str(again) == str(e.value)
+
+
+def test_an_input_of_unknown_rank_is_refused():
+    """Y's declared shape comes from X's: where no inference gives X's rank, no rewrite."""
+    model = tiny()
+    model.graph.node.insert(0, helper.make_node("Source", [], ["x2"], domain="test.custom"))
+    model.graph.node[1].input[0] = "x2"
+    model.opset_import.append(helper.make_opsetid("test.custom", 1))
+    with pytest.raises(HostComputeRefused, match="rank") as e:
+        rewrite_for_host(model, ["w1"])
+    assert e.value.names == ("w1",)
+    assert "w1" in {t.name for t in model.graph.initializer}
 
 
 def test_a_weight_two_matmuls_read_goes_with_both():

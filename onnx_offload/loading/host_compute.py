@@ -30,18 +30,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..errors import UnsupportedModel
+from ..errors import HostComputeRefused
 from .graphs import node_inputs
 
 DENSE_TYPES = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16", TensorProto.FLOAT: "float32"}
 MS_DOMAIN = "com.microsoft"
-
-
-class HostComputeRefused(UnsupportedModel):
-    """A weight named for host compute that the rewrite cannot take: ``names`` lists them
-    and the message says why for each."""
-
-    names: Tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,16 +220,12 @@ def rewrite_for_host(model: onnx.ModelProto, names: Iterable[str]) -> Tuple[onnx
     raises HostComputeRefused naming it. External data is neither read nor changed."""
     chosen, refused = _choose(model.graph, list(dict.fromkeys(names)), _index(model.graph))
     if refused:
-        error = HostComputeRefused("the host cannot compute these weights: " +
-                                   "; ".join(f"{n!r}: {why}" for n, why in refused.items()))
-        error.names = tuple(refused)
-        raise error
+        raise HostComputeRefused("the host cannot compute these weights: " +
+                                 "; ".join(f"{n!r}: {why}" for n, why in refused.items()), refused)
     opset = _opset(model)
     why = next((w for w in (_opset_allows(opset, f) for f in chosen.values()) if w), "")
     if why:
-        error = HostComputeRefused(why)
-        error.names = tuple(w for f in chosen.values() for w in f["weights"])
-        raise error
+        raise HostComputeRefused(why, [w for f in chosen.values() for w in f["weights"]])
     out = onnx.ModelProto()
     out.CopyFrom(model)
     hosts = _rewrite(out, chosen, _shapes(model) if chosen else {}, opset)
@@ -283,10 +272,8 @@ def _rewrite(model: onnx.ModelProto, chosen: Dict[int, dict], types: Dict[str, o
         label = node.name or y
         x_dims = _dims(types.get(x))
         if not x_dims:
-            error = HostComputeRefused(f"the host cannot compute {label!r} (weights {', '.join(found['weights'])}): "
-                                       f"shape inference does not give the rank of its input {x!r}")
-            error.names = found["weights"]
-            raise error
+            raise HostComputeRefused(f"the host cannot compute {label!r} (weights {', '.join(found['weights'])}): "
+                                     f"shape inference does not give the rank of its input {x!r}", found["weights"])
         if x not in conditions:
             sliced, cond = fresh(f"{x}/host_first"), fresh(f"{x}/host_isnan")
             if slice_inputs:

@@ -14,7 +14,7 @@ per byte. MatMuls of one kind and size are interchangeable, so the search runs o
 many of each such group the host takes, and the plan spreads the ones it takes evenly
 through the step: host MatMuls bunched at the end would leave the link idle while they run.
 The search is exact while the front of (host bytes, host seconds) points it keeps stays
-under FRONT (a Llama-shaped step's does: its MatMuls fall in a handful of groups).
+under FRONT (a Llama-shaped step's does, float16 or int4: its MatMuls fall in a few groups).
 
 A step of many tokens (a prompt) is compute-bound on the GPU and streams everything.
 """
