@@ -11,7 +11,8 @@ X that is exact for every value:
     Y = Where(IsNaN(Slice(X, last axis, [0:1])), Y_in, Y_in)
 
 Both branches are Y_in, so whatever X holds, Y is Y_in selected element by element (the
-CUDA kernel is a select: NaN payloads and signed zeros pass unchanged). The condition is
+CUDA kernel is a select: NaN payloads and signed zeros pass unchanged; ORT's CPU kernel adds
+the two selections, so there a -0 in Y becomes +0 where X's first element is NaN). The condition is
 [..., 1] and broadcasts over Y's last axis. Why these ops: in ORT's CUDA EP, Slice takes
 every type, IsNaN takes float16, bfloat16 and float (opset 13+; float16 and float from 9),
 and Where takes float16 and float (opset 9+) and bfloat16 (opset 16+), so the three run on
