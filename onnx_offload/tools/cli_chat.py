@@ -21,8 +21,6 @@ import threading
 import time
 from typing import Optional
 
-from ..generation import SAMPLING_DEFAULTS
-
 _KEYS = ("do_sample", "temperature", "top_k", "top_p")
 
 
@@ -30,18 +28,16 @@ def sampling_sources(session, given: dict) -> dict:
     """{key: (value, where it came from)} of the decoding settings a generation runs with:
     the flag or request field given, else the model's genai_config.json (its search
     section), else its generation_config.json, else the package's default."""
-    model = dict(session.decoder_spec.sampling)
+    from ..generation import sampling_sources as resolved
     folder = session.model_folder or ""
     search = _json(os.path.join(folder, "genai_config.json")).get("search", {})
     out = {}
-    for key in _KEYS:
-        if given.get(key) is not None:
-            out[key] = (given[key], "given")
-        elif key in model:
-            source = "genai_config.json" if isinstance(search, dict) and key in search else "generation_config.json"
-            out[key] = (model[key], source)
-        else:
-            out[key] = (SAMPLING_DEFAULTS[key], "default")
+    for key, (value, where) in resolved(dict(session.decoder_spec.sampling), given).items():
+        if where == "model":
+            where = "genai_config.json" if isinstance(search, dict) and key in search else "generation_config.json"
+        elif where != "given":
+            where = "the model's top_k 1 left out: sampling was asked" if where != "default" else "default"
+        out[key] = (value, where)
     return out
 
 
