@@ -169,3 +169,25 @@ def test_unpermute_undoes_llama_cpp_s_rotary_permutation_and_given_weights_are_c
     weights["lm_head"] = np.zeros((97, 64), np.float32)
     with pytest.raises(ValueError, match=r"weight lm_head has shape \[97, 64\], the decoder's is \[64, 97\]"):
         decoder_lm("standard", layers=1, weights=weights)
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{% raise_exception('no') %}", "cannot be read by jinja2: TemplateSyntaxError: .*unknown tag"),
+    ("{{ raise_exception('this template takes no system message') }}",
+     "failed on these messages: this template takes no system message"),
+])
+def test_a_chat_template_that_does_not_parse_or_raises_is_a_clear_error(tmp_path, template, needle):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "make_model", os.path.join(os.path.dirname(__file__), "..", "models", "make_model.py"))
+    make_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_model)
+    folder = str(tmp_path / "tiny")
+    save_decoder(decoder_lm("gqa", vocab=97), folder, genai_config(2, 64, 4, 2, 97, 128))
+    make_model.write_tokenizer(folder, 97)
+    (tmp_path / "tiny" / "chat_template.jinja").write_text(template)
+    with OffloadSession(folder) as s:
+        for _ in range(2):  # the second call meets the same template, and the same error
+            with pytest.raises(ValueError, match=needle):
+                s.chat([{"role": "user", "content": "w1"}], 2)
+        assert isinstance(s.generate("w1 w2", 2), str)  # the session goes on

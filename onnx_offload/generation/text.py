@@ -118,9 +118,13 @@ class TextModel:
         if self.template is None:
             raise ValueError(f"the model in {self.folder} has no chat template (tokenizer_config.json's chat_template, "
                              f"or chat_template.jinja); pass text to generate() instead")
-        if self._compiled is None:
-            self._compiled = _environment().from_string(self.template)
         jinja2 = need("jinja2")
+        if self._compiled is None:
+            try:
+                self._compiled = _environment().from_string(self.template)
+            except jinja2.TemplateError as e:  # a TemplateSyntaxError, which names its line
+                raise ValueError(f"the chat template of {self.template_source} cannot be read by jinja2: "
+                                 f"{type(e).__name__}: {e}") from None
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **{k: v for k, v in self.special.items() if v is not None}, **extra)
