@@ -166,3 +166,63 @@ def test_an_unknown_model_a_body_that_is_no_json_and_an_unknown_path(server, cli
     with pytest.raises(openai.BadRequestError, match="'prompt' is required"):
         client.completions.create(model=MODEL, prompt=[])
     assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices[0].message.content
+
+
+def test_fields_sent_as_off_are_taken_and_a_stream_can_end_with_its_usage(client):
+    """Clients spell out OpenAI's defaults (logprobs false, logit_bias {}, tools []):
+    those ask for nothing the server does not do. stream_options.include_usage ends a
+    stream with a chunk of no choices that carries the usage, as OpenAI's API does."""
+    off = dict(logprobs=False, logit_bias={}, tools=[], top_logprobs=0, frequency_penalty=0.0, n=1)
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, **off)
+    assert r.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert all(c.usage is None for c in chunks[:-1])
+    with pytest.raises(openai.BadRequestError, match="only allowed when 'stream' is true"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3,
+                                       stream_options={"include_usage": True})
+    with pytest.raises(openai.BadRequestError, match="'logprobs' = True is not supported"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, logprobs=True)
+
+
+def test_a_port_in_use_is_named_with_what_to_do(server):
+    port = server[0].split(":")[2].split("/")[0]
+    out = subprocess.run([sys.executable, "-m", "onnx_offload", "serve", ".", "--port", port],
+                         capture_output=True, text=True, timeout=120, env=child_env(), cwd=CHILD_CWD)
+    assert out.returncode != 0
+    assert f"127.0.0.1:{port} is in use (another server?): pass --port N" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_the_server_stopped_while_it_streams_ends_the_stream_and_exits(smollm2, tmp_path, sig):
+    """Ctrl-C or SIGTERM while a reply of up to 1500 tokens (minutes on two cores)
+    streams: the stream ends with an error event at the next step, and the server exits
+    in seconds (status 0 on SIGTERM, 130 on Ctrl-C as every command), not once the reply
+    is done."""
+    import signal
+    log = tmp_path / "out.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "onnx_offload", "serve", smollm2, "--port", "0", "--model-id",
+                                 MODEL, "--cpu"], stdout=out, stderr=subprocess.STDOUT, env=child_env(),
+                                cwd=CHILD_CWD, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while not (m := re.search(r"at (http://127\.0\.0\.1:\d+/v1)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=m.group(1), api_key="unused", max_retries=0, timeout=300)
+        long = [{"role": "user", "content": "Write a very long story about a dragon."}]
+        stream = c.chat.completions.create(model=MODEL, messages=long, max_tokens=1500, stream=True)
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    proc.send_signal(getattr(signal, sig))
+        t0 = time.perf_counter()
+        assert proc.wait(60) == (0 if sig == "SIGTERM" else 130), log.read_text()
+        assert time.perf_counter() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in log.read_text(), log.read_text()

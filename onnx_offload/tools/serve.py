@@ -20,7 +20,7 @@ import numpy as np
 
 from ..generation import text_model
 from .serve_requests import (RequestError, RowText, check_request, chunk_body, completion_id, error_body,
-                             response_body)
+                             response_body, usage_chunk)
 
 _END = object()
 
@@ -56,6 +56,7 @@ class _Generation:
         mask = np.array([[0] * (longest - len(r)) + [1] * len(r) for r in rows], np.int64)
         self.mask = None if mask.all() else mask
         self.sampling = {k: v for k, v in request["sampling"].items() if v is not None}
+        self.include_usage = request.get("include_usage", False)
         self.eos = set(int(e) for e in s.decoder_spec.eos_token_id)
         self.texts = [RowText(request["stop"]) for _ in rows]
         self.streams = [tm.stream() for _ in rows]
@@ -114,6 +115,9 @@ class Server:
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="onnx-offload-serve")
         self.turn = None  # asyncio.Lock, made on the server's loop
         self.created = int(time.time())
+        # Whether the server is shutting down (uvicorn's should_exit, set by Ctrl-C or
+        # SIGTERM): a generation ends at its next step rather than run to its end first.
+        self.stopping = lambda: False
 
     async def _on_worker(self, fn, *args):
         return await asyncio.wrap_future(self.worker.submit(fn, *args))
@@ -130,6 +134,8 @@ class Server:
                 while True:
                     if await request.is_disconnected():
                         return
+                    if self.stopping():
+                        raise RequestError("the server is shutting down", status=503, kind="server_error")
                     out = await self._on_worker(gen.step)
                     if out is _END:
                         return
@@ -165,6 +171,8 @@ class Server:
                 async for out in self.run(gen, request):
                     for r, text in out:
                         texts[r] += text
+            except RequestError as e:
+                return JSONResponse(e.body(), status_code=e.status)
             except (ValueError, TypeError) as e:
                 return JSONResponse(error_body(str(e)), status_code=400)
             except Exception as e:  # noqa: BLE001 - the model's failure is the client's answer, the server goes on
@@ -199,11 +207,16 @@ class Server:
                     if text or (chat and first[r]):
                         yield event(chunk_body(rid, self.model_id, chat, r, text, None, first[r]))
                         first[r] = False
-        except Exception as e:  # noqa: BLE001 - headers are sent: the error is the stream's last event
+        except RequestError as e:  # headers are sent: the error is the stream's last event
+            yield event(e.body())
+            return
+        except Exception as e:  # noqa: BLE001 - as above
             yield event(error_body(f"{type(e).__name__}: {e}", "server_error"))
             return
         if await request.is_disconnected():
             return
         for r, t in enumerate(gen.texts):
             yield event(chunk_body(rid, self.model_id, chat, r, None, t.reason or "length"))
+        if gen.include_usage:
+            yield event(usage_chunk(rid, self.model_id, chat, gen.usage()))
         yield "data: [DONE]\n\n"
