@@ -165,6 +165,14 @@ def test_an_unknown_model_a_body_that_is_no_json_and_an_unknown_path(server, cli
     assert status == 404 and "no such endpoint" in body["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="'prompt' is required"):
         client.completions.create(model=MODEL, prompt=[])
+    # JSON's escapes reach a lone surrogate, which no UTF-8 holds (OpenAI's client cannot send one)
+    for path, field in (("/completions", '"prompt": ["ok", "\\udc00"]'),
+                        ("/chat/completions", '"messages": [{"role": "user", "content": "hi \\ud800"}]')):
+        status, body = _post(server[0] + path, ('{"model": "%s", %s}' % (MODEL, field)).encode(), raw=True)
+        assert status == 400 and "lone surrogate" in body["error"]["message"], body
+        assert body["error"]["param"] == field.split('"')[1]
+    status, body = _post(server[0] + "/completions", b"[" * 100000 + b"]" * 100000, raw=True)
+    assert status == 400 and "nested too deep" in body["error"]["message"]
     assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices[0].message.content
 
 

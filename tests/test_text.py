@@ -100,6 +100,10 @@ def test_bad_messages_and_a_model_without_template_or_tokenizer_are_clear_errors
         session.chat([{"role": "user"}], 4)
     with pytest.raises(ValueError, match="attention_mask goes with token ids"):
         session.generate_iter("hi", 2, attention_mask=[1])
+    with pytest.raises(ValueError, match=r"lone surrogate '\\ud800' at index 3"):
+        session.generate("hi \ud800", 2)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        session.chat([{"role": "user", "content": "\udfff"}], 2)
     assert session.chat(QUESTION, 3)  # the session goes on
     folder = str(tmp_path / "tiny")
     save_decoder(decoder_lm("gqa", vocab=97), folder, genai_config(2, 64, 4, 2, 97, 128))

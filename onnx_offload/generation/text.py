@@ -85,6 +85,11 @@ class TextModel:
         post-processor adds one); a rendered chat template holds its special tokens itself."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")  # tokenizers takes UTF-8: a lone surrogate ("\ud800") has none
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text must be valid Unicode: it holds the lone surrogate {text[e.start]!r} at index "
+                             f"{e.start}") from None
         ids = self.tokenizer.encode(text, add_special_tokens=special).ids
         bos = self.special["bos_token"]
         if special and self.config.get("add_bos_token") and bos is not None:

@@ -31,14 +31,11 @@ class _Generation:
     def __init__(self, app: "Server", request: dict, chat: bool):
         tm, s = app.text, app.session
         self.chat = chat
-        if chat:
-            try:
-                rendered = [tm.render(request["messages"])]
-            except (TypeError, ValueError) as e:
-                raise RequestError(str(e), "messages") from None
-            rows = [tm.encode(r, special=False) for r in rendered]
-        else:
-            rows = [tm.encode(p) for p in request["prompt"]]
+        try:
+            rows = ([tm.encode(tm.render(request["messages"]), special=False)] if chat
+                    else [tm.encode(p) for p in request["prompt"]])
+        except (TypeError, ValueError) as e:  # a template that refuses the messages, text that is no Unicode
+            raise RequestError(str(e), "messages" if chat else "prompt") from None
         if not all(rows):
             raise RequestError("a prompt encodes to no tokens", "messages" if chat else "prompt")
         limit = s.decoder_spec.max_length or tm.context or 0
@@ -159,6 +156,8 @@ class Server:
                     body = await request.json()
                 except (ValueError, UnicodeDecodeError):
                     raise RequestError("the request body is not JSON") from None
+                except RecursionError:
+                    raise RequestError("the request body is not JSON this server reads: nested too deep") from None
                 req = check_request(body, self.model_id, chat)
                 gen = _Generation(self, req, chat)
             except RequestError as e:
@@ -190,10 +189,14 @@ class Server:
             return JSONResponse(error_body(f"no such endpoint: {request.method} {request.url.path}"),
                                 status_code=getattr(exc, "status_code", 404))
 
+        async def server_error(request, exc):  # Starlette's own is plain text; it logs the exception after
+            return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
         routes = [Route("/v1/models", models, methods=["GET"]),
                   Route("/v1/completions", completions, methods=["POST"]),
                   Route("/v1/chat/completions", chat_completions, methods=["POST"])]
-        return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+        return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found,
+                                                                 Exception: server_error})
 
     async def _events(self, gen: _Generation, request, rid: str, chat: bool):
         """The server-sent events of a streamed generation: a chunk per row per step that
