@@ -175,6 +175,15 @@ def test_unpermute_undoes_llama_cpp_s_rotary_permutation_and_given_weights_are_c
         decoder_lm("standard", layers=1, weights=weights)
 
 
+def test_a_template_has_the_globals_transformers_gives_it(session):
+    """Llama 3.1's and 3.2's templates date their system message with strftime_now."""
+    import datetime
+    from onnx_offload.generation import TextModel
+    tm = TextModel(session.model_folder)
+    tm.template, tm._compiled = "{{ strftime_now('%Y') }} {{ messages[0]['content'] | tojson }}", None
+    assert tm.render([{"role": "user", "content": "é"}]) == f'{datetime.date.today().year} "é"'
+
+
 @pytest.mark.parametrize("template,needle", [
     ("{% raise_exception('no') %}", "cannot be read by jinja2: TemplateSyntaxError: .*unknown tag"),
     ("{{ raise_exception('this template takes no system message') }}",

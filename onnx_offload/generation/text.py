@@ -8,6 +8,7 @@ The packages are the ``[llm]`` extra; without them, an ImportError names it.
 """
 from __future__ import annotations
 
+import datetime
 import importlib
 import json
 import os
@@ -157,7 +158,8 @@ def check_messages(messages) -> None:
 def _environment():
     """transformers' environment for chat templates: ImmutableSandboxedEnvironment with
     trim_blocks and lstrip_blocks, the loopcontrols extension, a tojson filter that keeps
-    non-ASCII text, and raise_exception() for a template that refuses its messages."""
+    non-ASCII text, raise_exception() for a template that refuses its messages, and
+    strftime_now(format), today's date as Llama 3's templates write it."""
     sandbox = need("jinja2.sandbox")
     jinja2 = need("jinja2")
 
@@ -171,4 +173,5 @@ def _environment():
                                                 extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env
