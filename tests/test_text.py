@@ -105,6 +105,11 @@ def test_bad_messages_and_a_model_without_template_or_tokenizer_are_clear_errors
     with pytest.raises(ValueError, match="lone surrogate"):
         session.chat([{"role": "user", "content": "\udfff"}], 2)
     assert session.chat(QUESTION, 3)  # the session goes on
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    assert session.chat(parts, 6, do_sample=False) == session.chat(QUESTION, 6, do_sample=False)
+    with pytest.raises(TypeError, match=r"messages\[0\] must be .* text parts"):
+        session.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], 2)
     folder = str(tmp_path / "tiny")
     save_decoder(decoder_lm("gqa", vocab=97), folder, genai_config(2, 64, 4, 2, 97, 128))
     with OffloadSession(folder) as s:

@@ -120,7 +120,7 @@ class TextModel:
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
         """The chat template applied to `messages` ([{"role": ..., "content": ...}, ...]), in
         jinja2's immutable sandbox with the globals and filters transformers gives it."""
-        check_messages(messages)
+        messages = check_messages(messages)
         if self.template is None:
             raise ValueError(f"the model in {self.folder} has no chat template (tokenizer_config.json's chat_template, "
                              f"or chat_template.jinja); pass text to generate() instead")
@@ -146,13 +146,24 @@ class _Stream:
         return self._stream.step(self._tokenizer, int(token)) or ""
 
 
-def check_messages(messages) -> None:
-    """ValueError/TypeError unless `messages` is a non-empty list of {"role": str, "content": str}."""
+def check_messages(messages) -> list:
+    """`messages` with each content a str: TypeError unless it is a non-empty list of
+    {"role": str, "content": str or a list of text parts}. Text parts ({"type": "text",
+    "text": ...}, as OpenAI's API and transformers' pipelines take them) are joined, as the
+    server joins them: a text-only template renders a string."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TypeError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
     for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            m = {**m, "content": "".join(p["text"] for p in content)}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise TypeError(f"messages[{i}] must be a dict with a str 'role' and a str 'content', got {m!r:.200}")
+            raise TypeError(f"messages[{i}] must be a dict with a str 'role' and a str 'content' (or a list of "
+                            f"text parts), got {m!r:.200}")
+        out.append(m)
+    return out
 
 
 def _environment():
