@@ -77,7 +77,7 @@ def test_a_streamed_chat_gives_the_same_text_in_chunks(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_completions_batch_a_list_of_prompts_and_cut_at_a_stop_string(client):
+def test_completions_batch_a_list_of_prompts_and_cut_at_a_stop_string(client, smollm2):
     prompts = ["The capital of France is", "1, 2, 3, 4,"]
     alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
              for p in prompts]
@@ -88,6 +88,15 @@ def test_completions_batch_a_list_of_prompts_and_cut_at_a_stop_string(client):
     assert cut.choices[0].text == alone[1].split("6")[0] and cut.choices[0].finish_reason == "stop"
     streamed = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, stop=["6"], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    # token ids, as OpenAI's API takes them: one prompt's, or a batch of them beside text
+    assert client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=1).usage.prompt_tokens == 2
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(smollm2, "tokenizer.json"))
+    as_ids = [tok.encode(p).ids for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=[as_ids[0], prompts[1]], max_tokens=6, temperature=0)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == alone
+    with pytest.raises(openai.BadRequestError, match=r"token ids must lie in \[0, 49152\)"):
+        client.completions.create(model=MODEL, prompt=[1, 10**6], max_tokens=1)
 
 
 def test_two_clients_at_once_each_get_their_own_answer(server, client):

@@ -33,9 +33,12 @@ class _Generation:
         self.chat = chat
         try:
             rows = ([tm.encode(tm.render(request["messages"]), special=False)] if chat
-                    else [tm.encode(p) for p in request["prompt"]])
+                    else [tm.encode(p) if isinstance(p, str) else p for p in request["prompt"]])
         except (TypeError, ValueError) as e:  # a template that refuses the messages, text that is no Unicode
             raise RequestError(str(e), "messages" if chat else "prompt") from None
+        vocab = s.decoder_spec.vocab or tm.tokenizer.get_vocab_size()
+        if any(not 0 <= t < vocab for r in rows for t in r):
+            raise RequestError(f"token ids must lie in [0, {vocab})", "prompt")
         if not all(rows):
             raise RequestError("a prompt encodes to no tokens", "messages" if chat else "prompt")
         limit = s.decoder_spec.max_length or tm.context or 0

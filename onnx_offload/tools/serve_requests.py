@@ -93,12 +93,13 @@ def check_request(body, model_id: str, chat: bool) -> dict:
         out["messages"] = _messages(body.get("messages"))
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) or _ids(prompt):  # a text, or one prompt's token ids
             out["prompt"] = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p) for p in prompt):
             out["prompt"] = prompt
         else:
-            raise RequestError("'prompt' is required: a string or a non-empty list of strings", "prompt")
+            raise RequestError("'prompt' is required: a string, a non-empty list of token ids, or a non-empty list "
+                               "of either", "prompt")
         out["batched"] = isinstance(prompt, list)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     new = _integer(body, key, 1)
@@ -120,6 +121,12 @@ def check_request(body, model_id: str, chat: bool) -> dict:
         raise RequestError("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
     out["stop"] = stop or []
     return out
+
+
+def _ids(value) -> bool:
+    """Whether `value` is a prompt's token ids: a non-empty list of integers."""
+    return (isinstance(value, list) and len(value) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 def _messages(messages) -> list:
