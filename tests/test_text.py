@@ -209,3 +209,14 @@ def test_a_chat_template_that_does_not_parse_or_raises_is_a_clear_error(tmp_path
             with pytest.raises(ValueError, match=needle):
                 s.chat([{"role": "user", "content": "w1"}], 2)
         assert isinstance(s.generate("w1 w2", 2), str)  # the session goes on
+
+
+def test_cli_generate_prints_the_text_of_python_s_generate_characters_split_over_tokens_whole(session, capsys):
+    """Each of these emoji decodes from three byte tokens: the text a step completes prints
+    whole, not as replacement characters."""
+    from onnx_offload.tools.cli import main
+    prompt = "Say 😀🎉 日本語"
+    want = session.generate(prompt, 8, do_sample=False)
+    assert "🎉" in want
+    assert main(["generate", session.model_folder, "--prompt", prompt, "--max-new-tokens", "8", "--cpu"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == want
