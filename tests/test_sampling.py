@@ -106,3 +106,21 @@ def test_a_call_that_asks_to_sample_leaves_out_the_model_s_top_k_of_1(tmp_path):
         0, "model top_k 1 dropped")
     assert sampling_sources({"do_sample": False, "top_k": 1}, {})["top_k"] == (1, "model")
     assert sampling_sources({"top_k": 40}, {"do_sample": True})["top_k"] == (40, "model")
+
+
+def test_cli_sampling_flags_without_do_sample_sample_as_a_server_request_does(tmp_path, capsys):
+    """--temperature, --top-k or --top-p alone samples (llama.cpp's users mean it so, and a
+    request to the server that sets them samples); --temperature 0 decodes greedily."""
+    from onnx_offload.tools.cli import main
+    from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
+    folder = str(tmp_path / "llm")
+    save_decoder(decoder_lm("gqa", max_length=64), folder,
+                 genai_config(layers=2, hidden=64, heads=4, kv_heads=2, vocab=97, max_length=64))
+
+    def tokens(*flags):
+        assert main(["generate", folder, "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--cpu", *flags]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens: "))
+    greedy = tokens()
+    assert tokens("--temperature", "0", "--seed", "1") == greedy
+    for flags in (["--temperature", "2"], ["--top-p", "0.99"], ["--top-k", "50"]):
+        assert any(tokens(*flags, "--seed", str(seed)) != greedy for seed in range(3)), flags

@@ -41,6 +41,17 @@ def sampling_sources(session, given: dict) -> dict:
     return out
 
 
+def given_sampling(args) -> dict:
+    """The decoding flags given, as a generation's keywords: --temperature 0 decodes greedily,
+    and --temperature, --top-k or --top-p without --do-sample samples, as a server request
+    that sets them does and as llama.cpp's users mean them (args is updated to match)."""
+    if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
+        args.do_sample, args.temperature = False, None
+    elif args.do_sample is None and any(v is not None for v in (args.temperature, args.top_k, args.top_p)):
+        args.do_sample = True
+    return dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
 def _json(path: str) -> dict:
     from ..loading import read_json
     try:
@@ -94,9 +105,7 @@ def _chat(args) -> int:
     if not os.path.isdir(args.model):
         raise FileNotFoundError(f"{args.model!r}: no such model folder (chat needs the folder, with its "
                                 f"tokenizer.json and chat template)")
-    if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
-        args.do_sample, args.temperature = False, None
-    given = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    given = given_sampling(args)
     with OffloadSession(args.model, providers=[provider(device_kind(args))], **config_kwargs(args)) as s:
         tm = text_model(s)
         history = [{"role": "system", "content": args.system}] if args.system else []
@@ -136,7 +145,8 @@ def _chat(args) -> int:
 def sampling_flags(p) -> None:
     from .cli_args import count, temperature, top_p
     p.add_argument("--do-sample", action="store_true", default=None,
-                   help="sample instead of greedy decoding (default: the model's generation config, else greedy)")
+                   help="sample instead of greedy decoding (default: on where --temperature, --top-k or --top-p is "
+                        "given, else the model's generation config, else greedy)")
     p.add_argument("--temperature", type=temperature,
                    help="sampling temperature (default: the model's, else 1.0); 0 decodes greedily")
     p.add_argument("--top-k", type=count, help="sample from the k likeliest tokens only (default: the model's, else 0: "

@@ -104,9 +104,8 @@ def cmd_generate(args) -> int:
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"{args.model!r}: no such model file or folder")
     from ..generation import SAMPLING_DEFAULTS, Sampling
-    if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
-        args.do_sample, args.temperature = False, None
-    given = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    from .cli_chat import given_sampling
+    given = given_sampling(args)
     # Checked before any weight loads; what is not given is the model's, read once it loads.
     Sampling(**{k: SAMPLING_DEFAULTS[k] if v is None else v for k, v in given.items()})
     eos = None
