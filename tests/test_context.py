@@ -36,3 +36,21 @@ def test_config_json_s_context_bounds_the_generation(tmp_path, key):
             s.generate(ids, 10)
         assert time.perf_counter() - t < 1
         assert s.generate(ids, 3).shape == (1, 33)
+
+
+def test_the_advice_for_a_known_context_holds_a_short_prompt_s_growing_cache():
+    """A too-small budget's advice is tried with a sequence of the model's context (512
+    here): on the bucketed layout a short prompt's cache grows as it decodes, and its last
+    growth holds the 256-position bucket and the 512-position one at once, more than a
+    prompt of 512 tokens allocates. Followed, the advice runs both."""
+    from onnx_offload import BudgetExceeded
+    from onnx_offload.generation.advice import advised
+    model = decoder_lm("standard", layers=4, hidden=128, intermediate=384, vocab=512, max_length=512)
+    kw = dict(offload=True, vmm=True, prefill_chunk=128, providers=CPU, host_granularity=4096)
+    with pytest.raises(BudgetExceeded) as e:
+        OffloadSession(model.SerializeToString(), vram_limit=300000, **kw)
+    advice = advised(e.value)
+    ids = np.random.default_rng(0).integers(0, 512, (1, 300))
+    with OffloadSession(model.SerializeToString(), **advice, **kw) as s:
+        assert s.generate(ids, 4).shape == (1, 304)
+        assert s.generate(ids[:, :8], 300).shape == (1, 308)

@@ -3,7 +3,7 @@ export layout, sampling, and the generation's steps at fixed shapes and addresse
 """
 
 from ..loading import SAMPLING_DEFAULTS
-from .advice import default_generation, own_probe, probing, with_generation
+from .advice import default_generation, hold_growth, own_probe, probing, with_generation
 from .kept import release_kept
 from .buffers import DeviceBuffers, write
 from .kv_cache import ExactKV, SharedKV, peak_bytes
@@ -16,6 +16,6 @@ from .text_steps import model_folder, text_model
 
 __all__ = ["DeviceBuffers", "ExactKV", "FIRST_CONTEXT", "GenerationMembers", "LLM_EXTRA", "SAMPLING_DEFAULTS", "Sampling",
            "SharedKV", "TextModel", "model_folder", "need", "text_model",
-           "default_generation", "first_generation", "first_needs", "last_logits", "own_probe", "peak_bytes",
+           "default_generation", "first_generation", "hold_growth", "first_needs", "last_logits", "own_probe", "peak_bytes",
            "probing", "prompt_chunk", "prompt_pieces", "release_kept", "sampling_sources", "with_generation",
            "write"]
