@@ -123,7 +123,8 @@ class TextModel:
         messages = check_messages(messages)
         if self.template is None:
             raise ValueError(f"the model in {self.folder} has no chat template (tokenizer_config.json's chat_template, "
-                             f"or chat_template.jinja); pass text to generate() instead")
+                             f"or chat_template.jinja); text without a template goes through generate(), onnx-offload "
+                             f"generate --prompt, or the server's /v1/completions")
         jinja2 = need("jinja2")
         if self._compiled is None:
             try:
