@@ -48,7 +48,7 @@ def given_sampling(args) -> dict:
     if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
         args.do_sample, args.temperature = False, None
     elif args.do_sample is None and any(v is not None for v in (args.temperature, args.top_k, args.top_p)):
-        args.do_sample = True
+        args.do_sample, args.sample_implied = True, True
     return dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
@@ -70,12 +70,15 @@ def settings_line(sources: dict, max_new_tokens: Optional[int], given_as: str = 
 
     do_sample, where = sources["do_sample"]
     if not do_sample:
-        why = {"given": f"{given_as}", "default": "the model's generation config sets no sampling"}.get(
+        why = {"given": "--temperature 0" if given_as == "--flag" else given_as,
+               "default": "the model's generation config sets no sampling"}.get(
             where, f"do_sample false in {where}")
         return f"decoding: greedy ({why}){limit}"
     shown = ", ".join(f"{k} {sources[k][0]} ({source(k)})" for k in _KEYS[1:])
-    return (f"decoding: sampling (do_sample true in {source('do_sample')}: sampling follows the model's generation "
-            f"config), {shown}{limit}; temperature 0 decodes greedily")
+    why = {"given": "--do-sample" if given_as == "--flag" else given_as,
+           "implied": "--temperature, --top-k or --top-p given"}.get(
+        where, f"do_sample true in {where}: sampling follows the model's generation config")
+    return f"decoding: sampling ({why}), {shown}{limit}; temperature 0 decodes greedily"
 
 
 @contextlib.contextmanager
@@ -110,7 +113,10 @@ def _chat(args) -> int:
         tm = text_model(s)
         history = [{"role": "system", "content": args.system}] if args.system else []
         tm.render(history + [{"role": "user", "content": "hello"}])  # a template that cannot render fails now
-        print(settings_line(sampling_sources(s, given), args.max_new_tokens, "--flag"), flush=True)
+        sources = sampling_sources(s, given)
+        if getattr(args, "sample_implied", False):
+            sources["do_sample"] = (True, "implied")
+        print(settings_line(sources, args.max_new_tokens, "--flag"), flush=True)
         print("Ctrl-C ends a reply; Ctrl-D, /exit or Ctrl-C at the prompt ends the chat.", flush=True)
         told = set()  # the reasons already shown for running the conversation again
         while True:
