@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import CHILD_CWD, child_env
 
 
@@ -92,3 +94,31 @@ def test_two_turns_then_ctrl_c_ends_a_reply_not_the_chat_then_a_third_turn(smoll
         assert t.proc.wait(60) == 0
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("flags,line", [
+    ([], "decoding: greedy (do_sample false in genai_config.json)"),
+    (["--temperature", "0"], "decoding: greedy (--temperature 0)"),
+    (["--do-sample"], "decoding: sampling (--do-sample), temperature 1.0 (genai_config.json), top_k 0 (the model's "
+                      "top_k 1 left out: sampling was asked), top_p 1.0 (genai_config.json)"),
+    (["--top-p", "0.9"], "decoding: sampling (--temperature, --top-k or --top-p given), temperature 1.0 "
+                         "(genai_config.json), top_k 0 (the model's top_k 1 left out: sampling was asked), top_p "
+                         "0.9 (--flag)"),
+])
+def test_the_settings_line_says_where_each_setting_came_from(tmp_path, flags, line):
+    """A genai builder's folder: do_sample false and top_k 1 in genai_config.json."""
+    import importlib.util
+    from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
+    spec = importlib.util.spec_from_file_location(
+        "make_model", os.path.join(os.path.dirname(__file__), "..", "models", "make_model.py"))
+    make_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_model)
+    folder = str(tmp_path / "llm")
+    save_decoder(decoder_lm("gqa", vocab=97), folder, genai_config(2, 64, 4, 2, 97, 128))
+    make_model.write_tokenizer(folder, 97)
+    (tmp_path / "llm" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    out = subprocess.run([sys.executable, "-m", "onnx_offload", "chat", folder, "--cpu", "--max-new-tokens", "2",
+                          *flags], input="w1\n", capture_output=True, text=True, timeout=300, env=child_env(),
+                         cwd=CHILD_CWD)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith(line), out.stdout

@@ -83,3 +83,44 @@ def test_sampling_reads_float16_logits_as_their_float32_values():
     x = rng.standard_normal((3, 1000)).astype(np.float16)
     s = Sampling(do_sample=True, temperature=0.7, top_k=50, top_p=0.9)
     assert np.array_equal(s.pick(x, np.random.default_rng(1)), s.pick(x.astype(np.float32), np.random.default_rng(1)))
+
+
+def test_a_call_that_asks_to_sample_leaves_out_the_model_s_top_k_of_1(tmp_path):
+    """onnxruntime-genai's builder writes top_k 1 beside do_sample false: a call (or a
+    server request) that asks to sample samples, not the greedy token every time."""
+    from onnx_offload import OffloadSession
+    from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
+    model = decoder_lm("gqa", max_length=64)
+    folder = str(tmp_path / "llm")
+    save_decoder(model, folder, genai_config(layers=2, hidden=64, heads=4, kv_heads=2, vocab=97, max_length=64))
+    ids = np.random.default_rng(0).integers(0, 97, (1, 6))
+    with OffloadSession(folder, providers=["CPUExecutionProvider"], vram_limit="64MiB") as s:
+        assert dict(s.decoder_spec.sampling)["top_k"] == 1
+        greedy_ids = s.generate(ids, 12)[0, 6:]
+        sampled = [s.generate(ids, 12, do_sample=True, temperature=2.0, seed=seed)[0, 6:] for seed in range(3)]
+        assert any(not np.array_equal(x, greedy_ids) for x in sampled)
+        # top_k given by the call is the call's
+        np.testing.assert_array_equal(s.generate(ids, 12, do_sample=True, top_k=1, seed=5)[0, 6:], greedy_ids)
+    from onnx_offload.generation import sampling_sources
+    assert sampling_sources({"do_sample": False, "top_k": 1}, {"do_sample": True})["top_k"] == (
+        0, "model top_k 1 dropped")
+    assert sampling_sources({"do_sample": False, "top_k": 1}, {})["top_k"] == (1, "model")
+    assert sampling_sources({"top_k": 40}, {"do_sample": True})["top_k"] == (40, "model")
+
+
+def test_cli_sampling_flags_without_do_sample_sample_as_a_server_request_does(tmp_path, capsys):
+    """--temperature, --top-k or --top-p alone samples (llama.cpp's users mean it so, and a
+    request to the server that sets them samples); --temperature 0 decodes greedily."""
+    from onnx_offload.tools.cli import main
+    from onnx_offload.models.decoder import decoder_lm, genai_config, save_decoder
+    folder = str(tmp_path / "llm")
+    save_decoder(decoder_lm("gqa", max_length=64), folder,
+                 genai_config(layers=2, hidden=64, heads=4, kv_heads=2, vocab=97, max_length=64))
+
+    def tokens(*flags):
+        assert main(["generate", folder, "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--cpu", *flags]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens: "))
+    greedy = tokens()
+    assert tokens("--temperature", "0", "--seed", "1") == greedy
+    for flags in (["--temperature", "2"], ["--top-p", "0.99"], ["--top-k", "50"]):
+        assert any(tokens(*flags, "--seed", str(seed)) != greedy for seed in range(3)), flags

@@ -77,7 +77,7 @@ def test_a_streamed_chat_gives_the_same_text_in_chunks(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_completions_batch_a_list_of_prompts_and_cut_at_a_stop_string(client):
+def test_completions_batch_a_list_of_prompts_and_cut_at_a_stop_string(client, smollm2):
     prompts = ["The capital of France is", "1, 2, 3, 4,"]
     alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
              for p in prompts]
@@ -88,6 +88,15 @@ def test_completions_batch_a_list_of_prompts_and_cut_at_a_stop_string(client):
     assert cut.choices[0].text == alone[1].split("6")[0] and cut.choices[0].finish_reason == "stop"
     streamed = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, stop=["6"], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    # token ids, as OpenAI's API takes them: one prompt's, or a batch of them beside text
+    assert client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=1).usage.prompt_tokens == 2
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(smollm2, "tokenizer.json"))
+    as_ids = [tok.encode(p).ids for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=[as_ids[0], prompts[1]], max_tokens=6, temperature=0)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == alone
+    with pytest.raises(openai.BadRequestError, match=r"token ids must lie in \[0, 49152\)"):
+        client.completions.create(model=MODEL, prompt=[1, 10**6], max_tokens=1)
 
 
 def test_two_clients_at_once_each_get_their_own_answer(server, client):
@@ -165,4 +174,72 @@ def test_an_unknown_model_a_body_that_is_no_json_and_an_unknown_path(server, cli
     assert status == 404 and "no such endpoint" in body["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="'prompt' is required"):
         client.completions.create(model=MODEL, prompt=[])
+    # JSON's escapes reach a lone surrogate, which no UTF-8 holds (OpenAI's client cannot send one)
+    for path, field in (("/completions", '"prompt": ["ok", "\\udc00"]'),
+                        ("/chat/completions", '"messages": [{"role": "user", "content": "hi \\ud800"}]')):
+        status, body = _post(server[0] + path, ('{"model": "%s", %s}' % (MODEL, field)).encode(), raw=True)
+        assert status == 400 and "lone surrogate" in body["error"]["message"], body
+        assert body["error"]["param"] == field.split('"')[1]
+    status, body = _post(server[0] + "/completions", b"[" * 100000 + b"]" * 100000, raw=True)
+    assert status == 400 and "nested too deep" in body["error"]["message"]
     assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices[0].message.content
+
+
+def test_fields_sent_as_off_are_taken_and_a_stream_can_end_with_its_usage(client):
+    """Clients spell out OpenAI's defaults (logprobs false, logit_bias {}, tools []):
+    those ask for nothing the server does not do. stream_options.include_usage ends a
+    stream with a chunk of no choices that carries the usage, as OpenAI's API does."""
+    off = dict(logprobs=False, logit_bias={}, tools=[], top_logprobs=0, frequency_penalty=0.0, n=1)
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, **off)
+    assert r.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert all(c.usage is None for c in chunks[:-1])
+    with pytest.raises(openai.BadRequestError, match="only allowed when 'stream' is true"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3,
+                                       stream_options={"include_usage": True})
+    with pytest.raises(openai.BadRequestError, match="'logprobs' = True is not supported"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, logprobs=True)
+
+
+def test_a_port_in_use_is_named_with_what_to_do(server):
+    port = server[0].split(":")[2].split("/")[0]
+    out = subprocess.run([sys.executable, "-m", "onnx_offload", "serve", ".", "--port", port],
+                         capture_output=True, text=True, timeout=120, env=child_env(), cwd=CHILD_CWD)
+    assert out.returncode != 0
+    assert f"127.0.0.1:{port} is in use (another server?): pass --port N" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_the_server_stopped_while_it_streams_ends_the_stream_and_exits(smollm2, tmp_path, sig, ctrl_c):
+    """Ctrl-C or SIGTERM while a reply of up to 1500 tokens (minutes on two cores)
+    streams: the stream ends with an error event at the next step, and the server exits
+    in seconds (status 0 on SIGTERM, 130 on Ctrl-C as every command), not once the reply
+    is done."""
+    import signal
+    log = tmp_path / "out.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "onnx_offload", "serve", smollm2, "--port", "0", "--model-id",
+                                 MODEL, "--cpu"], stdout=out, stderr=subprocess.STDOUT, env=child_env(),
+                                cwd=CHILD_CWD)
+    try:
+        deadline = time.monotonic() + 300
+        while not (m := re.search(r"at (http://127\.0\.0\.1:\d+/v1)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=m.group(1), api_key="unused", max_retries=0, timeout=300)
+        long = [{"role": "user", "content": "Write a very long story about a dragon."}]
+        stream = c.chat.completions.create(model=MODEL, messages=long, max_tokens=1500, stream=True)
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    proc.send_signal(getattr(signal, sig))
+        t0 = time.perf_counter()
+        assert proc.wait(60) == (0 if sig == "SIGTERM" else 130), log.read_text()
+        assert time.perf_counter() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in log.read_text(), log.read_text()

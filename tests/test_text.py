@@ -100,7 +100,16 @@ def test_bad_messages_and_a_model_without_template_or_tokenizer_are_clear_errors
         session.chat([{"role": "user"}], 4)
     with pytest.raises(ValueError, match="attention_mask goes with token ids"):
         session.generate_iter("hi", 2, attention_mask=[1])
+    with pytest.raises(ValueError, match=r"lone surrogate '\\ud800' at index 3"):
+        session.generate("hi \ud800", 2)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        session.chat([{"role": "user", "content": "\udfff"}], 2)
     assert session.chat(QUESTION, 3)  # the session goes on
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    assert session.chat(parts, 6, do_sample=False) == session.chat(QUESTION, 6, do_sample=False)
+    with pytest.raises(TypeError, match=r"messages\[0\] must be .* text parts"):
+        session.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], 2)
     folder = str(tmp_path / "tiny")
     save_decoder(decoder_lm("gqa", vocab=97), folder, genai_config(2, 64, 4, 2, 97, 128))
     with OffloadSession(folder) as s:
@@ -169,3 +178,45 @@ def test_unpermute_undoes_llama_cpp_s_rotary_permutation_and_given_weights_are_c
     weights["lm_head"] = np.zeros((97, 64), np.float32)
     with pytest.raises(ValueError, match=r"weight lm_head has shape \[97, 64\], the decoder's is \[64, 97\]"):
         decoder_lm("standard", layers=1, weights=weights)
+
+
+def test_a_template_has_the_globals_transformers_gives_it(session):
+    """Llama 3.1's and 3.2's templates date their system message with strftime_now."""
+    import datetime
+    from onnx_offload.generation import TextModel
+    tm = TextModel(session.model_folder)
+    tm.template, tm._compiled = "{{ strftime_now('%Y') }} {{ messages[0]['content'] | tojson }}", None
+    assert tm.render([{"role": "user", "content": "é"}]) == f'{datetime.date.today().year} "é"'
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{% raise_exception('no') %}", "cannot be read by jinja2: TemplateSyntaxError: .*unknown tag"),
+    ("{{ raise_exception('this template takes no system message') }}",
+     "failed on these messages: this template takes no system message"),
+])
+def test_a_chat_template_that_does_not_parse_or_raises_is_a_clear_error(tmp_path, template, needle):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "make_model", os.path.join(os.path.dirname(__file__), "..", "models", "make_model.py"))
+    make_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_model)
+    folder = str(tmp_path / "tiny")
+    save_decoder(decoder_lm("gqa", vocab=97), folder, genai_config(2, 64, 4, 2, 97, 128))
+    make_model.write_tokenizer(folder, 97)
+    (tmp_path / "tiny" / "chat_template.jinja").write_text(template)
+    with OffloadSession(folder) as s:
+        for _ in range(2):  # the second call meets the same template, and the same error
+            with pytest.raises(ValueError, match=needle):
+                s.chat([{"role": "user", "content": "w1"}], 2)
+        assert isinstance(s.generate("w1 w2", 2), str)  # the session goes on
+
+
+def test_cli_generate_prints_the_text_of_python_s_generate_characters_split_over_tokens_whole(session, capsys):
+    """Each of these emoji decodes from three byte tokens: the text a step completes prints
+    whole, not as replacement characters."""
+    from onnx_offload.tools.cli import main
+    prompt = "Say 😀🎉 日本語"
+    want = session.generate(prompt, 8, do_sample=False)
+    assert "🎉" in want
+    assert main(["generate", session.model_folder, "--prompt", prompt, "--max-new-tokens", "8", "--cpu"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == want

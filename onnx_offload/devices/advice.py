@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from ..errors import BudgetExceeded
-from ..generation import default_generation, own_probe
+from ..generation import default_generation, hold_growth, own_probe
 
 PER_DEVICE = ("vram_limit", "weight_bytes", "kv_bytes", "scratch_bytes")
 # One device's entry of a budget keyword, as on_device words a stage's advice.
@@ -45,6 +45,7 @@ def hold_generation(session, batch: int, prompt: int, total: int) -> None:
         gen.hold(total)
     finally:
         gen.close()
+    hold_growth(session, batch, total)
 
 
 class Followed:

@@ -44,6 +44,21 @@ def probing() -> bool:
     return getattr(_TRYING, "on", False)
 
 
+def hold_growth(session, batch: int, total: int) -> None:
+    """Grows a bucketed cache (the standard and exact layouts) from a one-token prompt to
+    `total` positions, as a short prompt's decoding grows it, and gives it back: its last
+    growth holds the old bucket and the new one at once, more than a prompt of `total`
+    tokens allocates. The shared (gqa) cache holds its whole length from the start."""
+    spec = session.decoder_spec
+    if spec.layout == "gqa" or total <= 1:
+        return
+    gen = session._new_generation(spec, batch, 1, total)
+    try:
+        gen.hold(total)
+    finally:
+        gen.close()
+
+
 def default_generation(spec) -> tuple:
     """(batch, prompt, total) of the generation a decoder's session plans for: one
     sequence of up to DEFAULT_CONTEXT positions (or the model's context, if shorter), all
@@ -95,6 +110,7 @@ def with_generation(error: BudgetExceeded, make: Callable[..., object], batch: i
                         gen.hold(total)
                     finally:
                         gen.close()
+                    hold_growth(probe, batch, total)
         except StepMemoryShort as e:  # ORT's own memory: that much more budget
             if not e.needed:
                 return error  # of unknown size: nothing to try

@@ -20,6 +20,25 @@ from .kept import new_generation, park, release_kept
 from .text_steps import chat_prompt, encode_rows, is_text, text_model as _text_model, text_pieces
 
 
+def sampling_sources(model: dict, given: dict) -> dict:
+    """{key: (value, source)} of do_sample, temperature, top_k and top_p: the value `given`
+    (source "given"), else the model's (`model`, its files' settings: "model"), else the
+    package's default ("default"). A call that asks to sample (do_sample=True given) does
+    not take the model's top_k of 1 ("model top_k 1 dropped"): onnxruntime-genai's builder
+    writes top_k 1 beside do_sample false, and with it every sample is the greedy token."""
+    out = {}
+    for key, default in SAMPLING_DEFAULTS.items():
+        if given.get(key) is not None:
+            out[key] = (given[key], "given")
+        elif key in model:
+            out[key] = (model[key], "model")
+        else:
+            out[key] = (default, "default")
+    if given.get("do_sample") and out["top_k"] == (1, "model"):
+        out["top_k"] = (SAMPLING_DEFAULTS["top_k"], "model top_k 1 dropped")
+    return out
+
+
 class GenerationMembers:
     """Mixed into OffloadSession; uses its _check_open(), _step() and _decoder_spec."""
 
@@ -94,7 +113,7 @@ class GenerationMembers:
         """The arguments given, else the model's sampling defaults, else the package's."""
         given = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
         model = dict(self.decoder_spec.sampling)  # UnsupportedModel for a model generate() cannot run
-        return Sampling(**{k: v if v is not None else model.get(k, SAMPLING_DEFAULTS[k]) for k, v in given.items()})
+        return Sampling(**{k: v for k, (v, _) in sampling_sources(model, given).items()})
 
     def _generation(self, input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k, top_p, seed,
                     eos_token_id):

@@ -8,6 +8,7 @@ The packages are the ``[llm]`` extra; without them, an ImportError names it.
 """
 from __future__ import annotations
 
+import datetime
 import importlib
 import json
 import os
@@ -85,6 +86,11 @@ class TextModel:
         post-processor adds one); a rendered chat template holds its special tokens itself."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")  # tokenizers takes UTF-8: a lone surrogate ("\ud800") has none
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text must be valid Unicode: it holds the lone surrogate {text[e.start]!r} at index "
+                             f"{e.start}") from None
         ids = self.tokenizer.encode(text, add_special_tokens=special).ids
         bos = self.special["bos_token"]
         if special and self.config.get("add_bos_token") and bos is not None:
@@ -114,13 +120,18 @@ class TextModel:
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
         """The chat template applied to `messages` ([{"role": ..., "content": ...}, ...]), in
         jinja2's immutable sandbox with the globals and filters transformers gives it."""
-        check_messages(messages)
+        messages = check_messages(messages)
         if self.template is None:
             raise ValueError(f"the model in {self.folder} has no chat template (tokenizer_config.json's chat_template, "
-                             f"or chat_template.jinja); pass text to generate() instead")
-        if self._compiled is None:
-            self._compiled = _environment().from_string(self.template)
+                             f"or chat_template.jinja); text without a template goes through generate(), onnx-offload "
+                             f"generate --prompt, or the server's /v1/completions")
         jinja2 = need("jinja2")
+        if self._compiled is None:
+            try:
+                self._compiled = _environment().from_string(self.template)
+            except jinja2.TemplateError as e:  # a TemplateSyntaxError, which names its line
+                raise ValueError(f"the chat template of {self.template_source} cannot be read by jinja2: "
+                                 f"{type(e).__name__}: {e}") from None
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **{k: v for k, v in self.special.items() if v is not None}, **extra)
@@ -136,19 +147,31 @@ class _Stream:
         return self._stream.step(self._tokenizer, int(token)) or ""
 
 
-def check_messages(messages) -> None:
-    """ValueError/TypeError unless `messages` is a non-empty list of {"role": str, "content": str}."""
+def check_messages(messages) -> list:
+    """`messages` with each content a str: TypeError unless it is a non-empty list of
+    {"role": str, "content": str or a list of text parts}. Text parts ({"type": "text",
+    "text": ...}, as OpenAI's API and transformers' pipelines take them) are joined, as the
+    server joins them: a text-only template renders a string."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TypeError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
     for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            m = {**m, "content": "".join(p["text"] for p in content)}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise TypeError(f"messages[{i}] must be a dict with a str 'role' and a str 'content', got {m!r:.200}")
+            raise TypeError(f"messages[{i}] must be a dict with a str 'role' and a str 'content' (or a list of "
+                            f"text parts), got {m!r:.200}")
+        out.append(m)
+    return out
 
 
 def _environment():
     """transformers' environment for chat templates: ImmutableSandboxedEnvironment with
     trim_blocks and lstrip_blocks, the loopcontrols extension, a tojson filter that keeps
-    non-ASCII text, and raise_exception() for a template that refuses its messages."""
+    non-ASCII text, raise_exception() for a template that refuses its messages, and
+    strftime_now(format), today's date as Llama 3's templates write it."""
     sandbox = need("jinja2.sandbox")
     jinja2 = need("jinja2")
 
@@ -162,4 +185,5 @@ def _environment():
                                                 extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env

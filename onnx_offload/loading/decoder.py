@@ -45,7 +45,8 @@ class DecoderSpec:
     kv_dtype: np.dtype
     logits_dtype: np.dtype
     position_ids: bool
-    max_length: Optional[int]  # the longest sequence: the lesser of genai_config.json's and the rotary table's
+    # the longest sequence: the least of genai_config.json's, the position tables' and config.json's
+    max_length: Optional[int]
     eos_token_id: tuple
     ids_dtype: np.dtype = np.dtype(np.int64)  # of input_ids, attention_mask and position_ids,
     mask_dtype: np.dtype = np.dtype(np.int64)  # as the model declares them
@@ -282,7 +283,7 @@ def decoder_spec(inputs: Sequence[Port], outputs: Sequence[Port], op_types, mode
     if logits.shape and len(logits.shape) not in (2, 3):
         raise UnsupportedModel(f"generate() reads logits as [batch, sequence, vocab] or, of the last position "
                                f"only, [batch, vocab]; this model's have rank {len(logits.shape)}")
-    bounds = [n for n in (cfg.get("max_length"), rotary_rows) if n]
+    bounds = [n for n in (cfg.get("max_length"), rotary_rows, read_context(model_dir)) if n]
     vocab = logits.shape[-1] if logits.shape else None
     # The standard layout pads the past to a bucket, which needs the positions from
     # position_ids and a mask that places nothing by the past's length (nor chooses by
@@ -322,10 +323,28 @@ def window_caches(model) -> tuple:
 
 
 def rotary_rows(model) -> Optional[int]:
-    """The positions a GroupQueryAttention rotary table (its cos_cache input) holds: the
-    longest sequence the model can run without a genai_config.json saying so."""
+    """The positions the model's position tables hold: a GroupQueryAttention's rotary table
+    (its cos_cache input), or a table of 2-D weights gathered by the position_ids input
+    itself (a rotary cos/sin table, GPT-2's position embeddings). A position past them
+    fails in ORT's Gather: the longest sequence the model can run, whatever its files say."""
     dims = {t.name: t.dims for t in model.graph.initializer}
     rows = [int(dims[n.input[7]][0]) for n in model.graph.node
             if n.op_type == "GroupQueryAttention" and len(n.input) > 7 and n.input[7] in dims and dims[n.input[7]]]
+    inputs = {i.name for i in model.graph.input}
+    rows += [int(dims[n.input[0]][0]) for n in model.graph.node
+             if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == "position_ids" and "position_ids" in inputs
+             and len(dims.get(n.input[0], ())) == 2 and all(a.i == 0 for a in n.attribute if a.name == "axis")]
     return min(rows) if rows else None
+
+
+def read_context(model_dir: Optional[str]) -> Optional[int]:
+    """The context config.json beside the model gives (max_position_embeddings, GPT-2's
+    n_positions): the longest sequence the model was made for, which llama.cpp and this
+    package's server hold a generation to as well."""
+    cfg = _hf_json(model_dir, "config.json")
+    for key in ("max_position_embeddings", "n_positions"):
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 

@@ -88,7 +88,8 @@ def main(argv=None) -> int:
     src.add_argument("--prompt", help="text, encoded by the tokenizer.json beside the model ('tokenizers' package)")
     g.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--do-sample", action="store_true", default=None,
-                   help="sample instead of greedy decoding (default: the model's generation config, else greedy)")
+                   help="sample instead of greedy decoding (default: on where --temperature, --top-k or --top-p is "
+                        "given, else the model's generation config, else greedy)")
     g.add_argument("--temperature", type=temperature,
                    help="sampling temperature (default: the model's, else 1.0); 0 decodes greedily")
     g.add_argument("--top-k", type=count,

@@ -21,8 +21,6 @@ import threading
 import time
 from typing import Optional
 
-from ..generation import SAMPLING_DEFAULTS
-
 _KEYS = ("do_sample", "temperature", "top_k", "top_p")
 
 
@@ -30,19 +28,28 @@ def sampling_sources(session, given: dict) -> dict:
     """{key: (value, where it came from)} of the decoding settings a generation runs with:
     the flag or request field given, else the model's genai_config.json (its search
     section), else its generation_config.json, else the package's default."""
-    model = dict(session.decoder_spec.sampling)
+    from ..generation import sampling_sources as resolved
     folder = session.model_folder or ""
     search = _json(os.path.join(folder, "genai_config.json")).get("search", {})
     out = {}
-    for key in _KEYS:
-        if given.get(key) is not None:
-            out[key] = (given[key], "given")
-        elif key in model:
-            source = "genai_config.json" if isinstance(search, dict) and key in search else "generation_config.json"
-            out[key] = (model[key], source)
-        else:
-            out[key] = (SAMPLING_DEFAULTS[key], "default")
+    for key, (value, where) in resolved(dict(session.decoder_spec.sampling), given).items():
+        if where == "model":
+            where = "genai_config.json" if isinstance(search, dict) and key in search else "generation_config.json"
+        elif where != "given":
+            where = "the model's top_k 1 left out: sampling was asked" if where != "default" else "default"
+        out[key] = (value, where)
     return out
+
+
+def given_sampling(args) -> dict:
+    """The decoding flags given, as a generation's keywords: --temperature 0 decodes greedily,
+    and --temperature, --top-k or --top-p without --do-sample samples, as a server request
+    that sets them does and as llama.cpp's users mean them (args is updated to match)."""
+    if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
+        args.do_sample, args.temperature = False, None
+    elif args.do_sample is None and any(v is not None for v in (args.temperature, args.top_k, args.top_p)):
+        args.do_sample, args.sample_implied = True, True
+    return dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
 def _json(path: str) -> dict:
@@ -63,12 +70,15 @@ def settings_line(sources: dict, max_new_tokens: Optional[int], given_as: str = 
 
     do_sample, where = sources["do_sample"]
     if not do_sample:
-        why = {"given": f"{given_as}", "default": "the model's generation config sets no sampling"}.get(
+        why = {"given": "--temperature 0" if given_as == "--flag" else given_as,
+               "default": "the model's generation config sets no sampling"}.get(
             where, f"do_sample false in {where}")
         return f"decoding: greedy ({why}){limit}"
     shown = ", ".join(f"{k} {sources[k][0]} ({source(k)})" for k in _KEYS[1:])
-    return (f"decoding: sampling (do_sample true in {source('do_sample')}: sampling follows the model's generation "
-            f"config), {shown}{limit}; temperature 0 decodes greedily")
+    why = {"given": "--do-sample" if given_as == "--flag" else given_as,
+           "implied": "--temperature, --top-k or --top-p given"}.get(
+        where, f"do_sample true in {where}: sampling follows the model's generation config")
+    return f"decoding: sampling ({why}), {shown}{limit}; temperature 0 decodes greedily"
 
 
 @contextlib.contextmanager
@@ -98,14 +108,15 @@ def _chat(args) -> int:
     if not os.path.isdir(args.model):
         raise FileNotFoundError(f"{args.model!r}: no such model folder (chat needs the folder, with its "
                                 f"tokenizer.json and chat template)")
-    if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
-        args.do_sample, args.temperature = False, None
-    given = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    given = given_sampling(args)
     with OffloadSession(args.model, providers=[provider(device_kind(args))], **config_kwargs(args)) as s:
         tm = text_model(s)
         history = [{"role": "system", "content": args.system}] if args.system else []
         tm.render(history + [{"role": "user", "content": "hello"}])  # a template that cannot render fails now
-        print(settings_line(sampling_sources(s, given), args.max_new_tokens, "--flag"), flush=True)
+        sources = sampling_sources(s, given)
+        if getattr(args, "sample_implied", False):
+            sources["do_sample"] = (True, "implied")
+        print(settings_line(sources, args.max_new_tokens, "--flag"), flush=True)
         print("Ctrl-C ends a reply; Ctrl-D, /exit or Ctrl-C at the prompt ends the chat.", flush=True)
         told = set()  # the reasons already shown for running the conversation again
         while True:
@@ -140,7 +151,8 @@ def _chat(args) -> int:
 def sampling_flags(p) -> None:
     from .cli_args import count, temperature, top_p
     p.add_argument("--do-sample", action="store_true", default=None,
-                   help="sample instead of greedy decoding (default: the model's generation config, else greedy)")
+                   help="sample instead of greedy decoding (default: on where --temperature, --top-k or --top-p is "
+                        "given, else the model's generation config, else greedy)")
     p.add_argument("--temperature", type=temperature,
                    help="sampling temperature (default: the model's, else 1.0); 0 decodes greedily")
     p.add_argument("--top-k", type=count, help="sample from the k likeliest tokens only (default: the model's, else 0: "

@@ -104,9 +104,8 @@ def cmd_generate(args) -> int:
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"{args.model!r}: no such model file or folder")
     from ..generation import SAMPLING_DEFAULTS, Sampling
-    if args.temperature == 0:  # greedy, as llama.cpp and Hugging Face users mean it
-        args.do_sample, args.temperature = False, None
-    given = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    from .cli_chat import given_sampling
+    given = given_sampling(args)
     # Checked before any weight loads; what is not given is the model's, read once it loads.
     Sampling(**{k: SAMPLING_DEFAULTS[k] if v is None else v for k, v in given.items()})
     eos = None
@@ -120,8 +119,11 @@ def cmd_generate(args) -> int:
                              f"separated by commas") from None
     tok = None
     if args.prompt is not None:
-        tok = load_tokenizer(args.model)
-        ids = np.array([tok.encode(args.prompt).ids], np.int64)
+        from ..generation import TextModel
+        load_tokenizer(args.model)  # tokenizer.json checked, with --prompt's own errors
+        # encoded as generate("...") encodes it, and its text streamed as the row decodes
+        tok = TextModel(args.model if os.path.isdir(args.model) else os.path.dirname(os.path.abspath(args.model)))
+        ids = np.array([tok.encode(args.prompt)], np.int64)
         if ids.shape[1] == 0:
             raise ValueError("--prompt encodes to no tokens")
     else:
@@ -150,15 +152,18 @@ def cmd_generate(args) -> int:
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=eos)
         if stream:
             print("tokens: ", end="", flush=True)
+        text = tok.stream() if tok is not None else None
+        ended, stop = False, set(int(e) for e in (spec.eos_token_id if eos is None else eos))
         try:
             for step in steps:
                 if first is None:
                     first = time.perf_counter() - t0
                 new.append(step)
-                if tok is not None:
-                    text = tok.decode([int(t[0]) for t in new])
-                    print(text[len(shown):], end="", flush=True)
-                    shown = text
+                if tok is not None:  # the text up to the EOS; a character split over tokens prints whole
+                    ended = ended or int(step[0]) in stop
+                    piece = "" if ended else text.step(int(step[0]))
+                    print(piece, end="", flush=True)
+                    shown += piece
                 elif stream:
                     print(("," if len(new) > 1 else "") + str(int(step[0])), end="", flush=True)
         except KeyboardInterrupt:

@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -35,7 +36,13 @@ def cmd_serve(args) -> int:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise OSError(e.errno, f"{args.host}:{args.port} is in use (another server?): pass --port N for another "
+                                   f"port, or --port 0 for a free one") from None
         sock.listen(2048)  # connections queue while the weights load
         with OffloadSession(args.model, providers=[provider(device_kind(args))], **config_kwargs(args)) as s:
             server = Server(s, model_id)
@@ -48,8 +55,10 @@ def cmd_serve(args) -> int:
             # uvicorn shuts down on SIGTERM, then raises the signal again: exit then, with
             # the session closed (its folder and memory given back), not killed by it.
             term = signal.signal(signal.SIGTERM, _exit)
+            uv = uvicorn.Server(config)
+            server.stopping = lambda: uv.should_exit
             try:
-                uvicorn.Server(config).run(sockets=[sock])
+                uv.run(sockets=[sock])
             finally:
                 signal.signal(signal.SIGTERM, term)
                 server.worker.shutdown(wait=True)

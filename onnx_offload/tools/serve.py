@@ -20,7 +20,7 @@ import numpy as np
 
 from ..generation import text_model
 from .serve_requests import (RequestError, RowText, check_request, chunk_body, completion_id, error_body,
-                             response_body)
+                             response_body, usage_chunk)
 
 _END = object()
 
@@ -31,14 +31,14 @@ class _Generation:
     def __init__(self, app: "Server", request: dict, chat: bool):
         tm, s = app.text, app.session
         self.chat = chat
-        if chat:
-            try:
-                rendered = [tm.render(request["messages"])]
-            except (TypeError, ValueError) as e:
-                raise RequestError(str(e), "messages") from None
-            rows = [tm.encode(r, special=False) for r in rendered]
-        else:
-            rows = [tm.encode(p) for p in request["prompt"]]
+        try:
+            rows = ([tm.encode(tm.render(request["messages"]), special=False)] if chat
+                    else [tm.encode(p) if isinstance(p, str) else p for p in request["prompt"]])
+        except (TypeError, ValueError) as e:  # a template that refuses the messages, text that is no Unicode
+            raise RequestError(str(e), "messages" if chat else "prompt") from None
+        vocab = s.decoder_spec.vocab or tm.tokenizer.get_vocab_size()
+        if any(not 0 <= t < vocab for r in rows for t in r):
+            raise RequestError(f"token ids must lie in [0, {vocab})", "prompt")
         if not all(rows):
             raise RequestError("a prompt encodes to no tokens", "messages" if chat else "prompt")
         limit = s.decoder_spec.max_length or tm.context or 0
@@ -56,6 +56,7 @@ class _Generation:
         mask = np.array([[0] * (longest - len(r)) + [1] * len(r) for r in rows], np.int64)
         self.mask = None if mask.all() else mask
         self.sampling = {k: v for k, v in request["sampling"].items() if v is not None}
+        self.include_usage = request.get("include_usage", False)
         self.eos = set(int(e) for e in s.decoder_spec.eos_token_id)
         self.texts = [RowText(request["stop"]) for _ in rows]
         self.streams = [tm.stream() for _ in rows]
@@ -114,6 +115,9 @@ class Server:
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="onnx-offload-serve")
         self.turn = None  # asyncio.Lock, made on the server's loop
         self.created = int(time.time())
+        # Whether the server is shutting down (uvicorn's should_exit, set by Ctrl-C or
+        # SIGTERM): a generation ends at its next step rather than run to its end first.
+        self.stopping = lambda: False
 
     async def _on_worker(self, fn, *args):
         return await asyncio.wrap_future(self.worker.submit(fn, *args))
@@ -130,6 +134,8 @@ class Server:
                 while True:
                     if await request.is_disconnected():
                         return
+                    if self.stopping():
+                        raise RequestError("the server is shutting down", status=503, kind="server_error")
                     out = await self._on_worker(gen.step)
                     if out is _END:
                         return
@@ -153,6 +159,8 @@ class Server:
                     body = await request.json()
                 except (ValueError, UnicodeDecodeError):
                     raise RequestError("the request body is not JSON") from None
+                except RecursionError:
+                    raise RequestError("the request body is not JSON this server reads: nested too deep") from None
                 req = check_request(body, self.model_id, chat)
                 gen = _Generation(self, req, chat)
             except RequestError as e:
@@ -165,6 +173,8 @@ class Server:
                 async for out in self.run(gen, request):
                     for r, text in out:
                         texts[r] += text
+            except RequestError as e:
+                return JSONResponse(e.body(), status_code=e.status)
             except (ValueError, TypeError) as e:
                 return JSONResponse(error_body(str(e)), status_code=400)
             except Exception as e:  # noqa: BLE001 - the model's failure is the client's answer, the server goes on
@@ -182,10 +192,14 @@ class Server:
             return JSONResponse(error_body(f"no such endpoint: {request.method} {request.url.path}"),
                                 status_code=getattr(exc, "status_code", 404))
 
+        async def server_error(request, exc):  # Starlette's own is plain text; it logs the exception after
+            return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
         routes = [Route("/v1/models", models, methods=["GET"]),
                   Route("/v1/completions", completions, methods=["POST"]),
                   Route("/v1/chat/completions", chat_completions, methods=["POST"])]
-        return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+        return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found,
+                                                                 Exception: server_error})
 
     async def _events(self, gen: _Generation, request, rid: str, chat: bool):
         """The server-sent events of a streamed generation: a chunk per row per step that
@@ -199,11 +213,16 @@ class Server:
                     if text or (chat and first[r]):
                         yield event(chunk_body(rid, self.model_id, chat, r, text, None, first[r]))
                         first[r] = False
-        except Exception as e:  # noqa: BLE001 - headers are sent: the error is the stream's last event
+        except RequestError as e:  # headers are sent: the error is the stream's last event
+            yield event(e.body())
+            return
+        except Exception as e:  # noqa: BLE001 - as above
             yield event(error_body(f"{type(e).__name__}: {e}", "server_error"))
             return
         if await request.is_disconnected():
             return
         for r, t in enumerate(gen.texts):
             yield event(chunk_body(rid, self.model_id, chat, r, None, t.reason or "length"))
+        if gen.include_usage:
+            yield event(usage_chunk(rid, self.model_id, chat, gen.usage()))
         yield "data: [DONE]\n\n"

@@ -49,10 +49,19 @@ def _integer(body: dict, key: str, low: int) -> Optional[int]:
 
 
 # Fields that change what OpenAI's API computes, which this server does not: refused
-# unless they ask for what it does (one choice, no logprobs, no penalties).
-_UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False, "suffix": None,
-                "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "tools": None,
-                "response_format": None}
+# unless they ask for what it does (one choice, no logprobs, no penalties). The values
+# that do are those OpenAI's API takes as "off", which clients send spelled out
+# (logprobs false, logit_bias {}, tools []).
+_UNSUPPORTED = {"n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
+                "suffix": ("",), "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
+                "tools": ([],), "response_format": ({"type": "text"},)}
+
+
+def _off(key: str, value) -> bool:
+    """Whether `value` of the field `key` asks for nothing this server would not do."""
+    def same(a, b):  # 0.0 is 0, but False is not 0
+        return isinstance(a, bool) == isinstance(b, bool) and a == b
+    return value is None or any(same(value, v) for v in _UNSUPPORTED[key])
 
 
 def check_request(body, model_id: str, chat: bool) -> dict:
@@ -70,19 +79,27 @@ def check_request(body, model_id: str, chat: bool) -> dict:
     out = {"stream": body.get("stream", False)}
     if not isinstance(out["stream"], bool):
         raise RequestError(f"'stream' must be a boolean, got {out['stream']!r}", "stream")
-    for key, default in _UNSUPPORTED.items():
-        if key in body and body[key] not in (default, None) and not (key in ("n", "best_of") and body[key] == 1):
+    for key in _UNSUPPORTED:
+        if key in body and not _off(key, body[key]):
             raise RequestError(f"'{key}' = {body[key]!r} is not supported by this server", key)
+    options = body.get("stream_options")
+    if options is not None:
+        if not out["stream"]:
+            raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise RequestError("'stream_options' must be an object, its 'include_usage' a boolean", "stream_options")
+    out["include_usage"] = bool(options and options.get("include_usage"))
     if chat:
         out["messages"] = _messages(body.get("messages"))
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) or _ids(prompt):  # a text, or one prompt's token ids
             out["prompt"] = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p) for p in prompt):
             out["prompt"] = prompt
         else:
-            raise RequestError("'prompt' is required: a string or a non-empty list of strings", "prompt")
+            raise RequestError("'prompt' is required: a string, a non-empty list of token ids, or a non-empty list "
+                               "of either", "prompt")
         out["batched"] = isinstance(prompt, list)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     new = _integer(body, key, 1)
@@ -104,6 +121,12 @@ def check_request(body, model_id: str, chat: bool) -> dict:
         raise RequestError("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
     out["stop"] = stop or []
     return out
+
+
+def _ids(value) -> bool:
+    """Whether `value` is a prompt's token ids: a non-empty list of integers."""
+    return (isinstance(value, list) and len(value) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 def _messages(messages) -> list:
@@ -165,6 +188,13 @@ def response_body(rid: str, model_id: str, chat: bool, texts: list, reasons: lis
                    for i, (t, r) in enumerate(zip(texts, reasons))]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model_id, "choices": choices, "usage": usage}
+
+
+def usage_chunk(rid: str, model_id: str, chat: bool, usage: dict) -> dict:
+    """The last chunk of a stream whose request asked for stream_options.include_usage:
+    no choices, the usage of the whole request."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model_id, "choices": [], "usage": usage}
 
 
 def chunk_body(rid: str, model_id: str, chat: bool, index: int, text: Optional[str], reason: Optional[str],
