@@ -1,0 +1,73 @@
+// The per-ISA inner kernels of host_matmul (internal). Each works on at most kMaxRows
+// rows of x at once (its accumulators live in registers); host_matmul.cpp loops over
+// larger M in chunks of that many rows.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace offload::host {
+
+constexpr int kMaxRows = 8;
+
+// acc[m * lda + j] += sum_{k0 <= k < k1} x[m * ldx + k] * W[k * ldw + n0 + j]
+// for m < rows, j < nb; W of type `wdtype` (HostDType).
+using DenseFn = void (*)(int rows, const float* x, size_t ldx, const void* w, int32_t wdtype, size_t ldw,
+                         size_t k0, size_t k1, size_t n0, size_t nb, float* acc, size_t lda);
+
+// y[m * ldy + j] = sum_k x[m * ldx + k] * (q[n0 + j][k] - zp) * scale[n0 + j][k / bs]
+// for m < rows, j < nb, k < n_blocks * bs (x zero past K); scales of type sdtype.
+using NBitsFn = void (*)(int rows, const float* x, size_t ldx, const uint8_t* b, const void* scales,
+                         int32_t sdtype, const uint8_t* zero_points, size_t n_blocks, size_t bs, size_t n0,
+                         size_t nb, float* y, size_t ldy);
+
+// dst[i] = src[i] converted to dtype (HOST_F32 or HOST_F16, round to nearest even).
+using StoreFn = void (*)(const float* src, void* dst, int32_t dtype, size_t count);
+// dst[i] = src[i] of dtype (HOST_F32 or HOST_F16) as fp32.
+using LoadFn = void (*)(const void* src, int32_t dtype, float* dst, size_t count);
+
+struct Kernels {
+  DenseFn dense;
+  NBitsFn nbits;
+  StoreFn store;
+  LoadFn load;
+};
+
+Kernels kernels_scalar();
+#if defined(__x86_64__) || defined(__i386__)
+Kernels kernels_avx2();
+Kernels kernels_avx512();
+#endif
+
+// Portable conversions (the scalar path, and tails of the vector paths).
+inline float half_to_float(uint16_t h) {
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return float(v);
+}
+inline uint16_t float_to_half(float f) {
+  const _Float16 v = _Float16(f);
+  uint16_t h;
+  std::memcpy(&h, &v, 2);
+  return h;
+}
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// Element i of a dense weight or scale array of HostDType `dt`.
+inline float elem(const void* p, int32_t dt, size_t i) {
+  if (dt == 0) return static_cast<const float*>(p)[i];
+  const uint16_t v = static_cast<const uint16_t*>(p)[i];
+  return dt == 1 ? half_to_float(v) : bf16_to_float(v);
+}
+// The 4-bit zero point of block `blk` of column n (8 when there are none).
+inline int zero_point(const uint8_t* zp, size_t n, size_t n_blocks, size_t blk) {
+  if (!zp) return 8;
+  return (zp[n * ((n_blocks + 1) / 2) + blk / 2] >> ((blk & 1) * 4)) & 15;
+}
+
+}  // namespace offload::host

@@ -1,0 +1,35 @@
+// The host kernels' worker pool: one thread per physical core of the process's CPU
+// affinity, each pinned to its core, kept alive between calls (a decode step makes
+// hundreds of small calls; starting threads per call would cost more than a GEMV).
+//
+// Callers serialize: one job runs at a time, on the first `nthreads` workers, and the
+// caller waits for it. After fork() the child starts with no workers (the parent's
+// threads do not exist there) and builds its own pool on first use.
+#pragma once
+
+#include <vector>
+
+namespace offload::host {
+
+struct CpuTopology {
+  // The CPUs of sched_getaffinity, one per physical core first (in core order), then
+  // the remaining SMT siblings: a pool of t threads pins thread i to cpus[i].
+  std::vector<int> cpus;
+  int physical_cores = 0;
+  int logical_cpus = 0;
+};
+
+// Read from sysfs (topology/core_id, physical_package_id) within sched_getaffinity, once
+// per process (a forked child keeps the parent's answer, as its affinity is inherited).
+const CpuTopology& cpu_topology();
+
+// Runs fn(ctx, tid, nthreads) for tid in [0, nthreads) on pinned workers and returns
+// when all have finished. 1 <= nthreads <= cpu_topology().logical_cpus. `fn` must not
+// throw. Thread-safe: concurrent callers run one after another.
+using PoolFn = void (*)(void* ctx, int tid, int nthreads);
+void pool_run(int nthreads, PoolFn fn, void* ctx);
+
+// Workers alive in this process (0 before the first job and in a fresh fork child).
+int pool_workers();
+
+}  // namespace offload::host
