@@ -11,10 +11,11 @@ namespace offload::host {
 
 constexpr int kMaxRows = 8;
 
-// acc[m * lda + j] += sum_{k0 <= k < k1} x[m * ldx + k] * W[k * ldw + n0 + j]
-// for m < rows, j < nb; W of type `wdtype` (HostDType).
-using DenseFn = void (*)(int rows, const float* x, size_t ldx, const void* w, int32_t wdtype, size_t ldw,
-                         size_t k0, size_t k1, size_t n0, size_t nb, float* acc, size_t lda);
+// acc[m * lda + j] += sum_{k0 <= k < k1} xt[k * rows + m] * W[k * ldw + n0 + j]
+// for m < rows, j < nb; W of type `wdtype` (HostDType). x comes transposed ([K, rows]):
+// the rows' values of one k lie together, so the kernel broadcasts them from one pointer.
+using DenseFn = void (*)(int rows, const float* xt, const void* w, int32_t wdtype, size_t ldw, size_t k0, size_t k1,
+                         size_t n0, size_t nb, float* acc, size_t lda);
 
 // y[m * ldy + j] = sum_k x[m * ldx + k] * (q[n0 + j][k] - zp) * scale[n0 + j][k / bs]
 // for m < rows, j < nb, k < n_blocks * bs (x zero past K); scales of type sdtype.

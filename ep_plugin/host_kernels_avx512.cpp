@@ -33,8 +33,9 @@ OFFLOAD_AVX512 inline __m512 load16(const void* w, size_t i) {
 }
 
 template <int M, int WT, int R>
-OFFLOAD_AVX512 void dense_tile(const float* x, size_t ldx, const void* w, size_t ldw, size_t k, size_t n0, size_t nv,
+OFFLOAD_AVX512 void dense_tile(const float* xt, const void* w, size_t ldw, size_t k, size_t n0, size_t nv,
                                float* acc, size_t lda) {
+  const float* xk = xt + k * M;  // x[m, k + r] at xk[r * M + m]: constant offsets from one pointer
   for (size_t j = 0; j < nv; j += 16) {
     __m512 a[M];
 #pragma GCC unroll 8
@@ -43,7 +44,7 @@ OFFLOAD_AVX512 void dense_tile(const float* x, size_t ldx, const void* w, size_t
     for (int r = 0; r < R; ++r) {
       const __m512 wv = load16<WT>(w, (k + size_t(r)) * ldw + n0 + j);
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) a[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[size_t(m) * ldx + k + size_t(r)]), wv, a[m]);
+      for (int m = 0; m < M; ++m) a[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r * M + m]), wv, a[m]);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) _mm512_storeu_ps(acc + size_t(m) * lda + j, a[m]);
@@ -51,36 +52,36 @@ OFFLOAD_AVX512 void dense_tile(const float* x, size_t ldx, const void* w, size_t
 }
 
 // The columns past the last full vector, for every row of the range.
-inline void dense_tail(int rows, const float* x, size_t ldx, const void* w, int32_t wdtype, size_t ldw, size_t k0,
-                       size_t k1, size_t n0, size_t j0, size_t nb, float* acc, size_t lda) {
+inline void dense_tail(int rows, const float* xt, const void* w, int32_t wdtype, size_t ldw, size_t k0, size_t k1,
+                       size_t n0, size_t j0, size_t nb, float* acc, size_t lda) {
   for (size_t j = j0; j < nb; ++j)
     for (int m = 0; m < rows; ++m) {
       float s = acc[size_t(m) * lda + j];
-      for (size_t k = k0; k < k1; ++k) s += x[size_t(m) * ldx + k] * elem(w, wdtype, k * ldw + n0 + j);
+      for (size_t k = k0; k < k1; ++k) s += xt[k * size_t(rows) + size_t(m)] * elem(w, wdtype, k * ldw + n0 + j);
       acc[size_t(m) * lda + j] = s;
     }
 }
 
 template <int M, int WT>
-OFFLOAD_AVX512 void dense_m(const float* x, size_t ldx, const void* w, size_t ldw, size_t k0, size_t k1, size_t n0,
-                            size_t nb, float* acc, size_t lda) {
+OFFLOAD_AVX512 void dense_m(const float* xt, const void* w, size_t ldw, size_t k0, size_t k1, size_t n0, size_t nb,
+                            float* acc, size_t lda) {
   const size_t nv = nb / 16 * 16;
   size_t k = k0;
-  for (; k + 8 <= k1; k += 8) dense_tile<M, WT, 8>(x, ldx, w, ldw, k, n0, nv, acc, lda);
-  for (; k < k1; ++k) dense_tile<M, WT, 1>(x, ldx, w, ldw, k, n0, nv, acc, lda);
-  if (nv < nb) dense_tail(M, x, ldx, w, WT, ldw, k0, k1, n0, nv, nb, acc, lda);
+  for (; k + 8 <= k1; k += 8) dense_tile<M, WT, 8>(xt, w, ldw, k, n0, nv, acc, lda);
+  for (; k < k1; ++k) dense_tile<M, WT, 1>(xt, w, ldw, k, n0, nv, acc, lda);
+  if (nv < nb) dense_tail(M, xt, w, WT, ldw, k0, k1, n0, nv, nb, acc, lda);
 }
 
-using DenseM = void (*)(const float*, size_t, const void*, size_t, size_t, size_t, size_t, size_t, float*, size_t);
+using DenseM = void (*)(const float*, const void*, size_t, size_t, size_t, size_t, size_t, float*, size_t);
 
 template <int WT>
 constexpr DenseM kDense[kMaxRows] = {dense_m<1, WT>, dense_m<2, WT>, dense_m<3, WT>, dense_m<4, WT>,
                                      dense_m<5, WT>, dense_m<6, WT>, dense_m<7, WT>, dense_m<8, WT>};
 
-void dense(int rows, const float* x, size_t ldx, const void* w, int32_t wdtype, size_t ldw, size_t k0, size_t k1,
-           size_t n0, size_t nb, float* acc, size_t lda) {
+void dense(int rows, const float* xt, const void* w, int32_t wdtype, size_t ldw, size_t k0, size_t k1, size_t n0,
+           size_t nb, float* acc, size_t lda) {
   const DenseM* table = wdtype == 0 ? kDense<0> : wdtype == 1 ? kDense<1> : kDense<2>;
-  table[rows - 1](x, ldx, w, ldw, k0, k1, n0, nb, acc, lda);
+  table[rows - 1](xt, w, ldw, k0, k1, n0, nb, acc, lda);
 }
 
 // 16 4-bit values (bytes holding 0..15) as fp32 (q - z) * s.

@@ -6,11 +6,10 @@
 namespace offload::host {
 namespace {
 
-void dense_scalar(int rows, const float* x, size_t ldx, const void* w, int32_t wdtype, size_t ldw, size_t k0,
-                  size_t k1, size_t n0, size_t nb, float* acc, size_t lda) {
+void dense_scalar(int rows, const float* xt, const void* w, int32_t wdtype, size_t ldw, size_t k0, size_t k1,
+                  size_t n0, size_t nb, float* acc, size_t lda) {
   for (size_t k = k0; k < k1; ++k) {
-    float xk[kMaxRows];
-    for (int m = 0; m < rows; ++m) xk[m] = x[size_t(m) * ldx + k];
+    const float* xk = xt + k * size_t(rows);
     const size_t base = k * ldw + n0;
     for (size_t j = 0; j < nb; ++j) {
       const float wv = elem(w, wdtype, base + j);

@@ -11,6 +11,10 @@
 #include "host_kernels.h"
 #include "host_pool.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace offload::host {
 namespace {
 
@@ -55,8 +59,8 @@ constexpr size_t kRowUnit = 8;   // a thread's band of K: whole 8-row tiles
 struct Ctx {
   const HostMatmulJob* job;
   Kernels kr;
-  const float* xs;  // x as fp32 [M, kp], zero past K
-  size_t kp;
+  const float* xs;  // x as fp32: int4 [M, kp] (zero past K); dense, per chunk of kMaxRows
+  size_t kp;        // rows, [K, rows] at xs + m0 * K (the layout of DenseFn)
   float* partial;   // the row split's per-thread sums [threads, M, N]
 };
 
@@ -77,7 +81,7 @@ void dense_columns(void* p, int tid, int nt) {
     for (size_t col = c0; col < c1; col += cb_max) {
       const size_t cb = std::min(cb_max, c1 - col);
       acc.assign(size_t(rows) * cb, 0.0f);
-      c.kr.dense(rows, c.xs + m0 * c.kp, c.kp, w.data, w.dtype, N, 0, K, col, cb, acc.data(), cb);
+      c.kr.dense(rows, c.xs + m0 * K, w.data, w.dtype, N, 0, K, col, cb, acc.data(), cb);
       for (int m = 0; m < rows; ++m)
         c.kr.store(acc.data() + size_t(m) * cb, y_row(c, m0 + size_t(m)) + col * ysz, c.job->x_dtype, cb);
     }
@@ -94,7 +98,7 @@ void dense_rows(void* p, int tid, int nt) {
   std::fill(mine, mine + M * N, 0.0f);
   for (size_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int rows = int(std::min<size_t>(kMaxRows, M - m0));
-    c.kr.dense(rows, c.xs + m0 * c.kp, c.kp, w.data, w.dtype, N, k0, k1, 0, N, mine + m0 * N, N);
+    c.kr.dense(rows, c.xs + m0 * K, w.data, w.dtype, N, k0, k1, 0, N, mine + m0 * N, N);
   }
 }
 
@@ -210,10 +214,20 @@ void run(const HostMatmulJob& job) {
   const size_t M = size_t(job.m), K = size_t(w.k), N = size_t(w.n);
   Ctx c{&job, kernels_for(job.isa == HOST_ISA_AUTO ? isa_best() : job.isa), nullptr, 0, nullptr};
   c.kp = w.kind == HOST_DENSE ? K : n_blocks(w) * size_t(w.block_size);
-  std::vector<float> xs(M * c.kp, 0.0f);
+  thread_local std::vector<float> xs, xt;  // kept between calls
+  xs.assign(M * c.kp, 0.0f);
   for (size_t m = 0; m < M; ++m)
     c.kr.load(static_cast<const char*>(job.x) + m * K * dtype_size(job.x_dtype), job.x_dtype, xs.data() + m * c.kp,
               K);
+  if (w.kind == HOST_DENSE) {  // each chunk of rows transposed to [K, rows]
+    xt.resize(M * K);
+    for (size_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const size_t rows = std::min<size_t>(kMaxRows, M - m0);
+      for (size_t m = 0; m < rows; ++m)
+        for (size_t k = 0; k < K; ++k) xt[m0 * K + k * rows + m] = xs[(m0 + m) * K + k];
+    }
+    xs.swap(xt);
+  }
   c.xs = xs.data();
   const int threads = job.threads ? job.threads : default_threads();
   if (w.kind == HOST_NBITS4) {
@@ -222,14 +236,17 @@ void run(const HostMatmulJob& job) {
   }
   const size_t col_units = (N + kColUnit - 1) / kColUnit, row_units = (K + kRowUnit - 1) / kRowUnit;
   int32_t split = job.split;
-  if (split == HOST_SPLIT_AUTO)  // columns, unless N is too narrow to give each thread two units
-    split = col_units >= 2 * size_t(threads) || row_units < 2 * size_t(threads) ? HOST_SPLIT_COLUMNS : HOST_SPLIT_ROWS;
+  // Rows by default: each thread then reads one contiguous run of W, which measured
+  // faster than bands of columns (see bench host), for a final sum of threads x M x N
+  // floats; columns where K is too short to give each thread two 8-row tiles.
+  if (split == HOST_SPLIT_AUTO) split = row_units >= 2 * size_t(threads) ? HOST_SPLIT_ROWS : HOST_SPLIT_COLUMNS;
   if (split == HOST_SPLIT_COLUMNS) {
     pool_run(int(std::min<size_t>(size_t(threads), col_units)), dense_columns, &c);
     return;
   }
   const int parts = int(std::min<size_t>(size_t(threads), row_units));
-  std::vector<float> partial(size_t(parts) * M * N);
+  thread_local std::vector<float> partial;  // kept between calls: no page faults per call
+  if (partial.size() < size_t(parts) * M * N) partial.resize(size_t(parts) * M * N);
   c.partial = partial.data();
   pool_run(parts, dense_rows, &c);
   Reduce r{&c, parts};
@@ -242,12 +259,34 @@ struct ReadCtx {
   size_t words;
   uint64_t sums[256];
 };
+uint64_t sum_words(const uint64_t* p, size_t n) {
+  uint64_t s = 0;
+  for (size_t i = 0; i < n; ++i) s += p[i];
+  return s;
+}
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("avx2"))) uint64_t sum_words_avx2(const uint64_t* p, size_t n) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 4)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(a0, a1));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3] + sum_words(p + i, n - i);
+}
+#endif
 void read_band(void* p, int tid, int nt) {
   ReadCtx& r = *static_cast<ReadCtx*>(p);
   const auto [w0, w1] = share(r.words, tid, nt);
-  uint64_t s = 0;
-  for (size_t i = w0; i < w1; ++i) s += r.p[i];
-  r.sums[tid] = s;
+#if defined(__x86_64__) || defined(__i386__)
+  if (cpu_can(HOST_ISA_AVX2)) {
+    r.sums[tid] = sum_words_avx2(r.p + w0, w1 - w0);
+    return;
+  }
+#endif
+  r.sums[tid] = sum_words(r.p + w0, w1 - w0);
 }
 }  // namespace
 
