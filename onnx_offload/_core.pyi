@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import enum
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
-from typing import Callable, Optional, Sequence, Union
 
 ZONE_PRIORITY: dict[str, int]
 """Reclaim priority by zone label: a zone may take bytes from zones of lower priority."""
