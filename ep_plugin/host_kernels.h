@@ -19,6 +19,8 @@ using DenseFn = void (*)(int rows, const float* xt, const void* w, int32_t wdtyp
 
 // y[m * ldy + j] = sum_k x[m * ldx + k] * (q[n0 + j][k] - zp) * scale[n0 + j][k / bs]
 // for m < rows, j < nb, k < n_blocks * bs (x zero past K); scales of type sdtype.
+// Where Kernels::nbits_pairs and bs >= 32, x comes de-interleaved in groups of 32: the 16
+// even k of a group, then its 16 odd k (the low and the high nibbles of 16 bytes).
 using NBitsFn = void (*)(int rows, const float* x, size_t ldx, const uint8_t* b, const void* scales,
                          int32_t sdtype, const uint8_t* zero_points, size_t n_blocks, size_t bs, size_t n0,
                          size_t nb, float* y, size_t ldy);
@@ -33,6 +35,7 @@ struct Kernels {
   NBitsFn nbits;
   StoreFn store;
   LoadFn load;
+  bool nbits_pairs;
 };
 
 Kernels kernels_scalar();

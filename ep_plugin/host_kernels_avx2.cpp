@@ -164,7 +164,7 @@ OFFLOAD_AVX2 void load(const void* src, int32_t dtype, float* dst, size_t count)
 
 }  // namespace
 
-Kernels kernels_avx2() { return {dense, nbits, store, load}; }
+Kernels kernels_avx2() { return {dense, nbits, store, load, false}; }
 
 }  // namespace offload::host
 #endif

@@ -131,13 +131,81 @@ OFFLOAD_AVX512 void nbits_m(const float* x, size_t ldx, const uint8_t* b, const 
   }
 }
 
+// Blocks of 32 and more: the block's 16 possible weights (q - z) * s, computed once, are a
+// table that vpermps indexes with the nibbles themselves: 16 bytes widen to 16 int32
+// (vpermps reads the low 4 bits: the low nibbles), shifted by 4 they give the high
+// nibbles. x comes de-interleaved to match (even k, then odd k, per 32). NC columns at a
+// time share each load of x.
+template <int M, int NC, int ST, bool ZP>
+OFFLOAD_AVX512 void nbits_lut(const float* x, size_t ldx, const uint8_t* b, const void* scales, const uint8_t* zps,
+                              size_t nblk, size_t bs, size_t n0, size_t nb, float* y, size_t ldy) {
+  constexpr bool kTwo = NC * M <= 4;  // a second chain per accumulator where registers allow
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const size_t blob = bs / 2;
+  for (size_t j = 0; j + NC <= nb; j += NC) {
+    __m512 a0[NC][M], a1[NC][M];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) a0[c][m] = a1[c][m] = _mm512_setzero_ps();
+    for (size_t blk = 0; blk < nblk; ++blk) {
+      __m512 lut[NC];
+      const uint8_t* p[NC];
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        const size_t n = n0 + j + size_t(c);
+        const float z = float(ZP ? zero_point(zps, n, nblk, blk) : 8);
+        lut[c] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(z)), _mm512_set1_ps(elem(scales, ST, n * nblk + blk)));
+        p[c] = b + (n * nblk + blk) * blob;
+      }
+      const float* xb = x + blk * bs;
+      for (size_t i = 0; i < bs; i += 32) {
+        __m512 we[NC], wo[NC];
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) {
+          const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[c] + i / 2)));
+          we[c] = _mm512_permutexvar_ps(d, lut[c]);
+          wo[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut[c]);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const __m512 xe = _mm512_loadu_ps(xb + size_t(m) * ldx + i);
+          const __m512 xo = _mm512_loadu_ps(xb + size_t(m) * ldx + i + 16);
+#pragma GCC unroll 8
+          for (int c = 0; c < NC; ++c) {
+            a0[c][m] = _mm512_fmadd_ps(xe, we[c], a0[c][m]);
+            if constexpr (kTwo)
+              a1[c][m] = _mm512_fmadd_ps(xo, wo[c], a1[c][m]);
+            else
+              a0[c][m] = _mm512_fmadd_ps(xo, wo[c], a0[c][m]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m)
+        y[size_t(m) * ldy + j + size_t(c)] = _mm512_reduce_add_ps(kTwo ? _mm512_add_ps(a0[c][m], a1[c][m]) : a0[c][m]);
+  }
+}
+
+template <int M, int ST, bool ZP>
+OFFLOAD_AVX512 void nbits_pairs(const float* x, size_t ldx, const uint8_t* b, const void* scales, const uint8_t* zps,
+                                size_t nblk, size_t bs, size_t n0, size_t nb, float* y, size_t ldy) {
+  if (bs < 32) return nbits_m<M, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0, nb, y, ldy);
+  const size_t even = nb & ~size_t(1);
+  nbits_lut<M, 2, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0, even, y, ldy);
+  if (even < nb) nbits_lut<M, 1, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0 + even, 1, y + even, ldy);
+}
+
 using NBitsM = void (*)(const float*, size_t, const uint8_t*, const void*, const uint8_t*, size_t, size_t, size_t,
                         size_t, float*, size_t);
 
 template <int ST, bool ZP>
-constexpr NBitsM kNBits[kMaxRows] = {nbits_m<1, ST, ZP>, nbits_m<2, ST, ZP>, nbits_m<3, ST, ZP>,
-                                     nbits_m<4, ST, ZP>, nbits_m<5, ST, ZP>, nbits_m<6, ST, ZP>,
-                                     nbits_m<7, ST, ZP>, nbits_m<8, ST, ZP>};
+constexpr NBitsM kNBits[kMaxRows] = {nbits_pairs<1, ST, ZP>, nbits_pairs<2, ST, ZP>, nbits_pairs<3, ST, ZP>,
+                                     nbits_pairs<4, ST, ZP>, nbits_pairs<5, ST, ZP>, nbits_pairs<6, ST, ZP>,
+                                     nbits_pairs<7, ST, ZP>, nbits_pairs<8, ST, ZP>};
 
 void nbits(int rows, const float* x, size_t ldx, const uint8_t* b, const void* scales, int32_t sdtype,
            const uint8_t* zps, size_t nblk, size_t bs, size_t n0, size_t nb, float* y, size_t ldy) {
@@ -173,7 +241,7 @@ OFFLOAD_AVX512 void load(const void* src, int32_t dtype, float* dst, size_t coun
 
 }  // namespace
 
-Kernels kernels_avx512() { return {dense, nbits, store, load}; }
+Kernels kernels_avx512() { return {dense, nbits, store, load, true}; }
 
 }  // namespace offload::host
 #endif

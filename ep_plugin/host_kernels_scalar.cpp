@@ -52,6 +52,6 @@ void load_scalar(const void* src, int32_t dtype, float* dst, size_t count) {
 
 }  // namespace
 
-Kernels kernels_scalar() { return {dense_scalar, nbits_scalar, store_scalar, load_scalar}; }
+Kernels kernels_scalar() { return {dense_scalar, nbits_scalar, store_scalar, load_scalar, false}; }
 
 }  // namespace offload::host

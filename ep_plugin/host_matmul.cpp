@@ -219,6 +219,16 @@ void run(const HostMatmulJob& job) {
   for (size_t m = 0; m < M; ++m)
     c.kr.load(static_cast<const char*>(job.x) + m * K * dtype_size(job.x_dtype), job.x_dtype, xs.data() + m * c.kp,
               K);
+  if (w.kind == HOST_NBITS4 && c.kr.nbits_pairs && w.block_size >= 32) {  // even k, then odd k, per 32
+    xt.resize(M * c.kp);
+    for (size_t m = 0; m < M; ++m)
+      for (size_t g = 0; g < c.kp; g += 32)
+        for (size_t i = 0; i < 16; ++i) {
+          xt[m * c.kp + g + i] = xs[m * c.kp + g + 2 * i];
+          xt[m * c.kp + g + 16 + i] = xs[m * c.kp + g + 2 * i + 1];
+        }
+    xs.swap(xt);
+  }
   if (w.kind == HOST_DENSE) {  // each chunk of rows transposed to [K, rows]
     xt.resize(M * K);
     for (size_t m0 = 0; m0 < M; m0 += kMaxRows) {

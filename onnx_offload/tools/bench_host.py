@@ -1,0 +1,125 @@
+"""``onnx-offload bench host``: the host kernels (``_core.host_matmul``,
+``host_matmul_nbits``) on weights too large for the caches, as GB/s of weight bytes read,
+for fp16, bf16 and int4 (MatMulNBits, blocks of 32) weights, batches of 1, 4 and 8 rows
+and 1 .. every physical core. Beside each row:
+  - the bound: a plain read of the same bytes by the same pool and thread count;
+  - the peer on the same host: onnxruntime's CPU MatMul (fp16) or MatMulNBits (int4, with
+    accuracy_level 4 as onnxruntime-genai's int4 models ask for) over the same weights,
+    with as many intra-op threads. ORT's CPU has no bf16 MatMul.
+Each figure is the median of `runs` warm calls."""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ..stats import table
+
+BATCHES = (1, 4, 8)
+KINDS = ("fp16", "bf16", "int4")
+BLOCK = 32
+K = 4096  # the rows of W (a hidden width); N follows from the weight bytes
+
+
+def _median_s(fn, runs: int) -> float:
+    fn()  # warm: the pool's threads, ORT's arena, the pages of the output
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _weights(kind: str, weight_bytes: int, rng) -> Dict:
+    import ml_dtypes
+    if kind == "int4":
+        n = max(1, weight_bytes // (K // 2))
+        b = rng.integers(0, 256, (n, K // BLOCK, BLOCK // 2), dtype=np.uint8)
+        scales = (rng.standard_normal(n * (K // BLOCK)) * 0.01).astype(np.float16)
+        return dict(n=n, b=b, scales=scales, bytes=b.nbytes + scales.nbytes)
+    n = max(1, weight_bytes // (2 * K))
+    w = rng.standard_normal((K, n), dtype=np.float32)
+    w = w.astype(np.float16 if kind == "fp16" else ml_dtypes.bfloat16)
+    return dict(n=n, w=w, bytes=w.nbytes)
+
+
+def _ort_session(kind: str, wt: Dict, threads: int, folder: str):
+    """onnxruntime's CPU kernel over the same weights, or None where it has none (bf16)."""
+    if kind == "bf16":
+        return None
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    n = wt["n"]
+    if kind == "int4":
+        inits = [numpy_helper.from_array(wt["b"], "B"), numpy_helper.from_array(wt["scales"], "S")]
+        node = helper.make_node("MatMulNBits", ["x", "B", "S"], ["y"], domain="com.microsoft", K=K, N=n, bits=4,
+                                block_size=BLOCK, accuracy_level=4)
+    else:
+        inits = [numpy_helper.from_array(wt["w"], "W")]
+        node = helper.make_node("MatMul", ["x", "W"], ["y"])
+    graph = helper.make_graph([node], "host_peer", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["m", K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["m", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    path = os.path.join(folder, f"peer_{kind}.onnx")
+    onnx.save_model(model, path, save_as_external_data=True, location=f"peer_{kind}.data")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+
+def _kernel(kind: str, wt: Dict, x: np.ndarray, threads: int):
+    from .. import _core
+    if kind == "int4":
+        return lambda: _core.host_matmul_nbits(x, wt["b"], wt["scales"], None, k=K, n=wt["n"], block_size=BLOCK,
+                                               threads=threads)
+    return lambda: _core.host_matmul(x, wt["w"], threads=threads)
+
+
+def bench_host(weights_mib: int = 256, runs: int = 5, kinds=KINDS, batches=BATCHES,
+               thread_counts: Optional[List[int]] = None) -> Dict:
+    from .. import _core
+    cpu = _core.host_cpu()
+    counts = thread_counts or list(range(1, cpu["physical_cores"] + 1))
+    rng = np.random.default_rng(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for kind in kinds:
+            wt = _weights(kind, weights_mib * 2**20, rng)
+            data = wt["b"] if kind == "int4" else wt["w"]
+            for threads in counts:
+                read_s = _median_s(lambda: _core._host_read(data, threads=threads), runs)
+                peer = _ort_session(kind, wt, threads, folder)
+                for m in batches:
+                    x = rng.standard_normal((m, K)).astype(np.float16)
+                    s = _median_s(_kernel(kind, wt, x, threads), runs)
+                    peer_s = _median_s(lambda: peer.run(None, {"x": x}), runs) if peer is not None else None
+                    rows.append(dict(kind=kind, m=m, threads=threads, bytes=wt["bytes"], ms=s * 1e3,
+                                     gbps=wt["bytes"] / s / 1e9, read_gbps=data.nbytes / read_s / 1e9,
+                                     ort_ms=None if peer_s is None else peer_s * 1e3,
+                                     ort_gbps=None if peer_s is None else wt["bytes"] / peer_s / 1e9))
+                peer = None
+    return dict(cpu=cpu, weights_mib=weights_mib, k=K, block_size=BLOCK, runs=runs, rows=rows)
+
+
+def print_host(res: Dict) -> str:
+    cpu = res["cpu"]
+    head = (f"bench host: x [M, {res['k']}] @ W, {res['weights_mib']} MiB of weights a kind, on {cpu['isa']} "
+            f"({cpu['physical_cores']} physical cores, {cpu['logical_cpus']} CPUs); GB/s of weight bytes read, "
+            f"median of {res['runs']} warm runs; bound: a plain read of the same bytes by the same threads")
+    body = []
+    for r in res["rows"]:
+        peer = "n/a" if r["ort_gbps"] is None else f"{r['ort_gbps']:.1f}"
+        vs = "-" if r["ort_gbps"] is None else f"{r['gbps'] / r['ort_gbps']:.2f}x"
+        body.append((r["kind"], r["m"], r["threads"], f"{r['ms']:.2f}", f"{r['gbps']:.1f}", f"{r['read_gbps']:.1f}",
+                     f"{r['gbps'] / r['read_gbps']:.0%}", peer, vs))
+    return head + "\n" + table(body, ("weights", "M", "threads", "ms", "GB/s", "read bound", "of bound",
+                                      "ORT CPU GB/s", "vs ORT"))
