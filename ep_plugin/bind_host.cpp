@@ -6,6 +6,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "bindings.h"
@@ -189,6 +191,13 @@ void bind_host(py::module_& m) {
          const py::object& isa) { return dense(x, w, threads, isa, parse_split(split)); },
       py::arg("x"), py::arg("w"), py::arg("split"), py::kw_only(), py::arg("threads") = py::none(),
       py::arg("isa") = py::none(), Drain(), "host_matmul with the split between threads forced (the benchmark's)");
+  m.def(
+      "_host_job_entry",
+      [] {
+        return py::make_tuple(reinterpret_cast<uintptr_t>(&host_matmul_job_run), sizeof(HostMatmulJob),
+                              offsetof(HostMatmulJob, status));
+      },
+      "(address of host_matmul_job_run, sizeof(HostMatmulJob), offsetof(status)): the C entry for a CUDA host node");
   m.def(
       "_host_read",
       [](const py::array& buf, const py::object& threads) {

@@ -440,5 +440,7 @@ def host_cpu() -> dict[str, object]:
 def _host_matmul_split(x: np.ndarray, w: np.ndarray, split: str, *, threads: int | None = None,
                        isa: str | None = None) -> np.ndarray:
     """host_matmul with the split between threads forced: "auto", "columns" or "rows" (bench host)."""
+def _host_job_entry() -> tuple[int, int, int]:
+    """(address of host_matmul_job_run, sizeof(HostMatmulJob), offsetof(HostMatmulJob, status))."""
 def _host_read(buf: np.ndarray, *, threads: int | None = None) -> int:
     """Reads buf on the host kernels' pool, each thread a contiguous band (bench host's bound)."""

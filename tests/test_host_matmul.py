@@ -11,6 +11,7 @@ y being the exact product of the upcast values (float64 here). A float16 output 
 rounding: half an ulp, u16 |y32| (u16 = 2^-11), or 2^-25 among the subnormals. Two
 results that each meet the bound (two ISAs, ORT and the kernels) differ by at most twice it.
 """
+import ctypes
 import os
 import re
 import threading
@@ -230,7 +231,7 @@ def test_a_forked_child_computes_with_a_pool_of_its_own():
     if pid == 0:  # the child: its pool starts empty and is built on first use
         try:
             fresh = _core.host_cpu()["pool_workers"] == 0
-            ok = fresh and np.array_equal(_core.host_matmul(x, w), want)
+            ok = np.array_equal(_core.host_matmul(x, w), want) and fresh
             os.write(wfd, b"ok" if ok else b"bad")
         finally:
             os._exit(0)
@@ -317,3 +318,38 @@ def test_an_isa_the_cpu_lacks_is_refused_by_name():
     x = np.ones((1, 16), np.float32)
     with pytest.raises(ValueError, match=f"isa '{missing[-1]}' is not available on this CPU"):
         _core.host_matmul(x, np.ones((16, 16), np.float16), isa=missing[-1])
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("dtype", ctypes.c_int32), ("k", ctypes.c_int64), ("n", ctypes.c_int64),
+                ("data", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("zero_points", ctypes.c_void_p),
+                ("block_size", ctypes.c_int64)]
+
+
+class _Job(ctypes.Structure):
+    """HostMatmulJob of ep_plugin/host_matmul.h."""
+    _fields_ = [("weight", _Weight), ("x_dtype", ctypes.c_int32), ("threads", ctypes.c_int32),
+                ("isa", ctypes.c_int32), ("split", ctypes.c_int32), ("m", ctypes.c_int64), ("x", ctypes.c_void_p),
+                ("y", ctypes.c_void_p), ("status", ctypes.c_int32), ("error", ctypes.c_char * 256)]
+
+
+def test_the_c_entry_for_a_cuda_host_node_runs_a_job_and_reports_a_refusal():
+    address, size, status_at = _core._host_job_entry()
+    assert (size, status_at) == (ctypes.sizeof(_Job), _Job.status.offset)
+    run = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(address)  # CUhostFn's signature
+    b, scales, zp, w64 = int4_weight(200, 50, 64, np.float16, True)
+    x = RNG.standard_normal((3, 200)).astype(np.float16)
+    y = np.full((3, 50), np.nan, np.float16)
+    job = _Job(weight=_Weight(kind=1, dtype=1, k=200, n=50, data=b.ctypes.data, scales=scales.ctypes.data,
+                              zero_points=zp.ctypes.data, block_size=64),
+               x_dtype=1, threads=0, isa=-1, split=0, m=3, x=x.ctypes.data, y=y.ctypes.data, status=-1)
+    run(ctypes.addressof(job))
+    assert job.status == 0 and job.error == b""
+    exact, err = bound(x, w64, np.float16)
+    check(y, exact, err)
+    job.weight.block_size = 48
+    run(ctypes.addressof(job))
+    assert job.status == 1 and b"block_size must be a power of two" in job.error
+    job.weight.block_size, job.y = 64, None
+    run(ctypes.addressof(job))
+    assert job.status == 1 and b"y must not be null" in job.error
