@@ -213,11 +213,13 @@ def test_concurrent_callers_each_get_their_own_product():
             if not np.array_equal(_core.host_matmul_nbits(xq, b, scales, zp, k=256, n=77, block_size=32), want_q):
                 bad.append(("int4", i))
 
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(jobs))]
+    threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(len(jobs))]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 120
     for t in threads:
-        t.join()
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "callers still waiting on the pool after 120 s"
     assert not bad
 
 
