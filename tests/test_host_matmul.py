@@ -355,3 +355,19 @@ def test_the_c_entry_for_a_cuda_host_node_runs_a_job_and_reports_a_refusal():
     job.weight.block_size, job.y = 64, None
     run(ctypes.addressof(job))
     assert job.status == 1 and b"y must not be null" in job.error
+
+
+def test_bench_host_runs_from_the_command_line(tmp_path, capsys):
+    import json
+
+    from onnx_offload.tools import cli
+    out = tmp_path / "host.json"
+    assert cli.main(["bench", "host", "--weights-mib", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    cores = _core.host_cpu()["physical_cores"]
+    assert len(res["rows"]) == 3 * 3 * cores  # fp16, bf16, int4 x M = 1, 4, 8 x 1 .. every core
+    for r in res["rows"]:
+        assert r["gbps"] > 0 and r["read_gbps"] > 0
+        assert (r["ort_gbps"] is None) == (r["kind"] == "bf16")  # ORT's CPU has no bf16 MatMul
+    assert "read bound" in text and "ORT CPU GB/s" in text
