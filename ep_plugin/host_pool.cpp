@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <fstream>
 #include <mutex>
+#include <new>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -76,6 +77,7 @@ struct Pool {
   std::condition_variable work_cv, done_cv;
   std::atomic<uint64_t> generation{0};
   std::atomic<int> remaining{0};
+  std::atomic<bool> failed{false};  // a job's function threw (out of memory): its caller raises
   PoolFn fn = nullptr;
   void* ctx = nullptr;
   int nthreads = 0;
@@ -108,7 +110,11 @@ void worker_main(Pool* p, int tid, int cpu) {
       n = p->nthreads;
     }
     if (tid >= n) continue;
-    fn(ctx, tid, n);
+    try {
+      fn(ctx, tid, n);
+    } catch (...) {
+      p->failed.store(true, std::memory_order_relaxed);
+    }
     if (p->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> lk(p->mu);
       p->done_cv.notify_one();
@@ -160,6 +166,7 @@ void pool_run(int nthreads, PoolFn fn, void* ctx) {
     p.fn = fn;
     p.ctx = ctx;
     p.nthreads = nthreads;
+    p.failed.store(false, std::memory_order_relaxed);
     p.remaining.store(nthreads, std::memory_order_relaxed);
     p.generation.fetch_add(1, std::memory_order_release);
   }
@@ -167,6 +174,7 @@ void pool_run(int nthreads, PoolFn fn, void* ctx) {
   for (int i = 0; i < kSpin && p.remaining.load(std::memory_order_acquire) != 0; ++i) cpu_relax();
   std::unique_lock<std::mutex> lk(p.mu);
   p.done_cv.wait(lk, [&] { return p.remaining.load(std::memory_order_acquire) == 0; });
+  if (p.failed.load(std::memory_order_relaxed)) throw std::bad_alloc();
 }
 
 int pool_workers() {

@@ -24,8 +24,10 @@ struct CpuTopology {
 const CpuTopology& cpu_topology();
 
 // Runs fn(ctx, tid, nthreads) for tid in [0, nthreads) on pinned workers and returns
-// when all have finished. 1 <= nthreads <= cpu_topology().logical_cpus. `fn` must not
-// throw. Thread-safe: concurrent callers run one after another.
+// when all have finished. 1 <= nthreads <= cpu_topology().logical_cpus. Where `fn`
+// throws on a worker (its only allocations are scratch buffers), the call throws
+// std::bad_alloc once every thread is done. Thread-safe: concurrent callers run one after
+// another.
 using PoolFn = void (*)(void* ctx, int tid, int nthreads);
 void pool_run(int nthreads, PoolFn fn, void* ctx);
 
