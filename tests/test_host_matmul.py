@@ -370,4 +370,5 @@ def test_bench_host_runs_from_the_command_line(tmp_path, capsys):
     for r in res["rows"]:
         assert r["gbps"] > 0 and r["read_gbps"] > 0
         assert (r["ort_gbps"] is None) == (r["kind"] == "bf16")  # ORT's CPU has no bf16 MatMul
+        assert (r["ort_int8_gbps"] is None) == (r["kind"] != "int4")
     assert "read bound" in text and "ORT CPU GB/s" in text

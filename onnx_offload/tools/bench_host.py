@@ -3,9 +3,11 @@
 for fp16, bf16 and int4 (MatMulNBits, blocks of 32) weights, batches of 1, 4 and 8 rows
 and 1 .. every physical core. Beside each row:
   - the bound: a plain read of the same bytes by the same pool and thread count;
-  - the peer on the same host: onnxruntime's CPU MatMul (fp16) or MatMulNBits (int4, with
-    accuracy_level 4 as onnxruntime-genai's int4 models ask for) over the same weights,
-    with as many intra-op threads. ORT's CPU has no bf16 MatMul.
+  - the peer on the same host: onnxruntime's CPU MatMul (fp16) or MatMulNBits (int4) over
+    the same weights, with as many intra-op threads: MatMulNBits with accuracy_level 0
+    (fp32 compute, as the kernels), and for int4 also with accuracy_level 4 (x quantized
+    to int8 per block, as onnxruntime-genai's int4 models ask for). ORT's CPU has no bf16
+    MatMul.
 Each figure is the median of `runs` warm calls."""
 from __future__ import annotations
 
@@ -48,9 +50,9 @@ def _weights(kind: str, weight_bytes: int, rng) -> Dict:
     return dict(n=n, w=w, bytes=w.nbytes)
 
 
-def _ort_session(kind: str, wt: Dict, threads: int, folder: str):
+def _ort_session(kind: str, wt: Dict, threads: int, folder: str, accuracy_level: int = 0):
     """onnxruntime's CPU kernel over the same weights, or None where it has none (bf16)."""
-    if kind == "bf16":
+    if kind == "bf16" or (kind != "int4" and accuracy_level):
         return None
     import onnx
     import onnxruntime as ort
@@ -59,7 +61,7 @@ def _ort_session(kind: str, wt: Dict, threads: int, folder: str):
     if kind == "int4":
         inits = [numpy_helper.from_array(wt["b"], "B"), numpy_helper.from_array(wt["scales"], "S")]
         node = helper.make_node("MatMulNBits", ["x", "B", "S"], ["y"], domain="com.microsoft", K=K, N=n, bits=4,
-                                block_size=BLOCK, accuracy_level=4)
+                                block_size=BLOCK, accuracy_level=accuracy_level)
     else:
         inits = [numpy_helper.from_array(wt["w"], "W")]
         node = helper.make_node("MatMul", ["x", "W"], ["y"])
@@ -68,8 +70,8 @@ def _ort_session(kind: str, wt: Dict, threads: int, folder: str):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
-    path = os.path.join(folder, f"peer_{kind}.onnx")
-    onnx.save_model(model, path, save_as_external_data=True, location=f"peer_{kind}.data")
+    path = os.path.join(folder, f"peer_{kind}_{accuracy_level}.onnx")
+    onnx.save_model(model, path, save_as_external_data=True, location=f"peer_{kind}_{accuracy_level}.data")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
@@ -97,16 +99,17 @@ def bench_host(weights_mib: int = 256, runs: int = 5, kinds=KINDS, batches=BATCH
             data = wt["b"] if kind == "int4" else wt["w"]
             for threads in counts:
                 read_s = _median_s(lambda: _core._host_read(data, threads=threads), runs)
-                peer = _ort_session(kind, wt, threads, folder)
+                peers = [_ort_session(kind, wt, threads, folder, level) for level in (0, 4)]
                 for m in batches:
                     x = rng.standard_normal((m, K)).astype(np.float16)
                     s = _median_s(_kernel(kind, wt, x, threads), runs)
-                    peer_s = _median_s(lambda: peer.run(None, {"x": x}), runs) if peer is not None else None
+                    peer_s = [None if p is None else _median_s(lambda: p.run(None, {"x": x}), runs) for p in peers]
                     rows.append(dict(kind=kind, m=m, threads=threads, bytes=wt["bytes"], ms=s * 1e3,
                                      gbps=wt["bytes"] / s / 1e9, read_gbps=data.nbytes / read_s / 1e9,
-                                     ort_ms=None if peer_s is None else peer_s * 1e3,
-                                     ort_gbps=None if peer_s is None else wt["bytes"] / peer_s / 1e9))
-                peer = None
+                                     ort_ms=None if peer_s[0] is None else peer_s[0] * 1e3,
+                                     ort_gbps=None if peer_s[0] is None else wt["bytes"] / peer_s[0] / 1e9,
+                                     ort_int8_gbps=None if peer_s[1] is None else wt["bytes"] / peer_s[1] / 1e9))
+                peers = None
     return dict(cpu=cpu, weights_mib=weights_mib, k=K, block_size=BLOCK, runs=runs, rows=rows)
 
 
@@ -119,7 +122,8 @@ def print_host(res: Dict) -> str:
     for r in res["rows"]:
         peer = "n/a" if r["ort_gbps"] is None else f"{r['ort_gbps']:.1f}"
         vs = "-" if r["ort_gbps"] is None else f"{r['gbps'] / r['ort_gbps']:.2f}x"
+        int8 = "-" if r["ort_int8_gbps"] is None else f"{r['ort_int8_gbps']:.1f}"
         body.append((r["kind"], r["m"], r["threads"], f"{r['ms']:.2f}", f"{r['gbps']:.1f}", f"{r['read_gbps']:.1f}",
-                     f"{r['gbps'] / r['read_gbps']:.0%}", peer, vs))
+                     f"{r['gbps'] / r['read_gbps']:.0%}", peer, vs, int8))
     return head + "\n" + table(body, ("weights", "M", "threads", "ms", "GB/s", "read bound", "of bound",
-                                      "ORT CPU GB/s", "vs ORT"))
+                                      "ORT CPU GB/s", "vs ORT", "ORT int8 x (acc. 4)"))
