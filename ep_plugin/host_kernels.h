@@ -44,7 +44,9 @@ Kernels kernels_avx2();
 Kernels kernels_avx512();
 #endif
 
-// Portable conversions (the scalar path, and tails of the vector paths).
+// Portable conversions (the scalar path, and tails of the vector paths): the compiler's
+// _Float16 where it has one (GCC 12+, Clang 15+ on x86-64; AArch64), else by bits.
+#ifdef __FLT16_MAX__
 inline float half_to_float(uint16_t h) {
   _Float16 v;
   std::memcpy(&v, &h, 2);
@@ -56,6 +58,42 @@ inline uint16_t float_to_half(float f) {
   std::memcpy(&h, &v, 2);
   return h;
 }
+#else
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);  // inf, nan
+  } else if (exp) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero and subnormals: man * 2^-24, exact in fp32
+    float f = float(man) * 5.9604644775390625e-8f;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_half(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return uint16_t(sign | 0x7c00 | (a > 0x7f800000u ? 0x200 : 0));  // inf, nan
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00);  // rounds past 65504: inf
+  if (a < 0x38800000u) {  // below 2^-14: a multiple of 2^-24, rounded by the fp32 adder
+    float v;
+    std::memcpy(&v, &a, 4);
+    v += 0.5f;  // 0.5 = 2^-1: the sum's ulp is 2^-24, so its low bits are the half's
+    uint32_t r;
+    std::memcpy(&r, &v, 4);
+    return uint16_t(sign | (r - 0x3f000000u));
+  }
+  const uint32_t odd = (a >> 13) & 1;
+  return uint16_t(sign | ((a + 0xc8000fffu + odd) >> 13));  // rebias (-112 << 23) and round
+}
+#endif
 inline float bf16_to_float(uint16_t b) {
   const uint32_t u = uint32_t(b) << 16;
   float f;
