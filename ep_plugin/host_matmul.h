@@ -21,6 +21,15 @@
 //
 // ISA dispatch at run time (one wheel for any x86-64): AVX-512 (F, BW, VL), AVX2 + F16C +
 // FMA, and portable scalar; other architectures build the scalar path only.
+//
+// The split of a dense product between threads: by rows of K (each thread reads one
+// contiguous run of W, whole rows, and the threads' [M, N] partial sums are added at the
+// end) rather than by bands of N (each thread reads a band of every row: runs of 1-8 KiB
+// that the hardware prefetcher restarts at each row). Measured on one core of an AMD EPYC
+// (Zen 4, AVX-512), fp16 weights of 256 MiB, GB/s of weights, rows vs columns:
+//   K=4096 N=32768: M=1 21.0 vs 19.5, M=4 15.6 vs 9.7, M=8 8.1 vs 6.0;
+//   K=16384 N=8192: M=1 18.4 vs 19.0, M=4 12.6 vs 9.2, M=8 7.1 vs 4.3.
+// Columns serve where K is too short to give each thread two 8-row tiles.
 #pragma once
 
 #include <cstddef>
