@@ -372,3 +372,26 @@ def test_bench_host_runs_from_the_command_line(tmp_path, capsys):
         assert (r["ort_gbps"] is None) == (r["kind"] == "bf16")  # ORT's CPU has no bf16 MatMul
         assert (r["ort_int8_gbps"] is None) == (r["kind"] != "int4")
     assert "read bound" in text and "ORT CPU GB/s" in text
+
+
+def test_the_gil_is_free_while_a_product_runs():
+    x = RNG.standard_normal((8, 8192)).astype(np.float32)
+    w = RNG.standard_normal((8192, 4096)).astype(np.float16)  # the scalar path: a few hundred ms
+    started = threading.Event()
+
+    def product():
+        started.set()
+        _core.host_matmul(x, w, isa="scalar", threads=1)
+
+    t = threading.Thread(target=product)
+    t.start()
+    started.wait()
+    t0 = time.perf_counter()
+    ticks = 0
+    while t.is_alive():
+        ticks += 1
+        time.sleep(0.001)
+    elapsed = time.perf_counter() - t0
+    t.join()
+    # With the GIL held, this thread could not run until the product returned: one tick.
+    assert elapsed < 0.05 or ticks >= 10, (elapsed, ticks)
