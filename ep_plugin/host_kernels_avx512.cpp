@@ -194,9 +194,10 @@ template <int M, int ST, bool ZP>
 OFFLOAD_AVX512 void nbits_pairs(const float* x, size_t ldx, const uint8_t* b, const void* scales, const uint8_t* zps,
                                 size_t nblk, size_t bs, size_t n0, size_t nb, float* y, size_t ldy) {
   if (bs < 32) return nbits_m<M, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0, nb, y, ldy);
-  const size_t even = nb & ~size_t(1);
-  nbits_lut<M, 2, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0, even, y, ldy);
-  if (even < nb) nbits_lut<M, 1, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0 + even, 1, y + even, ldy);
+  constexpr int NC = M <= 4 ? 4 : 2;  // columns a pass: as many as the 32 registers hold
+  const size_t full = nb / NC * NC;
+  nbits_lut<M, NC, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0, full, y, ldy);
+  if (full < nb) nbits_lut<M, 1, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0 + full, nb - full, y + full, ldy);
 }
 
 using NBitsM = void (*)(const float*, size_t, const uint8_t*, const void*, const uint8_t*, size_t, size_t, size_t,
