@@ -139,7 +139,9 @@ OFFLOAD_AVX512 void nbits_m(const float* x, size_t ldx, const uint8_t* b, const 
 template <int M, int NC, int ST, bool ZP>
 OFFLOAD_AVX512 void nbits_lut(const float* x, size_t ldx, const uint8_t* b, const void* scales, const uint8_t* zps,
                               size_t nblk, size_t bs, size_t n0, size_t nb, float* y, size_t ldy) {
-  constexpr bool kTwo = NC * M <= 4;  // a second chain per accumulator where registers allow
+  // A second chain per accumulator for one row of x (the FMA latency would bound it); the
+  // same for every NC, so that a column sums in one order whichever pass computes it.
+  constexpr bool kTwo = M == 1;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const size_t blob = bs / 2;
   for (size_t j = 0; j + NC <= nb; j += NC) {
