@@ -45,8 +45,9 @@ def _weights(kind: str, weight_bytes: int, rng) -> Dict:
         scales = (rng.standard_normal(n * (K // BLOCK)) * 0.01).astype(np.float16)
         return dict(n=n, b=b, scales=scales, bytes=b.nbytes + scales.nbytes)
     n = max(1, weight_bytes // (2 * K))
-    w = rng.standard_normal((K, n), dtype=np.float32)
-    w = w.astype(np.float16 if kind == "fp16" else ml_dtypes.bfloat16)
+    w = np.empty((K, n), np.float16 if kind == "fp16" else ml_dtypes.bfloat16)
+    for r0 in range(0, K, 256):  # in slices: no fp32 copy of the whole weight
+        w[r0:r0 + 256] = rng.standard_normal((min(256, K - r0), n), dtype=np.float32)
     return dict(n=n, w=w, bytes=w.nbytes)
 
 
