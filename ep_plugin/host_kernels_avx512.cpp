@@ -5,9 +5,10 @@
 // Dense: a register tile of 16 columns by up to 8 rows of x, over 8 rows of W at a time,
 // adds into an fp32 accumulator block that the caller keeps in L1/L2; each of the 8 rows
 // of W is read as one contiguous run across the block.
-// int4: one column of W (contiguous along K in MatMulNBits's layout) at a time, 32 values
-// a step: the nibbles widen to int32, the zero point is subtracted exactly, then the
-// scale multiplies, so the dequantized weight is fp32((q - z) * s) on every path.
+// int4: columns of W (each contiguous along K in MatMulNBits's layout), 32 values a step,
+// through a table of the block's 16 weights (nbits_lut); blocks of 16 widen the nibbles to
+// int32 instead (nbits_m). Either way the zero point is subtracted exactly and the scale
+// multiplies once, so the dequantized weight is fp32((q - z) * s) on every path.
 #include "host_kernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)
