@@ -51,12 +51,7 @@ def _weights(kind: str, weight_bytes: int, rng) -> Dict:
     return dict(n=n, w=w, bytes=w.nbytes)
 
 
-def _ort_session(kind: str, wt: Dict, threads: int, folder: str, accuracy_level: int = 0):
-    """onnxruntime's CPU kernel over the same weights, or None where it has none (bf16)."""
-    if kind == "bf16" or (kind != "int4" and accuracy_level):
-        return None
-    import onnx
-    import onnxruntime as ort
+def _peer_model(kind: str, wt: Dict, accuracy_level: int):
     from onnx import TensorProto, helper, numpy_helper
     n = wt["n"]
     if kind == "int4":
@@ -70,9 +65,20 @@ def _ort_session(kind: str, wt: Dict, threads: int, folder: str, accuracy_level:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["m", n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 10
+    model.ir_version = 10  # what onnxruntime 1.31 reads
+    return model
+
+
+def _ort_session(kind: str, wt: Dict, threads: int, folder: str, accuracy_level: int = 0):
+    """onnxruntime's CPU kernel over the same weights, or None where it has none (bf16)."""
+    if kind == "bf16" or (kind != "int4" and accuracy_level):
+        return None
+    import onnx
+    import onnxruntime as ort
     path = os.path.join(folder, f"peer_{kind}_{accuracy_level}.onnx")
-    onnx.save_model(model, path, save_as_external_data=True, location=f"peer_{kind}_{accuracy_level}.data")
+    if not os.path.exists(path):  # one file a kind and level, read by each thread count's session
+        onnx.save_model(_peer_model(kind, wt, accuracy_level), path, save_as_external_data=True,
+                        location=f"peer_{kind}_{accuracy_level}.data")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
