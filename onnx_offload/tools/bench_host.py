@@ -93,7 +93,7 @@ def _kernel(kind: str, wt: Dict, x: np.ndarray, threads: int):
     return lambda: _core.host_matmul(x, wt["w"], threads=threads)
 
 
-def bench_host(weights_mib: int = 256, runs: int = 5, kinds=KINDS, batches=BATCHES,
+def bench_host(weights_mib: int = 256, runs: int = 3, kinds=KINDS, batches=BATCHES,
                thread_counts: Optional[List[int]] = None) -> Dict:
     from .. import _core
     cpu = _core.host_cpu()
