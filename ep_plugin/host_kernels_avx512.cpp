@@ -137,6 +137,14 @@ OFFLOAD_AVX512 void nbits_m(const float* x, size_t ldx, const uint8_t* b, const 
 // (vpermps reads the low 4 bits: the low nibbles), shifted by 4 they give the high
 // nibbles. x comes de-interleaved to match (even k, then odd k, per 32). NC columns at a
 // time share each load of x.
+// The scales of column blocks at .. at + count (16 at most; zero past count) as fp32.
+template <int ST>
+OFFLOAD_AVX512 inline __m512 scales16(const void* scales, size_t at, size_t count) {
+  const __mmask16 k = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+  if constexpr (ST == 0) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(scales) + at);
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(scales) + at));
+}
+
 template <int M, int NC, int ST, bool ZP>
 OFFLOAD_AVX512 void nbits_lut(const float* x, size_t ldx, const uint8_t* b, const void* scales, const uint8_t* zps,
                               size_t nblk, size_t bs, size_t n0, size_t nb, float* y, size_t ldy) {
@@ -151,16 +159,24 @@ OFFLOAD_AVX512 void nbits_lut(const float* x, size_t ldx, const uint8_t* b, cons
     for (int c = 0; c < NC; ++c)
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) a0[c][m] = a1[c][m] = _mm512_setzero_ps();
+    __m512 sv[NC];  // the scales of 16 blocks a column, read and widened at once
+    __m512i lane = _mm512_setzero_si512();  // the block's lane in sv
     for (size_t blk = 0; blk < nblk; ++blk) {
+      if ((blk & 15) == 0) {
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) sv[c] = scales16<ST>(scales, (n0 + j + size_t(c)) * nblk + blk, nblk - blk);
+        lane = _mm512_setzero_si512();
+      }
       __m512 lut[NC];
       const uint8_t* p[NC];
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
         const size_t n = n0 + j + size_t(c);
         const float z = float(ZP ? zero_point(zps, n, nblk, blk) : 8);
-        lut[c] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(z)), _mm512_set1_ps(elem(scales, ST, n * nblk + blk)));
+        lut[c] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(z)), _mm512_permutexvar_ps(lane, sv[c]));
         p[c] = b + (n * nblk + blk) * blob;
       }
+      lane = _mm512_add_epi32(lane, _mm512_set1_epi32(1));
       const float* xb = x + blk * bs;
       for (size_t i = 0; i < bs; i += 32) {
         __m512 we[NC], wo[NC];
