@@ -55,6 +55,7 @@ size_t block_cols(int rows) { return std::max<size_t>(32, (4096 / size_t(rows)) 
 
 constexpr size_t kColUnit = 32;  // a thread's band of N: whole 64-byte lines of fp16
 constexpr size_t kRowUnit = 8;   // a thread's band of K: whole 8-row tiles
+constexpr size_t kSmall = 256 << 10;  // weight bytes below which one thread computes
 
 struct Ctx {
   const HostMatmulJob* job;
@@ -239,7 +240,10 @@ void run(const HostMatmulJob& job) {
     xs.swap(xt);
   }
   c.xs = xs.data();
-  const int threads = job.threads ? job.threads : default_threads();
+  // A product too small to pay for waking the pool (a few microseconds a thread) runs on
+  // the caller's thread.
+  const size_t weight_bytes = w.kind == HOST_DENSE ? K * N * dtype_size(w.dtype) : N * c.kp / 2;
+  const int threads = weight_bytes < kSmall ? 1 : job.threads ? job.threads : default_threads();
   if (w.kind == HOST_NBITS4) {
     pool_run(int(std::min<size_t>(size_t(threads), N)), nbits_columns, &c);
     return;

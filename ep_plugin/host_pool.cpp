@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <fstream>
@@ -68,9 +69,23 @@ CpuTopology read_topology() {
   return t;
 }
 
-// Spins before a worker sleeps (and before a caller sleeps on a job): back-to-back
-// calls of a decode step then skip the futex wake-up, and an idle pool costs no CPU.
-constexpr int kSpin = 2048;
+// How long a worker spins before it sleeps (and a caller before it sleeps on a job):
+// back-to-back calls of a decode step then skip the futex wake-up, and an idle pool costs
+// no CPU. By the clock, as PAUSE takes from a few to a hundred cycles across CPUs.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+// Spins until done() or kSpin has passed; true if done().
+template <class Done>
+bool spin_until(Done done) {
+  const auto until = std::chrono::steady_clock::now() + kSpin;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (done()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= until) return done();
+  }
+}
 
 struct Pool {
   std::mutex mu;  // guards the job description; the condition variables wait on it
@@ -97,7 +112,7 @@ void worker_main(Pool* p, int tid, int cpu) {
 #endif
   uint64_t seen = 0;
   for (;;) {
-    for (int i = 0; i < kSpin && p->generation.load(std::memory_order_acquire) == seen; ++i) cpu_relax();
+    spin_until([&] { return p->generation.load(std::memory_order_acquire) != seen; });
     PoolFn fn;
     void* ctx;
     int n;
@@ -140,8 +155,8 @@ Pool& pool_with(int nthreads) {
   }
   if (!g_pool) g_pool = new Pool();
   const CpuTopology& topo = cpu_topology();
-  while (g_pool->workers < nthreads) {
-    const int tid = g_pool->workers;
+  while (g_pool->workers < nthreads - 1) {  // thread 0 of a job is its caller
+    const int tid = g_pool->workers + 1;
     std::thread(worker_main, g_pool, tid, topo.cpus[size_t(tid)]).detach();
     ++g_pool->workers;
   }
@@ -159,6 +174,10 @@ void pool_run(int nthreads, PoolFn fn, void* ctx) {
   if (nthreads < 1 || nthreads > cpu_topology().logical_cpus)
     throw std::invalid_argument("host pool: threads must be in [1, " + std::to_string(cpu_topology().logical_cpus) +
                                 "], got " + std::to_string(nthreads));
+  if (nthreads == 1) {  // on the caller's thread: no hand-off, nothing shared
+    fn(ctx, 0, 1);
+    return;
+  }
   std::lock_guard<std::mutex> call(g_call_mu);
   Pool& p = pool_with(nthreads);
   {
@@ -167,11 +186,16 @@ void pool_run(int nthreads, PoolFn fn, void* ctx) {
     p.ctx = ctx;
     p.nthreads = nthreads;
     p.failed.store(false, std::memory_order_relaxed);
-    p.remaining.store(nthreads, std::memory_order_relaxed);
+    p.remaining.store(nthreads - 1, std::memory_order_relaxed);
     p.generation.fetch_add(1, std::memory_order_release);
   }
   p.work_cv.notify_all();
-  for (int i = 0; i < kSpin && p.remaining.load(std::memory_order_acquire) != 0; ++i) cpu_relax();
+  try {  // the caller takes part 0 while the workers wake
+    fn(ctx, 0, nthreads);
+  } catch (...) {
+    p.failed.store(true, std::memory_order_relaxed);
+  }
+  spin_until([&] { return p.remaining.load(std::memory_order_acquire) == 0; });
   std::unique_lock<std::mutex> lk(p.mu);
   p.done_cv.wait(lk, [&] { return p.remaining.load(std::memory_order_acquire) == 0; });
   if (p.failed.load(std::memory_order_relaxed)) throw std::bad_alloc();

@@ -436,7 +436,8 @@ def host_matmul_nbits(x: np.ndarray, b_quant: np.ndarray, scales: np.ndarray, ze
     block_size a power of two >= 16. Returns [M, n] of x's dtype."""
 def host_cpu() -> dict[str, object]:
     """{"isa": chosen, "isa_available": [...], "physical_cores", "logical_cpus", "threads":
-    the pool's default thread count, "pool_workers": threads started in this process}."""
+    the pool's default thread count, "pool_workers": worker threads started in this process
+    (a product of t threads runs on its caller and t - 1 workers)}."""
 def _host_matmul_split(x: np.ndarray, w: np.ndarray, split: str, *, threads: int | None = None,
                        isa: str | None = None) -> np.ndarray:
     """host_matmul with the split between threads forced: "auto", "columns" or "rows" (bench host)."""
