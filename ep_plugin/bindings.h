@@ -42,5 +42,6 @@ using Release = py::call_guard<DrainWarnings, py::gil_scoped_release>;
 
 void bind_values(py::module_& m);
 void bind_arena(py::module_& m);
+void bind_host(py::module_& m);  // bind_host.cpp: the host kernels
 
 }  // namespace offload::bind

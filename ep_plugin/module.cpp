@@ -211,6 +211,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("extent_count", &GranuleMap::extent_count);
 
   offload::bind::bind_arena(m);
+  offload::bind::bind_host(m);
 
   m.def("make_dlpack", &make_dlpack, py::arg("ptr"), py::arg("shape"), py::arg("dtype"), py::arg("device_type"),
         py::arg("device_id") = 0);

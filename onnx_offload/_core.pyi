@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from typing import Callable, Optional, Sequence, Union
 
+import numpy as np
+
 ZONE_PRIORITY: dict[str, int]
 """Reclaim priority by zone label: a zone may take bytes from zones of lower priority."""
 DEFAULT_ALIGNMENT: int
@@ -416,3 +418,30 @@ def bind_external_allocator(allocator: ScratchAllocator) -> tuple[int, int, int,
 def unbind_external_allocator(index: int) -> None: ...
 def make_dlpack(ptr: int, shape: Sequence[int], dtype: str, device_type: int, device_id: int = 0) -> object:
     """A non-owning DLPack capsule over memory the arena owns."""
+
+# The host kernels (ep_plugin/host_matmul.h, bind_host.cpp): y = x @ W on the host's cores,
+# fp32 sums, on a pool of one pinned thread per physical core. `threads`: None for every
+# physical core of the process's affinity, else 1 .. the CPUs it may use. `isa`: None for
+# the best this CPU has, else "scalar", "avx2" or "avx512" (ValueError where the CPU lacks it).
+# The GIL is released while the product runs.
+def host_matmul(x: np.ndarray, w: np.ndarray, *, threads: int | None = None, isa: str | None = None) -> np.ndarray:
+    """x [M, K] float16/float32 times w [K, N] float16, bfloat16 (ml_dtypes) or float32
+    (ONNX MatMul's B); returns [M, N] of x's dtype. Arrays must be C-contiguous."""
+def host_matmul_nbits(x: np.ndarray, b_quant: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *,
+                      k: int, n: int, block_size: int, threads: int | None = None,
+                      isa: str | None = None) -> np.ndarray:
+    """x [M, k] times com.microsoft::MatMulNBits's 4-bit weight: b_quant uint8 [n, n_blocks,
+    block_size / 2] (low nibble first), scales of x's dtype [n * n_blocks] or [n, n_blocks],
+    zero_points None (8) or uint8 [n, ceil(n_blocks / 2)] (or flat), packed the same way;
+    block_size a power of two >= 16. Returns [M, n] of x's dtype."""
+def host_cpu() -> dict[str, object]:
+    """{"isa": chosen, "isa_available": [...], "physical_cores", "logical_cpus", "threads":
+    the pool's default thread count, "pool_workers": worker threads started in this process
+    (a product of t threads runs on its caller and t - 1 workers)}."""
+def _host_matmul_split(x: np.ndarray, w: np.ndarray, split: str, *, threads: int | None = None,
+                       isa: str | None = None) -> np.ndarray:
+    """host_matmul with the split between threads forced: "auto", "columns" or "rows" (bench host)."""
+def _host_job_entry() -> tuple[int, int, int]:
+    """(address of host_matmul_job_run, sizeof(HostMatmulJob), offsetof(HostMatmulJob, status))."""
+def _host_read(buf: np.ndarray, *, threads: int | None = None) -> int:
+    """Reads buf on the host kernels' pool, each thread a contiguous band (bench host's bound)."""

@@ -5,7 +5,7 @@
     onnx-offload chat FOLDER [--max-new-tokens N] [--system TEXT] [--vram-limit ...]
     onnx-offload serve FOLDER [--host 127.0.0.1] [--port 8000] [--vram-limit ...]
     onnx-offload demo [--cpu]
-    onnx-offload bench arena|session|offload|decode|reliability [--out DIR] [--json FILE]
+    onnx-offload bench arena|session|offload|decode|host|reliability [--out DIR] [--json FILE]
 
 This module builds the parser, dispatches to the commands (cli_models: run, generate;
 cli_bench: demo, bench, cache) and turns their errors into one line of stderr.
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     c.set_defaults(fn=cmd_cache)
     b = sub.add_parser("bench", help="benchmarks: arena page-in costs, session overhead, offloaded step time")
     b.add_argument("what", choices=("arena", "session", "offload", "decode", "compare", "cards", "int4", "moe",
-                                     "reliability"))
+                                     "host", "reliability"))
     b.add_argument("--cards", help="bench cards: card sizes, comma-separated (default 8GiB,12GiB,16GiB,24GiB)")
     b.add_argument("--prompts", help="bench cards: prompt lengths, comma-separated (default 512,4096)")
     b.add_argument("--batches", help="bench cards: batch sizes, comma-separated (default 1,4)")
@@ -132,6 +132,8 @@ def main(argv=None) -> int:
     b.add_argument("--json", help="also write the results to this JSON file")
     b.add_argument("--weight-gb", type=positive_float, default=8.0,
                    help="bench offload: the model's weights in GB (default 8; on the CPU at most 0.05)")
+    b.add_argument("--weights-mib", type=positive_int, default=256,
+                   help="bench host: MiB of weights for each kind (default 256; larger leaves the caches further)")
     b.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     b.add_argument("--widths", choices=("gpt-oss-20b", "narrow"), default="gpt-oss-20b",
                    help="bench moe on CUDA: gpt-oss-20b's layer widths in 4 layers (default), or hidden 1024 in 12")

@@ -85,6 +85,14 @@ def cmd_bench(args) -> int:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1, default=str)
         return 0
+    if args.what == "host":
+        from .bench_host import bench_host, print_host
+        res = bench_host(weights_mib=args.weights_mib)
+        print(print_host(res))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        return 0
     from . import bench
     kind = device_kind(args)
     out = os.path.abspath(args.out)  # the benchmarks' child processes start in another folder

@@ -1,0 +1,40 @@
+// The host kernels' worker pool: one thread per physical core of the process's CPU
+// affinity, each pinned to its core, kept alive between calls (a decode step makes
+// hundreds of small calls; starting threads per call would cost more than a GEMV). The
+// caller of a job computes its part 0 itself, so a job of t threads wakes t - 1 workers
+// (pinned to the 2nd .. t-th core; the caller stays where the OS runs it).
+//
+// Callers serialize: one job runs at a time, on the first `nthreads` workers, and the
+// caller waits for it. After fork() the child starts with no workers (the parent's
+// threads do not exist there) and builds its own pool on first use.
+#pragma once
+
+#include <vector>
+
+namespace offload::host {
+
+struct CpuTopology {
+  // The CPUs of sched_getaffinity, one per physical core first (in core order), then
+  // the remaining SMT siblings: a pool of t threads pins thread i to cpus[i].
+  std::vector<int> cpus;
+  int physical_cores = 0;
+  int logical_cpus = 0;
+};
+
+// Read from sysfs (topology/core_id, physical_package_id) within sched_getaffinity, once
+// per process (a forked child keeps the parent's answer, as its affinity is inherited).
+const CpuTopology& cpu_topology();
+
+// Runs fn(ctx, tid, nthreads) for tid in [0, nthreads) on pinned workers and returns
+// when all have finished; tid 0 runs on the caller's own thread. 1 <= nthreads <= cpu_topology().logical_cpus. Where `fn`
+// throws on a worker (its only allocations are scratch buffers), the call throws
+// std::bad_alloc once every thread is done. Thread-safe: concurrent callers run one after
+// another.
+using PoolFn = void (*)(void* ctx, int tid, int nthreads);
+void pool_run(int nthreads, PoolFn fn, void* ctx);
+
+// Worker threads alive in this process, the callers aside (0 before the first job of 2
+// threads or more, and in a fresh fork child).
+int pool_workers();
+
+}  // namespace offload::host
