@@ -324,10 +324,7 @@ def test_int4_dequantized_as_orts_kernel_reads_it(zero_points, k):
 
 @pytest.mark.parametrize("layout,dtype,quantized", DECODERS[:4])
 def test_the_compiled_kernels_as_the_host_s_part(layout, dtype, quantized):
-    """The compiled core's host kernels, where it has them, in place of numpy."""
-    from onnx_offload import _core
-    if not hasattr(_core, "host_matmul"):
-        pytest.skip("this compiled core has no host kernels")
+    """The compiled core's host kernels in place of numpy."""
     model = decoder_lm(layout, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, dtype=dtype)
     if quantized:
         model = int4(model, block_size=32, accuracy_level=0)
