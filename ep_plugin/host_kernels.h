@@ -112,4 +112,15 @@ inline int zero_point(const uint8_t* zp, size_t n, size_t n_blocks, size_t blk) 
   return (zp[n * ((n_blocks + 1) / 2) + blk / 2] >> ((blk & 1) * 4)) & 15;
 }
 
+// DenseFn's columns j0 <= j < nb, past a vector path's last full vector, one at a time.
+inline void dense_tail(int rows, const float* xt, const void* w, int32_t wdtype, size_t ldw, size_t k0, size_t k1,
+                       size_t n0, size_t j0, size_t nb, float* acc, size_t lda) {
+  for (size_t j = j0; j < nb; ++j)
+    for (int m = 0; m < rows; ++m) {
+      float s = acc[size_t(m) * lda + j];
+      for (size_t k = k0; k < k1; ++k) s += xt[k * size_t(rows) + size_t(m)] * elem(w, wdtype, k * ldw + n0 + j);
+      acc[size_t(m) * lda + j] = s;
+    }
+}
+
 }  // namespace offload::host

@@ -52,17 +52,6 @@ OFFLOAD_AVX512 void dense_tile(const float* xt, const void* w, size_t ldw, size_
   }
 }
 
-// The columns past the last full vector, for every row of the range.
-inline void dense_tail(int rows, const float* xt, const void* w, int32_t wdtype, size_t ldw, size_t k0, size_t k1,
-                       size_t n0, size_t j0, size_t nb, float* acc, size_t lda) {
-  for (size_t j = j0; j < nb; ++j)
-    for (int m = 0; m < rows; ++m) {
-      float s = acc[size_t(m) * lda + j];
-      for (size_t k = k0; k < k1; ++k) s += xt[k * size_t(rows) + size_t(m)] * elem(w, wdtype, k * ldw + n0 + j);
-      acc[size_t(m) * lda + j] = s;
-    }
-}
-
 template <int M, int WT>
 OFFLOAD_AVX512 void dense_m(const float* xt, const void* w, size_t ldw, size_t k0, size_t k1, size_t n0, size_t nb,
                             float* acc, size_t lda) {
