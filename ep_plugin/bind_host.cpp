@@ -182,9 +182,16 @@ void bind_host(py::module_& m) {
         d["logical_cpus"] = topo.logical_cpus;
         d["threads"] = offload::host::default_threads();
         d["pool_workers"] = offload::host::pool_workers();
+        d["spin_us"] = offload::host::pool_spin_us();
         return d;
       },
-      Drain(), "the host kernels' CPU: the ISA chosen and those available, cores, CPUs, the pool's threads");
+      Drain(),
+      "the host kernels' CPU: the ISA chosen and those available, cores, CPUs, the pool's threads, and how long "
+      "(microseconds) its threads spin after a job before they sleep");
+  m.def(
+      "host_set_spin_us", [](int64_t us) { offload::host::pool_set_spin_us(us); }, py::arg("us"),
+      "sets how long (microseconds, 0 .. 1000000) the host pool's threads spin after a job for the next one before "
+      "they sleep (default 1000, or ONNX_OFFLOAD_HOST_SPIN_US)");
   m.def(
       "_host_matmul_split",
       [](const py::array& x, const py::array& w, const std::string& split, const py::object& threads,

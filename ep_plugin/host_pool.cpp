@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstdint>
 #include <fstream>
 #include <mutex>
@@ -69,33 +70,74 @@ CpuTopology read_topology() {
   return t;
 }
 
-// How long a worker spins before it sleeps (and a caller before it sleeps on a job):
-// back-to-back calls of a decode step then skip the futex wake-up, and an idle pool costs
-// no CPU. By the clock, as PAUSE takes from a few to a hundred cycles across CPUs.
-constexpr auto kSpin = std::chrono::microseconds(50);
+// How long a worker spins (PAUSE, by the clock) after a job for the next one before it
+// sleeps on its condition variable, and a caller for its workers before it sleeps on its
+// own. The host MatMuls of a decode step come one after another with GPU work between
+// them (tens to hundreds of microseconds); 1 ms covers those gaps, so a step pays the
+// futex wake-up at most once, and an idle process goes quiet 1 ms after its last job.
+// (libgomp spins 300,000 PAUSE rounds by default, about 0.1 - 3 ms across CPUs; Intel's
+// OpenMP 200 ms; llama.cpp's pool spins a bounded count too.) Settable, 0 .. 1 s.
+constexpr int64_t kSpinDefaultUs = 1000;
+constexpr int64_t kSpinMaxUs = 1000000;
+std::atomic<int64_t> g_spin_us{-1};  // -1: not read from the environment yet
 
-// Spins until done() or kSpin has passed; true if done().
+int64_t spin_us() {
+  int64_t v = g_spin_us.load(std::memory_order_relaxed);
+  if (v >= 0) return v;
+  v = kSpinDefaultUs;
+  if (const char* e = std::getenv("ONNX_OFFLOAD_HOST_SPIN_US")) {
+    char* end = nullptr;
+    const long long parsed = std::strtoll(e, &end, 10);
+    if (end != e && *end == '\0' && parsed >= 0 && parsed <= kSpinMaxUs) v = parsed;  // else the default
+  }
+  int64_t expected = -1;
+  g_spin_us.compare_exchange_strong(expected, v, std::memory_order_relaxed);
+  return g_spin_us.load(std::memory_order_relaxed);
+}
+
+// Spins until done() or the spin bound has passed; true if done().
 template <class Done>
 bool spin_until(Done done) {
-  const auto until = std::chrono::steady_clock::now() + kSpin;
+  if (done()) return true;
+  const int64_t us = spin_us();
+  if (us == 0) return false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
   for (;;) {
     for (int i = 0; i < 64; ++i) {
       if (done()) return true;
       cpu_relax();
     }
     if (std::chrono::steady_clock::now() >= until) return done();
+    // A thread of this pool, or another process, may wait for this CPU (the caller is not
+    // pinned and can share a worker's CPU; a loaded host runs more threads than CPUs):
+    // pure spinning would hold it for a whole time slice (milliseconds). Yielding every
+    // 64 PAUSEs (a few microseconds) lets it run, and costs about a microsecond where no
+    // one waits.
+    sched_yield();
   }
 }
 
+// A job is announced by one atomic word, (generation << 16) | nthreads: a worker reads
+// the thread count of the very job whose generation it saw, and one past that count never
+// touches fn and ctx (which the next job may be overwriting). A worker within the count
+// reads fn and ctx after its acquire of the word; its caller rewrites them only after it
+// has finished (remaining == 0). Sleepers: a worker (or the caller) announces itself in
+// `sleepers` (or `caller_sleeps`) before it checks its condition under `mu` and waits; the
+// other side, after its own store, takes `mu` and notifies only where that count is not
+// zero. Both sides are sequentially consistent, so a sleeper either sees the store or is
+// notified, and a hand-off between spinning threads takes no lock and no system call.
+constexpr int kThreadBits = 16;
+
 struct Pool {
-  std::mutex mu;  // guards the job description; the condition variables wait on it
+  std::mutex mu;  // held only to sleep and to wake a sleeper
   std::condition_variable work_cv, done_cv;
-  std::atomic<uint64_t> generation{0};
+  std::atomic<uint64_t> job{0};
   std::atomic<int> remaining{0};
+  std::atomic<int> sleepers{0};
+  std::atomic<bool> caller_sleeps{false};
   std::atomic<bool> failed{false};  // a job's function threw (out of memory): its caller raises
   PoolFn fn = nullptr;
   void* ctx = nullptr;
-  int nthreads = 0;
   int workers = 0;  // touched only under g_call_mu
 };
 
@@ -109,28 +151,28 @@ void worker_main(Pool* p, int tid, int cpu) {
   CPU_ZERO(&set);
   CPU_SET(cpu, &set);
   pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort: a refusal leaves it unpinned
+  pthread_setname_np(pthread_self(), "offload-host");  // how tests and `top -H` tell them apart
 #endif
   uint64_t seen = 0;
   for (;;) {
-    spin_until([&] { return p->generation.load(std::memory_order_acquire) != seen; });
-    PoolFn fn;
-    void* ctx;
-    int n;
-    {
-      std::unique_lock<std::mutex> lk(p->mu);
-      p->work_cv.wait(lk, [&] { return p->generation.load(std::memory_order_relaxed) != seen; });
-      seen = p->generation.load(std::memory_order_relaxed);
-      fn = p->fn;
-      ctx = p->ctx;
-      n = p->nthreads;
+    const auto changed = [&] { return p->job.load(std::memory_order_seq_cst) != seen; };
+    if (!spin_until(changed)) {
+      p->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      {
+        std::unique_lock<std::mutex> lk(p->mu);
+        p->work_cv.wait(lk, changed);
+      }
+      p->sleepers.fetch_sub(1, std::memory_order_relaxed);
     }
+    seen = p->job.load(std::memory_order_acquire);
+    const int n = int(seen & ((1u << kThreadBits) - 1));
     if (tid >= n) continue;
     try {
-      fn(ctx, tid, n);
+      p->fn(p->ctx, tid, n);
     } catch (...) {
       p->failed.store(true, std::memory_order_relaxed);
     }
-    if (p->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    if (p->remaining.fetch_sub(1, std::memory_order_seq_cst) == 1 && p->caller_sleeps.load(std::memory_order_seq_cst)) {
       std::lock_guard<std::mutex> lk(p->mu);
       p->done_cv.notify_one();
     }
@@ -180,25 +222,40 @@ void pool_run(int nthreads, PoolFn fn, void* ctx) {
   }
   std::lock_guard<std::mutex> call(g_call_mu);
   Pool& p = pool_with(nthreads);
-  {
+  p.fn = fn;
+  p.ctx = ctx;
+  p.failed.store(false, std::memory_order_relaxed);
+  p.remaining.store(nthreads - 1, std::memory_order_relaxed);
+  const uint64_t gen = (p.job.load(std::memory_order_relaxed) >> kThreadBits) + 1;
+  p.job.store((gen << kThreadBits) | uint64_t(nthreads), std::memory_order_seq_cst);
+  if (p.sleepers.load(std::memory_order_seq_cst) > 0) {
     std::lock_guard<std::mutex> lk(p.mu);
-    p.fn = fn;
-    p.ctx = ctx;
-    p.nthreads = nthreads;
-    p.failed.store(false, std::memory_order_relaxed);
-    p.remaining.store(nthreads - 1, std::memory_order_relaxed);
-    p.generation.fetch_add(1, std::memory_order_release);
+    p.work_cv.notify_all();
   }
-  p.work_cv.notify_all();
-  try {  // the caller takes part 0 while the workers wake
+  try {  // the caller takes part 0 while the workers start
     fn(ctx, 0, nthreads);
   } catch (...) {
     p.failed.store(true, std::memory_order_relaxed);
   }
-  spin_until([&] { return p.remaining.load(std::memory_order_acquire) == 0; });
-  std::unique_lock<std::mutex> lk(p.mu);
-  p.done_cv.wait(lk, [&] { return p.remaining.load(std::memory_order_acquire) == 0; });
+  const auto done = [&] { return p.remaining.load(std::memory_order_seq_cst) == 0; };
+  if (!spin_until(done)) {
+    p.caller_sleeps.store(true, std::memory_order_seq_cst);
+    {
+      std::unique_lock<std::mutex> lk(p.mu);
+      p.done_cv.wait(lk, done);
+    }
+    p.caller_sleeps.store(false, std::memory_order_relaxed);
+  }
   if (p.failed.load(std::memory_order_relaxed)) throw std::bad_alloc();
+}
+
+int64_t pool_spin_us() { return spin_us(); }
+
+void pool_set_spin_us(int64_t us) {
+  if (us < 0 || us > kSpinMaxUs)
+    throw std::invalid_argument("host pool: spin_us must be in [0, " + std::to_string(kSpinMaxUs) + "], got " +
+                                std::to_string(us));
+  g_spin_us.store(us, std::memory_order_relaxed);
 }
 
 int pool_workers() {

@@ -5,10 +5,12 @@
 // (pinned to the 2nd .. t-th core; the caller stays where the OS runs it).
 //
 // Callers serialize: one job runs at a time, on the first `nthreads` workers, and the
-// caller waits for it. After fork() the child starts with no workers (the parent's
+// caller waits for it. Workers spin for a bounded time after each job (pool_spin_us), so
+// a job that follows within it starts without waking anyone; past it they sleep. After fork() the child starts with no workers (the parent's
 // threads do not exist there) and builds its own pool on first use.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 namespace offload::host {
@@ -36,5 +38,13 @@ void pool_run(int nthreads, PoolFn fn, void* ctx);
 // Worker threads alive in this process, the callers aside (0 before the first job of 2
 // threads or more, and in a fresh fork child).
 int pool_workers();
+
+// The bound, in microseconds, for which a worker spins (PAUSE) after a job for the next
+// one before it sleeps, and a caller for its workers before it sleeps: back-to-back jobs
+// within it take no system call. From ONNX_OFFLOAD_HOST_SPIN_US (0 .. 1000000) where set
+// and valid, else 1000. pool_set_spin_us throws std::invalid_argument outside that range;
+// it applies from the next wait.
+int64_t pool_spin_us();
+void pool_set_spin_us(int64_t us);
 
 }  // namespace offload::host

@@ -437,7 +437,11 @@ def host_matmul_nbits(x: np.ndarray, b_quant: np.ndarray, scales: np.ndarray, ze
 def host_cpu() -> dict[str, object]:
     """{"isa": chosen, "isa_available": [...], "physical_cores", "logical_cpus", "threads":
     the pool's default thread count, "pool_workers": worker threads started in this process
-    (a product of t threads runs on its caller and t - 1 workers)}."""
+    (a product of t threads runs on its caller and t - 1 workers), "spin_us": how long the
+    pool's threads spin after a job for the next one before they sleep}."""
+def host_set_spin_us(us: int) -> None:
+    """Sets the pool's spin bound in microseconds, 0 .. 1000000 (ValueError outside); default
+    1000, or ONNX_OFFLOAD_HOST_SPIN_US. 0: threads sleep as soon as they wait."""
 def _host_matmul_split(x: np.ndarray, w: np.ndarray, split: str, *, threads: int | None = None,
                        isa: str | None = None) -> np.ndarray:
     """host_matmul with the split between threads forced: "auto", "columns" or "rows" (bench host)."""

@@ -1,14 +1,16 @@
 """``onnx-offload bench host``: the host kernels (``_core.host_matmul``,
 ``host_matmul_nbits``) on weights too large for the caches, as GB/s of weight bytes read,
 for fp16, bf16 and int4 (MatMulNBits, blocks of 32) weights, batches of 1, 4 and 8 rows
-and 1 .. every physical core. Beside each row:
+and 1 .. every physical core, with the kernels of one ISA (the best the CPU has, or
+`isa`). Beside each row:
   - the bound: a plain read of the same bytes by the same pool and thread count;
   - the peer on the same host: onnxruntime's CPU MatMul (fp16) or MatMulNBits (int4) over
     the same weights, with as many intra-op threads: MatMulNBits with accuracy_level 0
     (fp32 compute, as the kernels), and for int4 also with accuracy_level 4 (x quantized
     to int8 per block, as onnxruntime-genai's int4 models ask for). ORT's CPU has no bf16
     MatMul.
-Each figure is the median of `runs` warm calls."""
+Each figure is the median of `runs` warm calls. Then the dispatch table of
+bench_host_dispatch: microseconds a call for small jobs back to back."""
 from __future__ import annotations
 
 import os
@@ -85,18 +87,24 @@ def _ort_session(kind: str, wt: Dict, threads: int, folder: str, accuracy_level:
     return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
 
-def _kernel(kind: str, wt: Dict, x: np.ndarray, threads: int):
+def _kernel(kind: str, wt: Dict, x: np.ndarray, threads: int, isa: Optional[str]):
     from .. import _core
     if kind == "int4":
         return lambda: _core.host_matmul_nbits(x, wt["b"], wt["scales"], None, k=K, n=wt["n"], block_size=BLOCK,
-                                               threads=threads)
-    return lambda: _core.host_matmul(x, wt["w"], threads=threads)
+                                               threads=threads, isa=isa)
+    return lambda: _core.host_matmul(x, wt["w"], threads=threads, isa=isa)
 
 
 def bench_host(weights_mib: int = 256, runs: int = 3, kinds=KINDS, batches=BATCHES,
-               thread_counts: Optional[List[int]] = None) -> Dict:
+               thread_counts: Optional[List[int]] = None, isa: Optional[str] = None,
+               dispatch_calls: int = 2000) -> Dict:
+    """The rate table (with the kernels of `isa`, default the best this CPU has), then the
+    dispatch table (bench_host_dispatch) over `dispatch_calls` calls a row."""
     from .. import _core
-    cpu = _core.host_cpu()
+    from .bench_host_dispatch import bench_dispatch
+    cpu = dict(_core.host_cpu())
+    if isa is not None:
+        cpu["isa"] = isa
     counts = thread_counts or list(range(1, cpu["physical_cores"] + 1))
     rng = np.random.default_rng(0)
     rows = []
@@ -109,7 +117,7 @@ def bench_host(weights_mib: int = 256, runs: int = 3, kinds=KINDS, batches=BATCH
                 peers = [_ort_session(kind, wt, threads, folder, level) for level in (0, 4)]
                 for m in batches:
                     x = rng.standard_normal((m, K)).astype(np.float16)
-                    s = _median_s(_kernel(kind, wt, x, threads), runs)
+                    s = _median_s(_kernel(kind, wt, x, threads, isa), runs)
                     peer_s = [None if p is None else _median_s(lambda: p.run(None, {"x": x}), runs) for p in peers]
                     rows.append(dict(kind=kind, m=m, threads=threads, bytes=wt["bytes"], ms=s * 1e3,
                                      gbps=wt["bytes"] / s / 1e9, read_gbps=data.nbytes / read_s / 1e9,
@@ -117,7 +125,8 @@ def bench_host(weights_mib: int = 256, runs: int = 3, kinds=KINDS, batches=BATCH
                                      ort_gbps=None if peer_s[0] is None else wt["bytes"] / peer_s[0] / 1e9,
                                      ort_int8_gbps=None if peer_s[1] is None else wt["bytes"] / peer_s[1] / 1e9))
                 peers = None
-    return dict(cpu=cpu, weights_mib=weights_mib, k=K, block_size=BLOCK, runs=runs, rows=rows)
+    return dict(cpu=cpu, weights_mib=weights_mib, k=K, block_size=BLOCK, runs=runs, rows=rows,
+                dispatch=bench_dispatch(dispatch_calls, isa=isa))
 
 
 def print_host(res: Dict) -> str:
@@ -132,5 +141,7 @@ def print_host(res: Dict) -> str:
         int8 = "-" if r["ort_int8_gbps"] is None else f"{r['ort_int8_gbps']:.1f}"
         body.append((r["kind"], r["m"], r["threads"], f"{r['ms']:.2f}", f"{r['gbps']:.1f}", f"{r['read_gbps']:.1f}",
                      f"{r['gbps'] / r['read_gbps']:.0%}", peer, vs, int8))
-    return head + "\n" + table(body, ("weights", "M", "threads", "ms", "GB/s", "read bound", "of bound",
-                                      "ORT CPU GB/s", "vs ORT", "ORT int8 x (acc. 4)"))
+    from .bench_host_dispatch import print_dispatch
+    return (head + "\n" + table(body, ("weights", "M", "threads", "ms", "GB/s", "read bound", "of bound",
+                                       "ORT CPU GB/s", "vs ORT", "ORT int8 x (acc. 4)"))
+            + "\n\n" + print_dispatch(res["dispatch"]))

@@ -134,6 +134,10 @@ def main(argv=None) -> int:
                    help="bench offload: the model's weights in GB (default 8; on the CPU at most 0.05)")
     b.add_argument("--weights-mib", type=positive_int, default=256,
                    help="bench host: MiB of weights for each kind (default 256; larger leaves the caches further)")
+    b.add_argument("--isa", choices=("scalar", "avx2", "avx512"),
+                   help="bench host: the kernels of this ISA (default: the best this CPU has)")
+    b.add_argument("--dispatch-calls", type=positive_int, default=2000,
+                   help="bench host: back-to-back calls a row of the dispatch table (default 2000)")
     b.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     b.add_argument("--widths", choices=("gpt-oss-20b", "narrow"), default="gpt-oss-20b",
                    help="bench moe on CUDA: gpt-oss-20b's layer widths in 4 layers (default), or hidden 1024 in 12")

@@ -87,7 +87,7 @@ def cmd_bench(args) -> int:
         return 0
     if args.what == "host":
         from .bench_host import bench_host, print_host
-        res = bench_host(weights_mib=args.weights_mib)
+        res = bench_host(weights_mib=args.weights_mib, isa=args.isa, dispatch_calls=args.dispatch_calls)
         print(print_host(res))
         if args.json:
             with open(args.json, "w") as f:
