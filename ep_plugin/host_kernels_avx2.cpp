@@ -117,70 +117,67 @@ OFFLOAD_AVX2 void nbits_m(const float* x, size_t ldx, const uint8_t* b, const vo
 // table in two registers (q < 8 and q >= 8); vpermps picks from each by the low 3 bits of
 // the nibble and a blend on its bit 3 (moved to the sign bit) chooses between them. 8
 // bytes widen to 8 int32: their low nibbles are 8 even k, shifted by 4 the high nibbles 8
-// odd k, so x comes de-interleaved (even k, then odd k, per 32) as for AVX-512. NC columns
-// at a time share each load of x; every NC sums a column in the same order.
+// odd k, so x comes de-interleaved (even k, then odd k, per 32) as for AVX-512. A column
+// at a time: with the table in two registers, two columns' tables and accumulators would
+// not fit the 16 registers beside the chains.
 OFFLOAD_AVX2 inline __m256 lookup(__m256 lo, __m256 hi, __m256i index, __m256i bit3_at_sign) {
   return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, index), _mm256_permutevar8x32_ps(hi, index),
                           _mm256_castsi256_ps(bit3_at_sign));
 }
 
-template <int M, int NC, int ST, bool ZP>
+// Scale i of a block's fp32 or fp16 scales (F16C: no call into the runtime's conversion).
+template <int ST>
+OFFLOAD_AVX2 inline float scale(const void* scales, size_t i) {
+  if constexpr (ST == 0) return static_cast<const float*>(scales)[i];
+  return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<const uint16_t*>(scales)[i])));
+}
+
+template <int M, int ST, bool ZP>
 OFFLOAD_AVX2 void nbits_lut(const float* x, size_t ldx, const uint8_t* b, const void* scales, const uint8_t* zps,
                             size_t nblk, size_t bs, size_t n0, size_t nb, float* y, size_t ldy) {
-  constexpr bool kTwo = M == 1;  // a second chain for one row of x (the FMA latency would bound it)
+  // Accumulator chains per row of x: a block of 32 gives each row 4 FMAs, which one chain
+  // would serialize on the FMA latency; as many chains as the 16 registers leave room for.
+  constexpr int kChains = M == 1 ? 4 : M == 2 ? 2 : 1;
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 eight = _mm256_set1_ps(8);
   const size_t blob = bs / 2;
-  for (size_t j = 0; j + NC <= nb; j += NC) {
-    __m256 a0[NC][M], a1[NC][M];
+  for (size_t j = 0; j < nb; ++j) {
+    const size_t n = n0 + j;
+    __m256 a[M][kChains];
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c)
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) a0[c][m] = a1[c][m] = _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+      for (int c = 0; c < kChains; ++c) a[m][c] = _mm256_setzero_ps();
     for (size_t blk = 0; blk < nblk; ++blk) {
-      __m256 lo[NC], hi[NC];
-      const uint8_t* p[NC];
-#pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) {
-        const size_t n = n0 + j + size_t(c);
-        const __m256 s = _mm256_set1_ps(elem(scales, ST, n * nblk + blk));
-        const __m256 q0 = _mm256_sub_ps(iota, _mm256_set1_ps(float(ZP ? zero_point(zps, n, nblk, blk) : 8)));
-        lo[c] = _mm256_mul_ps(q0, s);  // q - z is exact in fp32: one rounding, as fp32((q - z) * s)
-        hi[c] = _mm256_mul_ps(_mm256_add_ps(q0, eight), s);
-        p[c] = b + (n * nblk + blk) * blob;
-      }
+      const __m256 s = _mm256_set1_ps(scale<ST>(scales, n * nblk + blk));
+      const __m256 q0 = _mm256_sub_ps(iota, _mm256_set1_ps(float(ZP ? zero_point(zps, n, nblk, blk) : 8)));
+      const __m256 lo = _mm256_mul_ps(q0, s);  // q - z is exact in fp32: one rounding, as fp32((q - z) * s)
+      const __m256 hi = _mm256_mul_ps(_mm256_add_ps(q0, eight), s);
+      const uint8_t* p = b + (n * nblk + blk) * blob;
       const float* xb = x + blk * bs;
       for (size_t i = 0; i < bs; i += 32) {
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {  // bytes 8h .. 8h + 7 of the 16: even k 8h.., odd k 8h.. of the group
-          __m256 we[NC], wo[NC];
-#pragma GCC unroll 8
-          for (int c = 0; c < NC; ++c) {
-            const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[c] + i / 2 + 8 * h)));
-            we[c] = lookup(lo[c], hi[c], d, _mm256_slli_epi32(d, 28));
-            wo[c] = lookup(lo[c], hi[c], _mm256_srli_epi32(d, 4), _mm256_slli_epi32(d, 24));
-          }
+          const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i / 2 + 8 * h)));
+          const __m256 we = lookup(lo, hi, d, _mm256_slli_epi32(d, 28));
+          const __m256 wo = lookup(lo, hi, _mm256_srli_epi32(d, 4), _mm256_slli_epi32(d, 24));
 #pragma GCC unroll 8
           for (int m = 0; m < M; ++m) {
-            const __m256 xe = _mm256_loadu_ps(xb + size_t(m) * ldx + i + 8 * h);
-            const __m256 xo = _mm256_loadu_ps(xb + size_t(m) * ldx + i + 16 + 8 * h);
-#pragma GCC unroll 8
-            for (int c = 0; c < NC; ++c) {
-              a0[c][m] = _mm256_fmadd_ps(xe, we[c], a0[c][m]);
-              if constexpr (kTwo)
-                a1[c][m] = _mm256_fmadd_ps(xo, wo[c], a1[c][m]);
-              else
-                a0[c][m] = _mm256_fmadd_ps(xo, wo[c], a0[c][m]);
-            }
+            __m256& ce = a[m][(2 * h) % kChains];
+            ce = _mm256_fmadd_ps(_mm256_loadu_ps(xb + size_t(m) * ldx + i + 8 * h), we, ce);
+            __m256& co = a[m][(2 * h + 1) % kChains];
+            co = _mm256_fmadd_ps(_mm256_loadu_ps(xb + size_t(m) * ldx + i + 16 + 8 * h), wo, co);
           }
         }
       }
     }
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c)
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m)
-        y[size_t(m) * ldy + j + size_t(c)] = hsum(kTwo ? _mm256_add_ps(a0[c][m], a1[c][m]) : a0[c][m]);
+    for (int m = 0; m < M; ++m) {
+      __m256 t = a[m][0];
+#pragma GCC unroll 4
+      for (int c = 1; c < kChains; ++c) t = _mm256_add_ps(t, a[m][c]);
+      y[size_t(m) * ldy + j] = hsum(t);
+    }
   }
 }
 
@@ -188,10 +185,7 @@ template <int M, int ST, bool ZP>
 OFFLOAD_AVX2 void nbits_pairs(const float* x, size_t ldx, const uint8_t* b, const void* scales, const uint8_t* zps,
                               size_t nblk, size_t bs, size_t n0, size_t nb, float* y, size_t ldy) {
   if (bs < 32) return nbits_m<M, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0, nb, y, ldy);
-  constexpr int NC = M <= 2 ? 2 : 1;  // columns a pass: as many as the 16 registers hold
-  const size_t full = nb / NC * NC;
-  nbits_lut<M, NC, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0, full, y, ldy);
-  if (full < nb) nbits_lut<M, 1, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0 + full, nb - full, y + full, ldy);
+  nbits_lut<M, ST, ZP>(x, ldx, b, scales, zps, nblk, bs, n0, nb, y, ldy);
 }
 
 using NBitsM = void (*)(const float*, size_t, const uint8_t*, const void*, const uint8_t*, size_t, size_t, size_t,

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstdint>
@@ -87,8 +88,12 @@ int64_t spin_us() {
   v = kSpinDefaultUs;
   if (const char* e = std::getenv("ONNX_OFFLOAD_HOST_SPIN_US")) {
     char* end = nullptr;
+    errno = 0;
     const long long parsed = std::strtoll(e, &end, 10);
-    if (end != e && *end == '\0' && parsed >= 0 && parsed <= kSpinMaxUs) v = parsed;  // else the default
+    if (end == e || *end != '\0' || errno || parsed < 0 || parsed > kSpinMaxUs)
+      throw std::invalid_argument("ONNX_OFFLOAD_HOST_SPIN_US must be an integer in [0, " +
+                                  std::to_string(kSpinMaxUs) + "] (microseconds), got '" + e + "'");
+    v = parsed;
   }
   int64_t expected = -1;
   g_spin_us.compare_exchange_strong(expected, v, std::memory_order_relaxed);
@@ -220,6 +225,7 @@ void pool_run(int nthreads, PoolFn fn, void* ctx) {
     fn(ctx, 0, 1);
     return;
   }
+  spin_us();  // a malformed ONNX_OFFLOAD_HOST_SPIN_US raises here, before any thread waits
   std::lock_guard<std::mutex> call(g_call_mu);
   Pool& p = pool_with(nthreads);
   p.fn = fn;

@@ -41,9 +41,10 @@ int pool_workers();
 
 // The bound, in microseconds, for which a worker spins (PAUSE) after a job for the next
 // one before it sleeps, and a caller for its workers before it sleeps: back-to-back jobs
-// within it take no system call. From ONNX_OFFLOAD_HOST_SPIN_US (0 .. 1000000) where set
-// and valid, else 1000. pool_set_spin_us throws std::invalid_argument outside that range;
-// it applies from the next wait.
+// within it take no system call. From ONNX_OFFLOAD_HOST_SPIN_US (0 .. 1000000) where set,
+// else 1000; a malformed value makes pool_spin_us and every job of 2 threads or more throw
+// std::invalid_argument that names it. pool_set_spin_us throws std::invalid_argument
+// outside that range; it applies from the next wait.
 int64_t pool_spin_us();
 void pool_set_spin_us(int64_t us);
 

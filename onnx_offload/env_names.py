@@ -13,6 +13,7 @@ from typing import List, Mapping
 from .config import ENV_FIELDS
 
 ENV_PREFIXES = ("ONNX_GENAI_", "ONNX_OFFLOAD_")
+CORE_ENV = ("ONNX_OFFLOAD_HOST_SPIN_US",)  # read by the compiled core itself (host_pool.cpp)
 LIKE = 0.75  # a name at least this alike to a known one is offered as what was meant
 _WARNED_NAMES: set = set()
 _WARNED_LOCK = threading.Lock()  # sessions made on several threads warn of a name once
@@ -30,7 +31,7 @@ def _likeness(name: str, known: str) -> float:
 def unknown_env_names(env: Mapping[str, str]) -> List[str]:
     """What to warn about: each variable of `env` named as the package's that it does not
     read and that no warning named yet in this process."""
-    known = [var for var, _, _ in ENV_FIELDS]
+    known = [var for var, _, _ in ENV_FIELDS] + list(CORE_ENV)
     notes = []
     for name in sorted(env):
         if not name.startswith(ENV_PREFIXES) or name in known:

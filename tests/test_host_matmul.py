@@ -397,3 +397,103 @@ def test_the_gil_is_free_while_a_product_runs():
     t.join()
     # With the GIL held, this thread could not run until the product returned: one tick.
     assert elapsed < 0.05 or ticks >= 10, (elapsed, ticks)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("block_size", (16, 32, 64, 128))
+def test_int4_dequantizes_every_nibble_exactly(isa, block_size):
+    # x = I: y[k, n] = 1 * w[k, n] plus zeros, exact in any order, so y is the dequantized
+    # weight itself, each value fp32((q - z) * s): every nibble, both halves of each byte,
+    # every zero point, through each path (the block tables of 32 and more, blocks of 16).
+    k, n = 4 * block_size, 37
+    for zero_points in (False, True):
+        b, scales, zp, _ = int4_weight(k, n, block_size, np.float32, zero_points)
+        q = np.empty((n, k // block_size, block_size), np.int32)
+        q[..., 0::2], q[..., 1::2] = b & 15, b >> 4
+        if zp is None:
+            z = np.full((n, k // block_size), 8, np.int32)
+        else:
+            z = np.stack([zp & 15, zp >> 4], -1).reshape(n, -1)[:, :k // block_size].astype(np.int32)
+        want = ((q - z[..., None]).astype(np.float32) * scales.reshape(n, -1, 1)).reshape(n, k).T
+        for threads in sorted({1, _core.host_cpu()["logical_cpus"]}):
+            y = _core.host_matmul_nbits(np.eye(k, dtype=np.float32), b, scales, zp, k=k, n=n, block_size=block_size,
+                                        isa=isa, threads=threads)
+            assert np.array_equal(y, want), (isa, block_size, zero_points, threads)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_same_bits_for_any_thread_count_on_every_isa(isa):
+    b, scales, zp, _ = int4_weight(1024, 1031, 32, np.float16, True)  # 0.5 MiB: large enough for the pool
+    for m in (1, 2, 3, 8):
+        x = RNG.standard_normal((m, 1024)).astype(np.float16)
+        ys = [_core.host_matmul_nbits(x, b, scales, zp, k=1024, n=1031, block_size=32, threads=t, isa=isa)
+              for t in range(1, _core.host_cpu()["logical_cpus"] + 1)]
+        assert all(np.array_equal(y, ys[0]) for y in ys[1:]), (isa, m)
+
+
+def _pool_cpu_seconds():
+    """CPU time (user + system) the pool's worker threads have used, from /proc."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "offload-host":
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(_core.host_cpu()["logical_cpus"] < 2, reason="the pool has no workers on one CPU")
+def test_pool_threads_spin_for_the_bound_then_sleep():
+    default = _core.host_cpu()["spin_us"]
+    buf = np.zeros(1 << 16, np.uint8)
+    try:
+        _core.host_set_spin_us(400_000)
+        assert _core.host_cpu()["spin_us"] == 400_000
+        _core._host_read(buf, threads=2)
+        t0 = _pool_cpu_seconds()
+        time.sleep(0.3)  # within the bound: the worker spins, on whatever share of a CPU the box gives it
+        spun = _pool_cpu_seconds() - t0
+        time.sleep(0.2)  # past it: asleep
+        t1 = _pool_cpu_seconds()
+        time.sleep(0.5)
+        assert spun >= 0.03 and _pool_cpu_seconds() - t1 <= 0.02, (spun, _pool_cpu_seconds() - t1)
+        for us in (default, 0):  # the default goes quiet as well, and 0 sleeps at once
+            _core.host_set_spin_us(us)
+            _core._host_read(buf, threads=2)
+            time.sleep(0.05)
+            t2 = _pool_cpu_seconds()
+            time.sleep(0.5)
+            assert _pool_cpu_seconds() - t2 <= 0.02, us
+    finally:
+        _core.host_set_spin_us(default)
+    # Still one job at a time, each with its own product, and its own result after the waits.
+    x = RNG.standard_normal((2, 512)).astype(np.float32)
+    w = RNG.standard_normal((512, 512)).astype(np.float32)
+    check(_core.host_matmul(x, w, threads=2), *bound(x, w.astype(np.float64), np.float32))
+
+
+def test_spin_bound_setting_and_environment_variable():
+    import subprocess
+    import sys
+
+    from onnx_offload import env_names
+    with pytest.raises(ValueError, match=r"spin_us must be in \[0, 1000000\], got -1"):
+        _core.host_set_spin_us(-1)
+    with pytest.raises(ValueError, match=r"spin_us must be in \[0, 1000000\], got 1000001"):
+        _core.host_set_spin_us(1_000_001)
+    assert _core.host_cpu()["spin_us"] >= 0  # unchanged by the refusals
+    assert env_names.unknown_env_names({"ONNX_OFFLOAD_HOST_SPIN_US": "5"}) == []
+    code = ("import numpy as np\nfrom onnx_offload import _core\n"
+            "try:\n    print(_core.host_cpu()['spin_us'])\nexcept ValueError as e:\n    print('ValueError', e)\n")
+    for value, want in (("250", "250"), ("", "ValueError ONNX_OFFLOAD_HOST_SPIN_US must be an integer in "
+                                              "[0, 1000000] (microseconds), got ''"),
+                        ("2e3", "ValueError ONNX_OFFLOAD_HOST_SPIN_US must be an integer"),
+                        ("1000001", "ValueError ONNX_OFFLOAD_HOST_SPIN_US must be an integer")):
+        env = dict(os.environ, ONNX_OFFLOAD_HOST_SPIN_US=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.startswith(want), (value, out.stdout, out.stderr)
