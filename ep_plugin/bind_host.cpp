@@ -206,6 +206,9 @@ void bind_host(py::module_& m) {
       },
       "(address of host_matmul_job_run, sizeof(HostMatmulJob), offsetof(status)): the C entry for a CUDA host node");
   m.def(
+      "_host_pool_sleeping", [] { return offload::host::pool_sleeping(); },
+      "worker threads of the host pool asleep now, past their spin bound (the tests')");
+  m.def(
       "_host_read",
       [](const py::array& buf, const py::object& threads) {
         need_layout(buf, "buf");

@@ -264,6 +264,11 @@ void pool_set_spin_us(int64_t us) {
   g_spin_us.store(us, std::memory_order_relaxed);
 }
 
+int pool_sleeping() {
+  std::lock_guard<std::mutex> call(g_call_mu);
+  return g_pool ? g_pool->sleepers.load(std::memory_order_seq_cst) : 0;
+}
+
 int pool_workers() {
   std::lock_guard<std::mutex> call(g_call_mu);
   return g_pool ? g_pool->workers : 0;

@@ -39,6 +39,10 @@ void pool_run(int nthreads, PoolFn fn, void* ctx);
 // threads or more, and in a fresh fork child).
 int pool_workers();
 
+// Worker threads asleep on the pool's condition variable now (past their spin bound):
+// what tells spinning workers from sleeping ones, whatever share of a CPU they get.
+int pool_sleeping();
+
 // The bound, in microseconds, for which a worker spins (PAUSE) after a job for the next
 // one before it sleeps, and a caller for its workers before it sleeps: back-to-back jobs
 // within it take no system call. From ONNX_OFFLOAD_HOST_SPIN_US (0 .. 1000000) where set,

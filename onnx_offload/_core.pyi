@@ -447,5 +447,7 @@ def _host_matmul_split(x: np.ndarray, w: np.ndarray, split: str, *, threads: int
     """host_matmul with the split between threads forced: "auto", "columns" or "rows" (bench host)."""
 def _host_job_entry() -> tuple[int, int, int]:
     """(address of host_matmul_job_run, sizeof(HostMatmulJob), offsetof(HostMatmulJob, status))."""
+def _host_pool_sleeping() -> int:
+    """Worker threads of the host pool asleep now, past their spin bound (the tests')."""
 def _host_read(buf: np.ndarray, *, threads: int | None = None) -> int:
     """Reads buf on the host kernels' pool, each thread a contiguous band (bench host's bound)."""

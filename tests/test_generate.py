@@ -243,6 +243,25 @@ def test_a_real_shortage_raises_before_the_step_and_loses_nothing():
         np.testing.assert_array_equal(s.generate(ids, 8), reference_greedy(model, ids, 8))
 
 
+@pytest.mark.parametrize("layout", ["standard", "exact"])
+def test_a_growing_cache_the_budget_cannot_hold_is_refused_before_the_first_token(layout):
+    """A short prompt's bucketed cache grows as it decodes, and its last growth holds the
+    old bucket and the new one at once: a budget that holds the prompt's bucket but not
+    that is refused at the call, not after the tokens before the growth were made and lost.
+    A budget that holds it runs the whole generation."""
+    model = model_of(layout)
+    with session(model, vram_limit="3MiB", scratch_bytes=64 << 10) as s:
+        before = s.device.ledger.snapshot().zones
+        it = s.generate_iter(prompt(8), 240)
+        with pytest.raises(BudgetExceeded, match=r"KV cache at its largest \(245 positions, batch 8, while it grows\)"):
+            next(it)
+        after = s.device.ledger.snapshot().zones
+        assert after["kv"].committed.current == 0
+        assert after["weights"].committed.current == before["weights"].committed.current
+    with session(model, vram_limit="4MiB", scratch_bytes=64 << 10) as s:
+        assert s.generate(prompt(8), 240).shape == (8, 246)
+
+
 def test_an_abandoned_or_interrupted_generation_gives_its_cache_back():
     model = model_of("standard")
     ids = prompt(1)

@@ -24,6 +24,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from conftest import CHILD_CWD, child_env
 from onnx_offload import _core
 
 U32 = 2.0 ** -24
@@ -449,23 +450,38 @@ def _pool_cpu_seconds():
 
 @pytest.mark.skipif(_core.host_cpu()["logical_cpus"] < 2, reason="the pool has no workers on one CPU")
 def test_pool_threads_spin_for_the_bound_then_sleep():
+    """After a job the worker spins (it is not asleep) until the bound, then sleeps and uses
+    no CPU; told by the pool's count of sleeping workers, which holds whatever share of a
+    CPU a loaded machine gives the worker, and by its CPU time once asleep."""
     default = _core.host_cpu()["spin_us"]
     buf = np.zeros(1 << 16, np.uint8)
+
+    def asleep_within(seconds):
+        deadline = time.monotonic() + seconds
+        while _core._host_pool_sleeping() < _core.host_cpu()["pool_workers"]:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     try:
-        _core.host_set_spin_us(400_000)
-        assert _core.host_cpu()["spin_us"] == 400_000
+        _core.host_set_spin_us(1_000_000)  # 1 s
+        assert _core.host_cpu()["spin_us"] == 1_000_000
         _core._host_read(buf, threads=2)
-        t0 = _pool_cpu_seconds()
-        time.sleep(0.3)  # within the bound: the worker spins, on whatever share of a CPU the box gives it
-        spun = _pool_cpu_seconds() - t0
-        time.sleep(0.2)  # past it: asleep
+        start = time.monotonic()
+        assert _core.host_cpu()["pool_workers"] >= 1
+        time.sleep(0.2)
+        if time.monotonic() - start < 0.9:  # within the bound, as far as this thread could tell
+            assert _core._host_pool_sleeping() == 0
+        assert asleep_within(30)
+        assert time.monotonic() - start >= 0.9  # not before the bound
         t1 = _pool_cpu_seconds()
         time.sleep(0.5)
-        assert spun >= 0.03 and _pool_cpu_seconds() - t1 <= 0.02, (spun, _pool_cpu_seconds() - t1)
+        assert _pool_cpu_seconds() - t1 <= 0.02  # asleep: no CPU
         for us in (default, 0):  # the default goes quiet as well, and 0 sleeps at once
             _core.host_set_spin_us(us)
             _core._host_read(buf, threads=2)
-            time.sleep(0.05)
+            assert asleep_within(30), us
             t2 = _pool_cpu_seconds()
             time.sleep(0.5)
             assert _pool_cpu_seconds() - t2 <= 0.02, us
@@ -494,6 +510,7 @@ def test_spin_bound_setting_and_environment_variable():
                                               "[0, 1000000] (microseconds), got ''"),
                         ("2e3", "ValueError ONNX_OFFLOAD_HOST_SPIN_US must be an integer"),
                         ("1000001", "ValueError ONNX_OFFLOAD_HOST_SPIN_US must be an integer")):
-        env = dict(os.environ, ONNX_OFFLOAD_HOST_SPIN_US=value)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        env = dict(child_env(), ONNX_OFFLOAD_HOST_SPIN_US=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=CHILD_CWD, capture_output=True, text=True,
+                             timeout=120)
         assert out.returncode == 0 and out.stdout.startswith(want), (value, out.stdout, out.stderr)

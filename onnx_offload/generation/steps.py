@@ -80,6 +80,7 @@ class Generation(PromptSteps):
                                      lambda nbytes, full: session._kv_shortage(0, peak, max(io_peak, nbytes),
                                                                                boundary, full, at_chunk))
         try:
+            kv_before = dev.ledger.snapshot().zones["kv"].committed.current
             if spec.layout == "gqa":
                 self.cache = SharedKV(self.kv_bufs, spec.layers, batch, spec.kv_heads, total, spec.head_size,
                                       spec.kv_dtype, dict(spec.window_caches))
@@ -89,6 +90,7 @@ class Generation(PromptSteps):
                 self.cache = form(self.kv_bufs, spec.layers, batch, spec.kv_heads, spec.head_size, spec.kv_dtype,
                                   prompt, *((max(1, chunk),) if form is BucketKV else ()))
                 mask_len = None
+                self._room_to_grow(peak - (dev.ledger.snapshot().zones["kv"].committed.current - kv_before), total)
             self.ids = self.io_bufs.new([batch, 1], spec.ids_dtype)
             self.pos = self.io_bufs.new([batch, 1], spec.pos_dtype) if spec.position_ids else None
             self.mask = self.io_bufs.new([batch, mask_len], spec.mask_dtype) if mask_len else None
@@ -104,6 +106,19 @@ class Generation(PromptSteps):
         except BaseException:
             self.close()
             raise
+
+    def _room_to_grow(self, extra: int, total: int) -> None:
+        """Before the first step, that the budget holds the bucketed cache at its largest:
+        its last growth holds the old bucket and the new one at once, `extra` bytes more than
+        the prompt's bucket. Where the ledger cannot charge them now, a block of that size is
+        taken and given back, through the shortage a growth would meet: the budget is planned
+        again now, or the generation refused at the call with the advice, rather than after
+        its steps ran and their tokens were lost."""
+        ledger = self.session.device.ledger
+        if extra <= 0 or ledger.can_charge("kv", extra):
+            return
+        self.kv_bufs.free_block(self.kv_bufs.block(
+            extra, what=f"the KV cache at its largest ({total} positions, batch {self.batch}, while it grows)"))
 
     def fits(self, spec: DecoderSpec, batch: int, prompt: int, total: int) -> bool:
         """Whether a generation of these sizes runs on this one's buffers, and so replays the
