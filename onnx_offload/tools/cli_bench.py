@@ -89,6 +89,10 @@ def cmd_bench(args) -> int:
         from .bench_host import bench_host, print_host
         res = bench_host(weights_mib=args.weights_mib, isa=args.isa, dispatch_calls=args.dispatch_calls)
         print(print_host(res))
+        if device_kind(args) == "cuda":  # the rates host compute's split rests on: the GEMV while H2D runs
+            from .bench_host_link import bench_link, print_link
+            res["link"] = bench_link()
+            print("\n" + print_link(res["link"]))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1, default=str)
