@@ -3,6 +3,7 @@
 // copies and host-computed MatMuls (a D2H copy, a host node, an H2D copy each), then
 // instantiated and replayed on a CUDA stream.
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -158,6 +159,9 @@ class CudaGraph : public DeviceGraph {
     if (exec_ != nullptr) throw StateError("the graph is instantiated: no more edits");
     if (broken_) throw StateError("an earlier edit of the graph failed part way: it cannot be used");
     int last_after = host_after_;  // the latest `after` node of the jobs so far
+    // Per shared X: the latest node its one copy follows, and the earliest node that reads
+    // a result computed from it (the copy must come between, or the edges make a cycle).
+    std::map<std::tuple<uint64_t, uint64_t, uint64_t>, std::pair<int, int>> per_x;
     for (size_t j = 0; j < jobs.size(); ++j) {
       const GraphHostMatMul& h = jobs[j];
       if (h.job == 0 || h.x_src == 0 || h.x_host == 0 || h.y_host == 0 || h.y_dst == 0 || h.x_bytes == 0 ||
@@ -173,6 +177,13 @@ class CudaGraph : public DeviceGraph {
         throw std::invalid_argument(concat("host MatMul ", j, " is read by node ", first_before, ", which is not after node ",
                                            last_after, " that it or an earlier host MatMul follows: host nodes run "
                                            "in the order given, which must be the graph's"));
+      auto& [x_after, x_before] = per_x.try_emplace(std::make_tuple(h.x_src, h.x_host, h.x_bytes), -1, INT32_MAX)
+                                      .first->second;
+      x_after = std::max(x_after, *std::max_element(h.after.begin(), h.after.end()));
+      x_before = std::min(x_before, first_before);
+      if (x_before <= x_after)
+        throw std::invalid_argument(concat("host MatMul ", j, " shares its X with a host MatMul read by node ", x_before,
+                                           ", which is not after node ", x_after, " that the X's copy would follow"));
     }
     ctx_->make_current();
     try {
