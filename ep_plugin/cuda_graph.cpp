@@ -67,9 +67,12 @@ class CudaGraph : public DeviceGraph {
   }
   ~CudaGraph() override {
     CU_WARN(DRV(cuCtxSetCurrent)(ctx_->get()));
-    // A replay still running would have its host nodes read and write the owners' memory,
-    // which goes with this graph: wait for the device first.
-    if (!owners_.empty() && launches_ > 0) CU_WARN(DRV(cuCtxSynchronize)());
+    // A replay still running would have its host nodes and their copies read and write
+    // the owners' memory, which goes with this graph: wait for the last one's first.
+    for (CUevent e : host_done_) {
+      if (launches_ > 0) CU_WARN(DRV(cuEventSynchronize)(e));
+      CU_WARN(DRV(cuEventDestroy)(e));
+    }
     if (exec_ != nullptr) CU_WARN(DRV(cuGraphExecDestroy)(exec_));
     CU_WARN(DRV(cuGraphDestroy)(g_));
   }
@@ -191,6 +194,7 @@ class CudaGraph : public DeviceGraph {
       // edge twice).
       std::map<std::tuple<uint64_t, uint64_t, uint64_t>, std::pair<CUgraphNode, std::set<int>>> d2h;
       CUgraphNode& previous = last_host_;  // the host nodes run one after another
+      std::vector<CUgraphNode> last;         // the nodes that touch the owners' memory last
       for (const GraphHostMatMul& h : jobs) {
         const std::set<int> after(h.after.begin(), h.after.end()), before(h.before.begin(), h.before.end());
         const auto key = std::make_tuple(h.x_src, h.x_host, h.x_bytes);
@@ -220,9 +224,20 @@ class CudaGraph : public DeviceGraph {
           CU_CHECK(DRV(cuGraphAddDependencies)(g_, &copy, &to, nullptr, 1));
         }
         previous = host;
+        last.push_back(copy);
         if (h.owner) owners_.push_back(h.owner);
       }
       host_after_ = last_after;
+      if (!jobs.empty()) {
+        // An event each replay records once its host nodes and their copies are done,
+        // which the destructor waits for.
+        last.push_back(previous);
+        CUevent done = nullptr;
+        CU_CHECK(DRV(cuEventCreate)(&done, CU_EVENT_DISABLE_TIMING));
+        host_done_.push_back(done);
+        CUgraphNode record = nullptr;
+        CU_CHECK(DRV(cuGraphAddEventRecordNode)(&record, g_, last.data(), last.size(), done));
+      }
     } catch (...) {
       broken_ = true;
       throw;
@@ -354,6 +369,7 @@ class CudaGraph : public DeviceGraph {
   std::size_t kernels_ = 0, opaque_ = 0;
   std::atomic<uint64_t> launches_{0};
   std::vector<std::shared_ptr<const void>> owners_;  // what the host nodes' memory belongs to
+  std::vector<CUevent> host_done_;  // recorded by each replay once its host nodes' work is done
   bool broken_ = false;
   CUgraphNode last_host_ = nullptr;  // the last host node added, which the next one follows
   int host_after_ = -1;              // the latest `after` node of the host MatMuls added

@@ -71,6 +71,7 @@ namespace offload {
   _(cuKernelGetParamInfo, 12040)           \
   _(cuGraphAddMemcpyNode, 10000)           \
   _(cuGraphAddHostNode, 10000)             \
+  _(cuGraphAddEventRecordNode, 11010)      \
   _(cuGraphAddDependencies, 12030)         \
   _(cuMemHostGetDevicePointer, 3020)       \
   _(cuGraphInstantiateWithFlags, 11040)    \

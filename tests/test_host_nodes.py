@@ -116,8 +116,9 @@ def test_place_shares_one_x_and_orders_host_nodes_by_their_first_reader():
 
 def test_place_refuses_a_shared_x_read_before_it_is_written():
     hosts = rewritten(mlp_model(64, 96, shared=True), ["w1", "w2"])
-    with pytest.raises(HostComputeRefused, match="'proj1'"):
+    with pytest.raises(HostComputeRefused, match="'proj1'") as e:
         place(hosts, {"h": [4]}, {hosts[0].y_input: [3], hosts[1].y_input: [6]})
+    assert e.value.names == ("w1",)
 
 
 # -- the jobs and their pinned rows, run on the host backend --------------------------------------------------------

@@ -37,24 +37,26 @@ ROW_ALIGN = 256  # each X and Y row block in the pinned region starts at this al
 X_DTYPES = ("float16", "float32")  # what the host kernels take for x and y
 
 
-def node_edges(label: str, x_nodes: Sequence[int], y_nodes: Sequence[int],
-               first_read: Optional[int] = None) -> Tuple[List[int], List[int]]:
+def node_edges(label: str, x_nodes: Sequence[int], y_nodes: Sequence[int], first_read: Optional[int] = None,
+               weights: Sequence[str] = ()) -> Tuple[List[int], List[int]]:
     """(after, before) of one host MatMul, from the captured nodes that hold X's buffer
     (`x_nodes`) and those that hold Y_in's (`y_nodes`), topological indices. `first_read`:
     the earliest node that reads any result computed from this X (MatMuls that share X
     share one copy, which must precede all their results), else Y_in's own first node.
-    HostComputeRefused when no node holds X or Y_in, or none holding X comes first."""
+    HostComputeRefused (naming `weights`, the MatMul's) when no node holds X or Y_in, or
+    none holding X comes first."""
     if not x_nodes:
         raise HostComputeRefused(f"the host cannot compute {label!r} in the captured graph: no captured node holds "
-                                 f"its input's buffer, so nothing orders the copy of X after X is written")
+                                 f"its input's buffer, so nothing orders the copy of X after X is written", weights)
     if not y_nodes:
         raise HostComputeRefused(f"the host cannot compute {label!r} in the captured graph: no captured node holds "
-                                 f"its result's buffer, so nothing orders the result's copy before its readers")
+                                 f"its result's buffer, so nothing orders the result's copy before its readers",
+                                 weights)
     first = min(y_nodes) if first_read is None else first_read
     after = sorted({i for i in x_nodes if i < first})
     if not after:
         raise HostComputeRefused(f"the host cannot compute {label!r} in the captured graph: node {first} reads a "
-                                 f"result before any node holds its input X (first at node {min(x_nodes)})")
+                                 f"result before any node holds its input X (first at node {min(x_nodes)})", weights)
     return after, sorted(set(y_nodes))
 
 
@@ -71,7 +73,7 @@ def place(hosts: Sequence[HostMatMul], x_nodes: Mapping[str, Sequence[int]],
     placed = []
     for i, h in enumerate(hosts):
         after, before = node_edges(h.node, x_nodes.get(h.x_output, ()), y_nodes.get(h.y_input, ()),
-                                   first_read.get(h.x_output))
+                                   first_read.get(h.x_output), h.weights)
         placed.append((i, after, before))
     placed.sort(key=lambda p: (p[2][0], p[0]))
     return placed
