@@ -225,6 +225,14 @@ void bind_host(py::module_& m) {
            "for MatMulNBits: data = B, scales of x_dtype, zero_points 0 for none) at host addresses; x and y in the "
            "pinned region. Returns '' when the job can run, else why not (it is written either way)")
       .def(
+          "first_failed",
+          [](HostJobs& j) {
+            for (size_t i = 0; i < j.size(); ++i)
+              if (j.at(i).status != 0) return int64_t(i);
+            return int64_t(-1);
+          },
+          "the index of the first job whose status is not 0 (done), or -1: one call a step")
+      .def(
           "status",
           [](HostJobs& j, size_t i) {
             const HostMatmulJob& job = j.at(i);

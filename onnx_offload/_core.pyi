@@ -465,6 +465,8 @@ class HostJobs:
             block_size: int = 0, *, x_dtype: str, m: int, x: int, y: int, threads: int | None = None,
             isa: str | None = None) -> str:
         """Writes the job; '' when it can run, else why not (written either way)."""
+    def first_failed(self) -> int:
+        """The first job whose status is not 0 (done), or -1."""
     def status(self, index: int) -> tuple[int, str]:
         """(0 done | -1 not run | else refused, message), as the job's last run left it."""
 def _host_job_entry() -> tuple[int, int, int]:

@@ -344,14 +344,22 @@ def test_matmuls_that_share_x_share_its_copy_beside_a_device_matmul():
     try:
         nodes = c.host_nodes()
         assert list(nodes.x_rows) == ["h"]  # one pinned X for both
-        # An order the graph cannot run (a result read before its X is copied) is refused
-        # before anything is added; the graph takes the right one after it.
-        (x_off, x_bytes), (y_off, y_bytes) = nodes.x_rows["h"], nodes.y_rows[c.hosts[0].y_input]
-        base = nodes.jobs.pinned
-        found = c.graph.readers([(c.buffers["h"][0], c.buffers["h"][0] + x_bytes)])[0]
+        # Orders the graph cannot run are refused before anything is added; the graph
+        # takes the right one after them.
+        ranges = [(c.buffers["h"][0], c.buffers["h"][0] + nodes.x_rows["h"][1])]
+        ranges += [(c.buffers[h.y_input][0], c.buffers[h.y_input][0] + nodes.y_rows[h.y_input][1]) for h in c.hosts]
+        x_nodes, *y_nodes = c.graph.readers(ranges)
+        good = place(c.hosts, {"h": x_nodes}, {h.y_input: ys for h, ys in zip(c.hosts, y_nodes)})
+        (i0, after0, before0), (i1, after1, before1) = good
+        assert before1[0] > before0[0] > max(after0)
+        # A result read before its X is copied (its `after` and `before` swapped).
         with pytest.raises(ValueError, match="order"):
-            c.graph.add_host_matmuls(nodes.jobs, [(0, c.buffers["h"][0], base + x_off, x_bytes, base + y_off,
-                                                   c.buffers[c.hosts[0].y_input][0], y_bytes, [found[-1]], [found[0]])])
+            c.graph.add_host_matmuls(nodes.jobs, nodes.items([(i0, before0, after0)]))
+        # The second MatMul's X copy after the first one's result is read: one copy of the
+        # shared X cannot serve both.
+        with pytest.raises(ValueError, match="shares its X"):
+            c.graph.add_host_matmuls(nodes.jobs, nodes.items([(i0, after0, before0),
+                                                              (i1, sorted({*after1, before0[0]}), before1)]))
         nodes.add_to(c.graph)
         assert [nodes.placed[0][1]] * 2 == [p[1] for p in nodes.placed]  # both follow the same nodes of X
         c.graph.instantiate(c.stream)

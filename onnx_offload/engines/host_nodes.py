@@ -136,6 +136,8 @@ class HostNodes:
                 raise HostComputeRefused(f"the host cannot compute {h.node!r}: {why}", h.weights)
             self.job_args.append(args)
         self.placed: List[Tuple[int, List[int], List[int]]] = []  # (host index, after, before), in run order
+        self.x_nodes: Dict[str, List[int]] = {}  # the captured nodes that hold each X's buffer (add_to's scan)
+        self.y_nodes: Dict[str, List[int]] = {}  # ... and each Y_in's
 
     def add_to(self, graph) -> None:
         """Finds each MatMul's nodes in `graph` (a DeviceGraph not yet instantiated) and
@@ -152,22 +154,28 @@ class HostNodes:
             raise HostComputeRefused(f"{graph.opaque} captured nodes do not show what they read, so a read of a host "
                                      f"MatMul's result could not be ordered after its copy",
                                      [w for h in self.hosts for w in h.weights])
-        placed = place(self.hosts, dict(zip(xs, found[:len(xs)])), dict(zip(ys, found[len(xs):])))
+        self.x_nodes, self.y_nodes = dict(zip(xs, found[:len(xs)])), dict(zip(ys, found[len(xs):]))
+        placed = place(self.hosts, self.x_nodes, self.y_nodes)
+        graph.add_host_matmuls(self.jobs, self.items(placed))
+        self.placed = placed
+
+    def items(self, placed: Sequence[Tuple[int, Sequence[int], Sequence[int]]]) -> list:
+        """DeviceGraph.add_host_matmuls's items for `placed` ((host index, after, before)
+        in run order, as `place` gives them)."""
         base = self.jobs.pinned
         items = []
         for i, after, before in placed:
             h = self.hosts[i]
             (x_off, x_bytes), (y_off, y_bytes) = self.x_rows[h.x_output], self.y_rows[h.y_input]
             items.append((i, self._x_src[h.x_output], base + x_off, x_bytes, base + y_off, self._y_dst[h.y_input],
-                          y_bytes, after, before))
-        graph.add_host_matmuls(self.jobs, items)
-        self.placed = placed
+                          y_bytes, list(after), list(before)))
+        return items
 
     def check(self) -> None:
         """After a replay has finished: HostComputeFailed naming the first MatMul whose job
         the host refused or did not run (its status as the last run left it)."""
-        for i, h in enumerate(self.hosts):
-            status, message = self.jobs.status(i)
-            if status != 0:
-                raise HostComputeFailed(f"the host did not compute {h.node!r} (weights {', '.join(h.weights)}): "
-                                        f"{message}", h.node)
+        i = self.jobs.first_failed()
+        if i >= 0:
+            h, message = self.hosts[i], self.jobs.status(i)[1]
+            raise HostComputeFailed(f"the host did not compute {h.node!r} (weights {', '.join(h.weights)}): "
+                                    f"{message}", h.node)
