@@ -177,16 +177,18 @@ class CudaGraph : public DeviceGraph {
       last_after = std::max(last_after, *std::max_element(h.after.begin(), h.after.end()));
       const int first_before = *std::min_element(h.before.begin(), h.before.end());
       if (first_before <= last_after)
-        throw std::invalid_argument(concat("host MatMul ", j, " is read by node ", first_before, ", which is not after node ",
-                                           last_after, " that it or an earlier host MatMul follows: host nodes run "
-                                           "in the order given, which must be the graph's"));
+        throw std::invalid_argument(concat("host MatMul ", j, " is read by node ", first_before,
+                                           ", which is not after node ", last_after, " that it or an earlier host "
+                                           "MatMul follows: host nodes run in the order given, which must be the "
+                                           "graph's"));
       auto& [x_after, x_before] = per_x.try_emplace(std::make_tuple(h.x_src, h.x_host, h.x_bytes), -1, INT32_MAX)
                                       .first->second;
       x_after = std::max(x_after, *std::max_element(h.after.begin(), h.after.end()));
       x_before = std::min(x_before, first_before);
       if (x_before <= x_after)
-        throw std::invalid_argument(concat("host MatMul ", j, " shares its X with a host MatMul read by node ", x_before,
-                                           ", which is not after node ", x_after, " that the X's copy would follow"));
+        throw std::invalid_argument(concat("host MatMul ", j, " shares its X with a host MatMul read by node ",
+                                           x_before, ", which is not after node ", x_after,
+                                           " that the X's copy would follow"));
     }
     ctx_->make_current();
     try {
