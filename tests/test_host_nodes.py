@@ -9,11 +9,11 @@ of plain ORT's on the unrewritten model (eps of the output's type).
 import ctypes
 import pickle
 
+import ml_dtypes
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from onnx_offload import _core
 from onnx_offload.engines import HostNodes
@@ -192,6 +192,18 @@ def test_a_job_the_host_cannot_run_is_refused_when_made():
     assert e.value.names == ("w1_Q4", "w1_scales")
     with pytest.raises(ValueError, match="last dim 64"):
         HostNodes(be, hosts, {"h": (1 << 20, (*ROWS, 65))}, {hosts[0].y_input: 2 << 20}, addresses)
+
+
+def test_bfloat16_rows_are_refused_naming_the_weights():
+    """The host kernels take x and y in float16 or float32; a bfloat16 MatMul's rows are
+    neither (its weights could be computed, its activations could not)."""
+    model = mlp_model(64, 96, dtype=ml_dtypes.bfloat16)
+    _, hosts = rewrite_for_host(model, ["w1"])
+    weights = host_weights(model, hosts)
+    with pytest.raises(HostComputeRefused, match="'proj1'.*bfloat16") as e:
+        HostNodes(_core.make_host_backend(64 << 10), hosts, {"h": (1 << 20, (*ROWS, 64))},
+                  {hosts[0].y_input: 2 << 20}, {w: a.ctypes.data for w, a in weights.items()})
+    assert e.value.names == ("w1",)
 
 
 def test_jobs_keep_x_and_y_inside_their_pinned_region():
