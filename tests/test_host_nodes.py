@@ -323,6 +323,8 @@ def test_captured_graph_computes_the_matmul_on_the_host_and_recomputes_each_repl
         nodes = c.host_nodes()
         nodes.add_to(c.graph)
         assert nodes.placed and nodes.placed[0][1] and nodes.placed[0][2]
+        with pytest.raises(StateError, match="in a graph already"):
+            nodes.add_to(c.graph)
         c.graph.instantiate(c.stream)
         rng = np.random.default_rng(2)
         x1, x2 = (rng.standard_normal((*ROWS, k)).astype(np.float16) for _ in range(2))

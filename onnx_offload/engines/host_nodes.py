@@ -141,11 +141,15 @@ class HostNodes:
 
     def add_to(self, graph) -> None:
         """Finds each MatMul's nodes in `graph` (a DeviceGraph not yet instantiated) and
-        adds its copies and host node. HostComputeRefused where they cannot be placed
-        (see the module's docstring); StateError for a graph that is not a device graph."""
+        adds its copies and host node, once. HostComputeRefused where they cannot be placed
+        (see the module's docstring), with nothing added; StateError for a graph that is
+        not a device graph, or a second call. A driver failure part way leaves the graph
+        unusable (its instantiate raises StateError)."""
         if not isinstance(graph, _core.DeviceGraph):
             raise StateError(f"host-computed MatMuls go into a captured device graph (the CUDA backend's), "
                              f"not a {type(graph).__name__}")
+        if self.placed:
+            raise StateError("these host MatMuls are in a graph already: their jobs and rows serve one graph")
         xs, ys = list(self.x_rows), list(self.y_rows)
         ranges = [(self._x_src[x], self._x_src[x] + self.x_rows[x][1]) for x in xs]
         ranges += [(self._y_dst[y], self._y_dst[y] + self.y_rows[y][1]) for y in ys]
