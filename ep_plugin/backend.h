@@ -48,6 +48,26 @@ struct GraphCopy {
   std::vector<int> after, before;
 };
 
+// One host-computed MatMul added to a captured graph (host_matmul.h): a D2H copy of
+// `x_bytes` at the device address `x_src` into pinned host memory at `x_host`, after the
+// captured nodes `after` (those that write X); a host node running
+// host_matmul_job_run(job), whose job reads x_host and writes y_host; and an H2D copy of
+// `y_bytes` from y_host to the device address `y_dst`, which the captured nodes `before`
+// (those that read Y) wait for. Jobs with the same (x_src, x_host, x_bytes) share one D2H
+// copy. `owner` keeps the job, x_host and y_host valid: the graph holds it until it is
+// destroyed.
+struct GraphHostMatMul {
+  uint64_t x_src = 0;
+  uint64_t x_host = 0;
+  uint64_t x_bytes = 0;
+  uint64_t job = 0;  // HostMatmulJob*
+  uint64_t y_host = 0;
+  uint64_t y_dst = 0;
+  uint64_t y_bytes = 0;
+  std::vector<int> after, before;
+  std::shared_ptr<const void> owner;
+};
+
 // A stream capture of device work (on CUDA, a CUgraph), which the package edits and
 // replays as its own: it finds which captured nodes read given address ranges, adds
 // copies with their dependency edges, and launches the result.
@@ -73,6 +93,12 @@ class DeviceGraph {
   // Each copy after the one `in_flight` places before it: 1 makes a chain, one copy at a
   // time; 2 lets the next start while one ends, so no dependency hop idles the link.
   virtual void add_copies(const std::vector<GraphCopy>& copies, int in_flight) = 0;
+  // Adds the host-computed MatMuls (GraphHostMatMul). Their host nodes run one after
+  // another in the order given, which must be the graph's: every job's last `after` node
+  // comes before its own and every later job's first `before` node (std::invalid_argument
+  // otherwise, before anything is added). A driver failure part way leaves the graph
+  // unusable: instantiate then raises StateError.
+  virtual void add_host_matmuls(const std::vector<GraphHostMatMul>& jobs) = 0;
   virtual void instantiate(Stream& s) = 0;  // no edits after this; uploads on `s`
   virtual void launch(Stream& s) = 0;
   virtual uint64_t launches() const = 0;

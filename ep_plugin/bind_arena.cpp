@@ -8,6 +8,7 @@
 
 #include "arena.h"
 #include "backend.h"
+#include "host_jobs.h"
 #include "bindings.h"
 #include "ledger.h"
 #include "ort_allocator.h"
@@ -93,6 +94,23 @@ void bind_backend(py::module_& m) {
         py::gil_scoped_release nogil;
         g.add_copies(list, in_flight);
       }, py::arg("copies"), py::arg("in_flight") = 1, Drain())
+      .def("add_host_matmuls", [](DeviceGraph& g, const std::shared_ptr<HostJobs>& jobs,
+                                  const std::vector<std::tuple<size_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
+                                                               uint64_t, std::vector<int>, std::vector<int>>>& items) {
+        std::vector<GraphHostMatMul> list;
+        for (auto& [i, x_src, x_host, x_bytes, y_host, y_dst, y_bytes, after, before] : items) {
+          if (!jobs->holds(x_host, x_bytes) || !jobs->holds(y_host, y_bytes))
+            throw py::value_error("host MatMul " + std::to_string(list.size()) + ": its X or Y host rows are not "
+                                  "inside the jobs' pinned region");
+          const uint64_t job = uint64_t(reinterpret_cast<uintptr_t>(&jobs->at(i)));
+          list.push_back(GraphHostMatMul{x_src, x_host, x_bytes, job, y_host, y_dst, y_bytes, after, before, jobs});
+        }
+        py::gil_scoped_release nogil;
+        g.add_host_matmuls(list);
+      }, py::arg("jobs"), py::arg("matmuls"), Drain(),
+         "Adds per item (job index, X's device address, its pinned host rows, bytes, Y's pinned host rows, Y's "
+         "device address, bytes, nodes after, nodes before): a D2H copy of X, a host node running the job, an H2D "
+         "copy of Y. The graph holds `jobs` while it lives.")
       .def("instantiate", &DeviceGraph::instantiate, py::arg("stream"), Release())
       .def("launch", &DeviceGraph::launch, py::arg("stream"), Release());
   m.def("host_begin_capture", &host_begin_capture, py::arg("stream"), Drain());

@@ -1,5 +1,6 @@
 // Python binding of the host kernels (host_matmul.h): host_matmul, host_matmul_nbits,
-// host_cpu, and the benchmark's private entries. Arguments are checked with the GIL
+// host_cpu, the jobs of a graph's host nodes (HostJobs), and the benchmark's private
+// entries. Arguments are checked with the GIL
 // held (TypeError for a wrong dtype, ValueError for a shape, a layout or a setting);
 // the product runs with the GIL released.
 #include <pybind11/numpy.h>
@@ -8,9 +9,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "bindings.h"
+#include "host_jobs.h"
 #include "host_matmul.h"
 #include "host_pool.h"
 
@@ -155,9 +159,89 @@ py::array nbits(const py::array& x, const py::array& b, const py::array& scales,
   return run_job(job, x);
 }
 
+int32_t x_dtype_of(const std::string& d) {
+  if (d == "float32") return HOST_F32;
+  if (d == "float16") return HOST_F16;
+  throw py::value_error("x_dtype must be 'float16' or 'float32', got '" + d + "'");
+}
+
+// Writes job i of `jobs`; returns "" when it can run, else why not (it is written either
+// way: a host node that runs it records the refusal in its status). x and y must lie in
+// the jobs' pinned region, which the graph's copies fill and read.
+std::string set_job(HostJobs& jobs, size_t i, const std::string& kind, int64_t k, int64_t n, uint64_t data,
+                    uint64_t scales, uint64_t zero_points, int64_t block_size, const std::string& x_dtype, int64_t m,
+                    uint64_t x, uint64_t y, const py::object& threads, const py::object& isa) {
+  HostMatmulJob& job = jobs.at(i);
+  HostMatmulJob j{};
+  j.x_dtype = x_dtype_of(x_dtype);
+  if (kind == "int4") {
+    j.weight = HostWeight{HOST_NBITS4, j.x_dtype, k, n, reinterpret_cast<const void*>(uintptr_t(data)),
+                          reinterpret_cast<const void*>(uintptr_t(scales)),
+                          reinterpret_cast<const uint8_t*>(uintptr_t(zero_points)), block_size};
+  } else {
+    int32_t wd = kind == "float32" ? HOST_F32 : kind == "float16" ? HOST_F16 : kind == "bfloat16" ? HOST_BF16 : -1;
+    if (wd < 0) throw py::value_error("kind must be 'float16', 'bfloat16', 'float32' or 'int4', got '" + kind + "'");
+    j.weight = HostWeight{HOST_DENSE, wd, k, n, reinterpret_cast<const void*>(uintptr_t(data)), nullptr, nullptr, 0};
+  }
+  j.threads = parse_threads(threads);
+  j.isa = parse_isa(isa);
+  j.split = HOST_SPLIT_AUTO;
+  j.m = m;
+  j.x = reinterpret_cast<const void*>(uintptr_t(x));
+  j.y = reinterpret_cast<void*>(uintptr_t(y));
+  const uint64_t item = j.x_dtype == HOST_F32 ? 4 : 2;
+  if (m >= 1 && k >= 1 && !jobs.holds(x, uint64_t(m) * uint64_t(k) * item))
+    throw py::value_error("x's " + std::to_string(m) + " x " + std::to_string(k) + " values are not inside the jobs' "
+                          "pinned region");
+  if (m >= 1 && n >= 1 && !jobs.holds(y, uint64_t(m) * uint64_t(n) * item))
+    throw py::value_error("y's " + std::to_string(m) + " x " + std::to_string(n) + " values are not inside the jobs' "
+                          "pinned region");
+  j.status = -1;
+  std::snprintf(j.error, sizeof(j.error), "the job has not run");
+  const std::string why = offload::host::check(j);
+  job = j;
+  return why;
+}
+
 }  // namespace
 
 void bind_host(py::module_& m) {
+  py::class_<HostJobs, std::shared_ptr<HostJobs>>(m, "HostJobs")
+      .def(py::init<std::shared_ptr<PhysicalBackend>, size_t, uint64_t>(), py::arg("backend"), py::arg("count"),
+           py::arg("pinned_bytes"), Drain(),
+           "`count` host MatMul jobs for a graph's host nodes and `pinned_bytes` of zeroed page-locked host memory "
+           "for their X and Y rows; a graph given them holds them while it lives")
+      .def("__len__", &HostJobs::size)
+      .def_property_readonly("pinned", &HostJobs::pinned, "the pinned region's address (page-aligned)")
+      .def_property_readonly("pinned_bytes", &HostJobs::pinned_bytes)
+      .def(
+          "address", [](HostJobs& j, size_t i) { return uint64_t(reinterpret_cast<uintptr_t>(&j.at(i))); },
+          py::arg("index"), "the address of job `index` (a HostMatmulJob, host_matmul_job_run's argument)")
+      .def("set", &set_job, py::arg("index"), py::arg("kind"), py::arg("k"), py::arg("n"), py::arg("data"),
+           py::arg("scales") = 0, py::arg("zero_points") = 0, py::arg("block_size") = 0, py::kw_only(),
+           py::arg("x_dtype"), py::arg("m"), py::arg("x"), py::arg("y"), py::arg("threads") = py::none(),
+           py::arg("isa") = py::none(), Drain(),
+           "writes job `index`: y [m, n] = x [m, k] @ W, W of `kind` ('float16', 'bfloat16', 'float32', or 'int4' "
+           "for MatMulNBits: data = B, scales of x_dtype, zero_points 0 for none) at host addresses; x and y in the "
+           "pinned region. Returns '' when the job can run, else why not (it is written either way)")
+      .def(
+          "first_failed",
+          [](HostJobs& j) {
+            for (size_t i = 0; i < j.size(); ++i)
+              if (j.at(i).status != 0) return int64_t(i);
+            return int64_t(-1);
+          },
+          "the index of the first job whose status is not 0 (done), or -1: one call a step")
+      .def(
+          "status",
+          [](HostJobs& j, size_t i) {
+            const HostMatmulJob& job = j.at(i);
+            return py::make_tuple(job.status, std::string(job.error, strnlen(job.error, sizeof(job.error))));
+          },
+          py::arg("index"),
+          "(status, message) of job `index` as its last run left it: 0 done, -1 not run, else refused and why; read "
+          "it once the replays that run it have finished");
+
   m.def(
       "host_matmul",
       [](const py::array& x, const py::array& w, const py::object& threads, const py::object& isa) {

@@ -1,9 +1,13 @@
 // The graph the package captures and owns: a CUgraph read in one topological
 // order, searched for the addresses its nodes' parameters hold, given host-to-device
-// copies, then instantiated and replayed on a CUDA stream.
+// copies and host-computed MatMuls (a D2H copy, a host node, an H2D copy each), then
+// instantiated and replayed on a CUDA stream.
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <set>
 #include <queue>
 #include <stdexcept>
 #include <string>
@@ -12,6 +16,7 @@
 #include <vector>
 
 #include "cuda_objects.h"
+#include "host_matmul.h"
 
 namespace offload {
 namespace {
@@ -62,6 +67,12 @@ class CudaGraph : public DeviceGraph {
   }
   ~CudaGraph() override {
     CU_WARN(DRV(cuCtxSetCurrent)(ctx_->get()));
+    // A replay still running would have its host nodes and their copies read and write
+    // the owners' memory, which goes with this graph: wait for the last one's first.
+    for (CUevent e : host_done_) {
+      if (launches_ > 0) CU_WARN(DRV(cuEventSynchronize)(e));
+      CU_WARN(DRV(cuEventDestroy)(e));
+    }
     if (exec_ != nullptr) CU_WARN(DRV(cuGraphExecDestroy)(exec_));
     CU_WARN(DRV(cuGraphDestroy)(g_));
   }
@@ -138,20 +149,7 @@ class CudaGraph : public DeviceGraph {
       std::vector<CUgraphNode> deps;
       if (made.size() >= size_t(in_flight)) deps.push_back(made[made.size() - size_t(in_flight)]);
       for (int i : c.after) deps.push_back(node_at(i));
-      CUDA_MEMCPY3D p{};
-      p.srcMemoryType = CU_MEMORYTYPE_HOST;
-      p.srcHost = reinterpret_cast<const void*>(uintptr_t(c.src));
-      p.srcPitch = c.bytes;
-      p.srcHeight = 1;
-      p.dstMemoryType = CU_MEMORYTYPE_DEVICE;
-      p.dstDevice = CUdeviceptr(c.dst);
-      p.dstPitch = c.bytes;
-      p.dstHeight = 1;
-      p.WidthInBytes = c.bytes;
-      p.Height = 1;
-      p.Depth = 1;
-      CUgraphNode node = nullptr;
-      CU_CHECK(DRV(cuGraphAddMemcpyNode)(&node, g_, deps.data(), deps.size(), &p, ctx_->get()));
+      CUgraphNode node = add_copy(deps, CU_MEMORYTYPE_HOST, c.src, CU_MEMORYTYPE_DEVICE, c.dst, c.bytes);
       for (int i : c.before) {
         CUgraphNode to = node_at(i);
         CU_CHECK(DRV(cuGraphAddDependencies)(g_, &node, &to, nullptr, 1));
@@ -160,8 +158,97 @@ class CudaGraph : public DeviceGraph {
     }
   }
 
+  void add_host_matmuls(const std::vector<GraphHostMatMul>& jobs) override {
+    if (exec_ != nullptr) throw StateError("the graph is instantiated: no more edits");
+    if (broken_) throw StateError("an earlier edit of the graph failed part way: it cannot be used");
+    int last_after = host_after_;  // the latest `after` node of the jobs so far
+    // Per shared X: the latest node its one copy follows, and the earliest node that reads
+    // a result computed from it (the copy must come between, or the edges make a cycle).
+    std::map<std::tuple<uint64_t, uint64_t, uint64_t>, std::pair<int, int>> per_x;
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const GraphHostMatMul& h = jobs[j];
+      if (h.job == 0 || h.x_src == 0 || h.x_host == 0 || h.y_host == 0 || h.y_dst == 0 || h.x_bytes == 0 ||
+          h.y_bytes == 0)
+        throw std::invalid_argument(concat("host MatMul ", j, ": a null address or an empty copy"));
+      if (h.after.empty() || h.before.empty())
+        throw std::invalid_argument(concat("host MatMul ", j, " has no node to follow or none to precede"));
+      for (int i : h.after) node_at(i);
+      for (int i : h.before) node_at(i);
+      last_after = std::max(last_after, *std::max_element(h.after.begin(), h.after.end()));
+      const int first_before = *std::min_element(h.before.begin(), h.before.end());
+      if (first_before <= last_after)
+        throw std::invalid_argument(concat("host MatMul ", j, " is read by node ", first_before,
+                                           ", which is not after node ", last_after, " that it or an earlier host "
+                                           "MatMul follows: host nodes run in the order given, which must be the "
+                                           "graph's"));
+      auto& [x_after, x_before] = per_x.try_emplace(std::make_tuple(h.x_src, h.x_host, h.x_bytes), -1, INT32_MAX)
+                                      .first->second;
+      x_after = std::max(x_after, *std::max_element(h.after.begin(), h.after.end()));
+      x_before = std::min(x_before, first_before);
+      if (x_before <= x_after)
+        throw std::invalid_argument(concat("host MatMul ", j, " shares its X with a host MatMul read by node ",
+                                           x_before, ", which is not after node ", x_after,
+                                           " that the X's copy would follow"));
+    }
+    ctx_->make_current();
+    try {
+      // One D2H copy per X, with the captured nodes it follows (the driver refuses an
+      // edge twice).
+      std::map<std::tuple<uint64_t, uint64_t, uint64_t>, std::pair<CUgraphNode, std::set<int>>> d2h;
+      CUgraphNode& previous = last_host_;  // the host nodes run one after another
+      std::vector<CUgraphNode> last;         // the nodes that touch the owners' memory last
+      for (const GraphHostMatMul& h : jobs) {
+        const std::set<int> after(h.after.begin(), h.after.end()), before(h.before.begin(), h.before.end());
+        const auto key = std::make_tuple(h.x_src, h.x_host, h.x_bytes);
+        auto found = d2h.find(key);
+        if (found == d2h.end()) {
+          std::vector<CUgraphNode> deps;
+          for (int i : after) deps.push_back(node_at(i));
+          CUgraphNode copy = add_copy(deps, CU_MEMORYTYPE_DEVICE, h.x_src, CU_MEMORYTYPE_HOST, h.x_host, h.x_bytes);
+          found = d2h.emplace(key, std::make_pair(copy, after)).first;
+        } else {
+          for (int i : after) {
+            if (!found->second.second.insert(i).second) continue;
+            CUgraphNode from = node_at(i);
+            CU_CHECK(DRV(cuGraphAddDependencies)(g_, &from, &found->second.first, nullptr, 1));
+          }
+        }
+        std::vector<CUgraphNode> deps{found->second.first};
+        if (previous != nullptr) deps.push_back(previous);
+        CUDA_HOST_NODE_PARAMS p{};
+        p.fn = &host_matmul_job_run;
+        p.userData = reinterpret_cast<void*>(uintptr_t(h.job));
+        CUgraphNode host = nullptr;
+        CU_CHECK(DRV(cuGraphAddHostNode)(&host, g_, deps.data(), deps.size(), &p));
+        CUgraphNode copy = add_copy({host}, CU_MEMORYTYPE_HOST, h.y_host, CU_MEMORYTYPE_DEVICE, h.y_dst, h.y_bytes);
+        for (int i : before) {
+          CUgraphNode to = node_at(i);
+          CU_CHECK(DRV(cuGraphAddDependencies)(g_, &copy, &to, nullptr, 1));
+        }
+        previous = host;
+        last.push_back(copy);
+        if (h.owner) owners_.push_back(h.owner);
+      }
+      host_after_ = last_after;
+      if (!jobs.empty()) {
+        // An event each replay records once its host nodes and their copies are done,
+        // which the destructor waits for.
+        last.push_back(previous);
+        CUevent done = nullptr;
+        CU_CHECK(DRV(cuEventCreate)(&done, CU_EVENT_DISABLE_TIMING));
+        host_done_.push_back(done);
+        CUgraphNode record = nullptr;
+        CU_CHECK(DRV(cuGraphAddEventRecordNode)(&record, g_, last.data(), last.size(), done));
+      }
+    } catch (...) {
+      broken_ = true;
+      throw;
+    }
+  }
+
   void instantiate(Stream& s) override {
     if (exec_ != nullptr) return;
+    if (broken_) throw StateError("an earlier edit of the graph failed part way: it cannot be used");
     ctx_->make_current();
     CU_CHECK(DRV(cuGraphInstantiateWithFlags)(&exec_, g_, 0));
     CU_CHECK(DRV(cuGraphUpload)(exec_, raw(s)));
@@ -175,6 +262,29 @@ class CudaGraph : public DeviceGraph {
   }
 
  private:
+  // A 1-D copy node of `bytes` from src to dst (each a device address or a host pointer,
+  // by its memory type), after `deps`.
+  CUgraphNode add_copy(const std::vector<CUgraphNode>& deps, CUmemorytype src_type, uint64_t src, CUmemorytype dst_type,
+                       uint64_t dst, uint64_t bytes) {
+    CUDA_MEMCPY3D p{};
+    p.srcMemoryType = src_type;
+    if (src_type == CU_MEMORYTYPE_HOST) p.srcHost = reinterpret_cast<const void*>(uintptr_t(src));
+    else p.srcDevice = CUdeviceptr(src);
+    p.srcPitch = bytes;
+    p.srcHeight = 1;
+    p.dstMemoryType = dst_type;
+    if (dst_type == CU_MEMORYTYPE_HOST) p.dstHost = reinterpret_cast<void*>(uintptr_t(dst));
+    else p.dstDevice = CUdeviceptr(dst);
+    p.dstPitch = bytes;
+    p.dstHeight = 1;
+    p.WidthInBytes = bytes;
+    p.Height = 1;
+    p.Depth = 1;
+    CUgraphNode node = nullptr;
+    CU_CHECK(DRV(cuGraphAddMemcpyNode)(&node, g_, deps.data(), deps.size(), &p, ctx_->get()));
+    return node;
+  }
+
   CUgraphNode node_at(int i) const {
     if (i < 0 || size_t(i) >= order_.size()) throw std::out_of_range(concat("graph node ", i, " of ", order_.size()));
     return order_[size_t(i)];
@@ -260,6 +370,11 @@ class CudaGraph : public DeviceGraph {
   std::vector<CUgraphNodeType> types_;
   std::size_t kernels_ = 0, opaque_ = 0;
   std::atomic<uint64_t> launches_{0};
+  std::vector<std::shared_ptr<const void>> owners_;  // what the host nodes' memory belongs to
+  std::vector<CUevent> host_done_;  // recorded by each replay once its host nodes' work is done
+  bool broken_ = false;
+  CUgraphNode last_host_ = nullptr;  // the last host node added, which the next one follows
+  int host_after_ = -1;              // the latest `after` node of the host MatMuls added
 };
 
 }  // namespace

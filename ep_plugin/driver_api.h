@@ -70,6 +70,8 @@ namespace offload {
   _(cuFuncGetParamInfo, 12040)             \
   _(cuKernelGetParamInfo, 12040)           \
   _(cuGraphAddMemcpyNode, 10000)           \
+  _(cuGraphAddHostNode, 10000)             \
+  _(cuGraphAddEventRecordNode, 11010)      \
   _(cuGraphAddDependencies, 12030)         \
   _(cuMemHostGetDevicePointer, 3020)       \
   _(cuGraphInstantiateWithFlags, 11040)    \

@@ -294,6 +294,12 @@ class DeviceGraph:
                    in_flight: int = 1) -> None:
         """(dst, src host, bytes, after nodes, before nodes): H2D copies, each after the one
         `in_flight` places before it (1: one at a time)."""
+    def add_host_matmuls(self, jobs: HostJobs,
+                         matmuls: Sequence[tuple[int, int, int, int, int, int, int, Sequence[int], Sequence[int]]]) -> None:
+        """(job index, X's device address, X's pinned host rows, X bytes, Y's pinned host rows, Y's device address,
+        Y bytes, nodes after, nodes before): per item a D2H copy of X after `after`, a host node running the job
+        (after the previous item's), an H2D copy of Y before `before`; items with one X share its copy. The order
+        must be the graph's (ValueError otherwise); the graph holds `jobs` while it lives."""
     def instantiate(self, stream: Stream) -> None: ...
     def launch(self, stream: Stream) -> None: ...
 
@@ -445,6 +451,24 @@ def host_set_spin_us(us: int) -> None:
 def _host_matmul_split(x: np.ndarray, w: np.ndarray, split: str, *, threads: int | None = None,
                        isa: str | None = None) -> np.ndarray:
     """host_matmul with the split between threads forced: "auto", "columns" or "rows" (bench host)."""
+class HostJobs:
+    """The jobs of a graph's host nodes and one zeroed, page-locked region for their X and Y rows."""
+    def __init__(self, backend: Backend, count: int, pinned_bytes: int) -> None: ...
+    def __len__(self) -> int: ...
+    @property
+    def pinned(self) -> int: ...
+    @property
+    def pinned_bytes(self) -> int: ...
+    def address(self, index: int) -> int:
+        """The address of the job (host_matmul_job_run's argument)."""
+    def set(self, index: int, kind: str, k: int, n: int, data: int, scales: int = 0, zero_points: int = 0,
+            block_size: int = 0, *, x_dtype: str, m: int, x: int, y: int, threads: int | None = None,
+            isa: str | None = None) -> str:
+        """Writes the job; '' when it can run, else why not (written either way)."""
+    def first_failed(self) -> int:
+        """The first job whose status is not 0 (done), or -1."""
+    def status(self, index: int) -> tuple[int, str]:
+        """(0 done | -1 not run | else refused, message), as the job's last run left it."""
 def _host_job_entry() -> tuple[int, int, int]:
     """(address of host_matmul_job_run, sizeof(HostMatmulJob), offsetof(HostMatmulJob, status))."""
 def _host_pool_sleeping() -> int:

@@ -65,6 +65,19 @@ class HostComputeRefused(UnsupportedModel):
         return type(self), (str(self), self.names)
 
 
+class HostComputeFailed(OffloadError):
+    """A host-computed MatMul did not give its result in a replay of the step's graph: the
+    host kernel refused its job (the message says why) or the job has not run. ``matmul``
+    names the MatMul; the step's outputs are not to be used."""
+
+    def __init__(self, message: str = "", matmul: str = ""):
+        super().__init__(message)
+        self.matmul = matmul
+
+    def __reduce__(self):
+        return type(self), (str(self), self.matmul)
+
+
 class CacheNotMarked(OffloadError):
     """`onnx-offload cache clear` was given a folder that is not marked as the package's
     cache (it has no CACHEDIR.TAG) and holds what the package did not make: nothing was

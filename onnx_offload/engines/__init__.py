@@ -9,6 +9,7 @@ factory of the ORT sessions they run live here too.
 
 from .base import Engine
 from .graph_capture import CONTROL_FLOW_OPS, GraphCaptureDecision, resolve_graph_capture_enabled, structural_safety
+from .host_nodes import HostNodes
 from .iobinding import OffloadIOBinding
 from .ortvalues import (FixedBuffer, IOInfo, InvalidArgument, as_arrays, as_ortvalue, check_feeds, check_required,
                         detached, nbytes_of, numpy_dtype, shareable)
@@ -17,7 +18,7 @@ from .stream_plan import StreamingUnavailable, choose_engine
 from .streaming import StreamEngine
 from .switch import Engines, RunInputs
 
-__all__ = ["CONTROL_FLOW_OPS", "Engine", "Engines", "FixedBuffer", "GraphCaptureDecision", "IOInfo", "InvalidArgument",
-           "OffloadIOBinding", "RunInputs", "SegmentRunner", "StreamEngine", "StreamingUnavailable", "as_arrays",
-           "as_ortvalue", "check_feeds", "check_required", "choose_engine", "detached", "nbytes_of", "numpy_dtype",
-           "resolve_graph_capture_enabled", "shareable", "structural_safety"]
+__all__ = ["CONTROL_FLOW_OPS", "Engine", "Engines", "FixedBuffer", "GraphCaptureDecision", "HostNodes", "IOInfo",
+           "InvalidArgument", "OffloadIOBinding", "RunInputs", "SegmentRunner", "StreamEngine", "StreamingUnavailable",
+           "as_arrays", "as_ortvalue", "check_feeds", "check_required", "choose_engine", "detached", "nbytes_of",
+           "numpy_dtype", "resolve_graph_capture_enabled", "shareable", "structural_safety"]

@@ -1,0 +1,49 @@
+#include "host_jobs.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+
+#include "errors.h"
+
+namespace offload {
+
+HostJobs::HostJobs(std::shared_ptr<PhysicalBackend> backend, std::size_t count, uint64_t pinned_bytes)
+    : backend_(std::move(backend)), jobs_(count), bytes_(pinned_bytes) {
+  for (HostMatmulJob& j : jobs_) {
+    std::memset(&j, 0, sizeof(j));
+    j.status = -1;
+    std::snprintf(j.error, sizeof(j.error), "the job has not run");
+  }
+  const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE));
+  mapped_ = (pinned_bytes + page - 1) / page * page;
+  if (mapped_ == 0) return;
+  // Anonymous pages: zeroed, page-aligned, and never shared with a fork child's copy-on-write.
+  void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  pinned_ = p;
+  try {
+    backend_->host_register(pinned_, mapped_);
+  } catch (...) {
+    munmap(pinned_, mapped_);
+    throw;
+  }
+  registered_ = true;
+}
+
+HostJobs::~HostJobs() {
+  if (pinned_ == nullptr) return;
+  if (registered_) backend_->host_unregister(pinned_);
+  munmap(pinned_, mapped_);
+}
+
+HostMatmulJob& HostJobs::at(std::size_t i) {
+  if (i >= jobs_.size()) throw std::out_of_range(concat("host job ", i, " of ", jobs_.size()));
+  return jobs_[i];
+}
+
+}  // namespace offload
