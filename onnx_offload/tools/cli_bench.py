@@ -34,13 +34,17 @@ def cmd_demo(args) -> int:
     from ..models import mlp_stack, save, weight_bytes
     from ..session import OffloadSession
     kind = device_kind(args)
-    model = mlp_stack(layers=16, hidden=1024, batch=4)
+    # On a GPU, ORT's sessions take device memory of their own (cuBLAS's handles and
+    # workspaces, about 66 MiB on an H100), which a quarter of a small model cannot hold:
+    # there the MLP is 1 GiB, so that a quarter of it holds ORT's memory beside the weights.
+    hidden = 4096 if kind == "cuda" else 1024
+    model = mlp_stack(layers=16, hidden=hidden, batch=4)
     weights = weight_bytes(model)
     budget = weights // 4
     where = "the GPU (CUDA VMM)" if kind == "cuda" else "the CPU (the host backend plays the GPU)"
     with tempfile.TemporaryDirectory() as tmp:
         path = save(model, os.path.join(tmp, "demo.onnx"))
-        x = np.random.default_rng(0).standard_normal((4, 1024)).astype(np.float32)
+        x = np.random.default_rng(0).standard_normal((4, hidden)).astype(np.float32)
         print(f"demo: a 16-layer MLP with {weights / 2**20:.0f} MiB of weights, run within a {budget / 2**20:.0f} "
               f"MiB budget on {where}")
         plain = ort.InferenceSession(path, providers=[provider(kind)])
