@@ -34,9 +34,9 @@ def cmd_demo(args) -> int:
     from ..models import mlp_stack, save, weight_bytes
     from ..session import OffloadSession
     kind = device_kind(args)
-    # On a GPU, ORT's sessions take device memory of their own (cuBLAS's handles and
-    # workspaces, about 66 MiB on an H100), which a quarter of a small model cannot hold:
-    # there the MLP is 1 GiB, so that a quarter of it holds ORT's memory beside the weights.
+    # On a GPU, ORT's sessions take device memory of their own when they are made (66 MiB
+    # on an H100 with ORT 1.31.1), which a quarter of a small model cannot hold: there the
+    # MLP is 1 GiB, so that a quarter of it holds ORT's memory beside the weights.
     hidden = 4096 if kind == "cuda" else 1024
     model = mlp_stack(layers=16, hidden=hidden, batch=4)
     weights = weight_bytes(model)
