@@ -1,7 +1,8 @@
 """``onnx-offload bench host``: the host kernels (``_core.host_matmul``,
 ``host_matmul_nbits``) on weights too large for the caches, as GB/s of weight bytes read,
 for fp16, bf16 and int4 (MatMulNBits, blocks of 32) weights, batches of 1, 4 and 8 rows
-and 1 .. every physical core, with the kernels of one ISA (the best the CPU has, or
+and thread counts doubling from 1 to every physical core (and one fewer, which leaves a
+core to the thread that drives the GPU), with the kernels of one ISA (the best the CPU has, or
 `isa`). Beside each row:
   - the bound: a plain read of the same bytes by the same pool and thread count;
   - the peer on the same host: onnxruntime's CPU MatMul (fp16) or MatMulNBits (int4) over
@@ -27,6 +28,15 @@ BATCHES = (1, 4, 8)
 KINDS = ("fp16", "bf16", "int4")
 BLOCK = 32
 K = 4096  # the rows of W (a hidden width); N follows from the weight bytes
+
+
+def thread_ladder(cores: int) -> List[int]:
+    """1, 2, 4, ... up to `cores`, with `cores` - 1 and `cores`."""
+    out, t = set(), 1
+    while t < cores:
+        out.add(t)
+        t *= 2
+    return sorted(out | {max(1, cores - 1), cores})
 
 
 def _median_s(fn, runs: int) -> float:
@@ -105,7 +115,7 @@ def bench_host(weights_mib: int = 256, runs: int = 3, kinds=KINDS, batches=BATCH
     cpu = dict(_core.host_cpu())
     if isa is not None:
         cpu["isa"] = isa
-    counts = thread_counts or list(range(1, cpu["physical_cores"] + 1))
+    counts = thread_counts or thread_ladder(cpu["physical_cores"])
     rng = np.random.default_rng(0)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
