@@ -220,6 +220,27 @@ def test_jobs_keep_x_and_y_inside_their_pinned_region():
         jobs.status(1)
 
 
+def test_jobs_refuse_sizes_that_wrap_and_a_missing_backend():
+    """Sizes whose byte counts pass 2^64 and a backend of None are typed errors: a size
+    that wrapped would map nothing, or pass the region's check, and a job would then read
+    and write outside it."""
+    be = _core.make_host_backend(64 << 10)
+    with pytest.raises(TypeError):
+        _core.HostJobs(None, 1, 4096)
+    with pytest.raises(ValueError, match="more than a process can map"):
+        _core.HostJobs(be, 1, 2 ** 64 - 1)
+    jobs = _core.HostJobs(be, 1, 4096)
+    w = np.zeros((4, 4), np.float32)
+    base = jobs.pinned
+    # 2^61 + 1 rows of 4 float16 values are 2^64 + 8 bytes: 8 once wrapped, which the region holds.
+    with pytest.raises(ValueError, match="x's .* not inside"):
+        jobs.set(0, "float32", 4, 4, w.ctypes.data, x_dtype="float16", m=2 ** 61 + 1, x=base, y=base)
+    # 4 rows of 2^60 + 1 float32 values: 16 bytes once wrapped.
+    with pytest.raises(ValueError, match="y's .* not inside"):
+        jobs.set(0, "float32", 1, 2 ** 60 + 1, w.ctypes.data, x_dtype="float32", m=4, x=base, y=base)
+    assert jobs.status(0) == (-1, "the job has not run")  # nothing was written
+
+
 def test_the_host_backend_has_no_graph_to_put_host_nodes_in():
     model = mlp_model(64, 96)
     _, hosts = rewrite_for_host(model, ["w1"])
