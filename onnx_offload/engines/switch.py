@@ -166,13 +166,19 @@ class Engines:
             except StepMemoryShort as e:
                 if attempt == 2 or not self.config.offload or not e.needed:
                     raise
-                needed, error = e.needed, e.with_traceback(None)
+                # A copy of the error, without its traceback or context: their frames hold the
+                # failed runner and its ORT sessions, which must go before the next ones are made.
+                needed, error = e.needed, StepMemoryShort(str(e), e.needed)
             # Outside the handler: the failed runner's ORT sessions go with its frames.
             self.drop()
             self.meter.refund()
             g = self.device.granularity
-            trial = dataclasses.replace(self.config, scratch_bytes=round_up(
-                self.plan.zones["scratch"].reserve + needed, g))
+            # The KV reserve of the plan in force stays (the first generation's, where the
+            # model sized it): a configuration that names the scratch reserve takes none
+            # from the model's defaults.
+            zones = self.plan.zones
+            trial = dataclasses.replace(self.config, scratch_bytes=round_up(zones["scratch"].reserve + needed, g),
+                                        kv_bytes=self.config.kv_bytes or zones["kv"].reserve)
             try:
                 plan = plan_budget(trial, **self.run_inputs.plan_inputs)
             except BudgetExceeded:
