@@ -29,9 +29,15 @@ HostJobs::HostJobs(std::shared_ptr<PhysicalBackend> backend, std::size_t count, 
   }
   mapped_ = (pinned_bytes + page - 1) / page * page;
   if (mapped_ == 0) return;
-  // Anonymous pages: zeroed, page-aligned, and never shared with a fork child's copy-on-write.
+  // Anonymous pages: zeroed and page-aligned. A fork child gets no copy of them
+  // (MADV_DONTFORK): copy-on-write would give the parent's next write a new page while the
+  // device's copies still use the registered one.
   void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
+  if (madvise(p, mapped_, MADV_DONTFORK) != 0) {
+    munmap(p, mapped_);
+    throw std::runtime_error("HostJobs: madvise(MADV_DONTFORK) failed on the pinned rows");
+  }
   pinned_ = p;
   try {
     backend_->host_register(pinned_, mapped_);

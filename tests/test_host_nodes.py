@@ -7,6 +7,7 @@ The bound, as docs/host_compute.md states it: every output within 16 * eps * max
 of plain ORT's on the unrewritten model (eps of the output's type).
 """
 import ctypes
+import os
 import pickle
 
 import ml_dtypes
@@ -239,6 +240,31 @@ def test_jobs_refuse_sizes_that_wrap_and_a_missing_backend():
     with pytest.raises(ValueError, match="y's .* not inside"):
         jobs.set(0, "float32", 1, 2 ** 60 + 1, w.ctypes.data, x_dtype="float32", m=4, x=base, y=base)
     assert jobs.status(0) == (-1, "the job has not run")  # nothing was written
+
+
+def test_a_forked_child_gets_no_copy_of_the_pinned_rows():
+    """The pinned rows are left out of a fork child: with a copy-on-write copy in the child,
+    the parent's next write to a row would go to a new page while the device's copies
+    still read and write the registered one."""
+    jobs = _core.HostJobs(_core.make_host_backend(64 << 10), 1, 4096)
+    base = jobs.pinned
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: is the parent's pinned region mapped here?
+        try:
+            with open("/proc/self/maps") as f:
+                ranges = [line.split()[0].split("-") for line in f]
+            mapped = any(int(lo, 16) <= base < int(hi, 16) for lo, hi in ranges)
+            os.write(w, b"mapped" if mapped else b"absent")
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    with os.fdopen(r, "rb") as f:
+        assert f.read() == b"absent"
+    x = np.arange(8, dtype=np.float16)
+    put(base, x)  # the parent's rows are its own as before
+    np.testing.assert_array_equal(take(base, x.shape, np.float16), x)
 
 
 def test_the_host_backend_has_no_graph_to_put_host_nodes_in():
