@@ -49,7 +49,9 @@ HostJobs::HostJobs(std::shared_ptr<PhysicalBackend> backend, std::size_t count, 
 }
 
 HostJobs::~HostJobs() {
-  if (pinned_ == nullptr) return;
+  // A fork child has no copy of the region (MADV_DONTFORK), and what it maps later may lie
+  // at the same address: it lets the parent's region be.
+  if (pinned_ == nullptr || getpid() != pid_) return;
   if (registered_) backend_->host_unregister(pinned_);
   munmap(pinned_, mapped_);
 }

@@ -242,26 +242,40 @@ def test_jobs_refuse_sizes_that_wrap_and_a_missing_backend():
     assert jobs.status(0) == (-1, "the job has not run")  # nothing was written
 
 
-def test_a_forked_child_gets_no_copy_of_the_pinned_rows():
+def mapped_here(address: int) -> bool:
+    with open("/proc/self/maps") as f:
+        ranges = [line.split()[0].split("-") for line in f]
+    return any(int(lo, 16) <= address < int(hi, 16) for lo, hi in ranges)
+
+
+def test_a_forked_child_gets_no_copy_of_the_pinned_rows_and_leaves_its_own_mappings_be():
     """The pinned rows are left out of a fork child: with a copy-on-write copy in the child,
     the parent's next write to a row would go to a new page while the device's copies
-    still read and write the registered one."""
+    still read and write the registered one. The child's copy of the jobs, when it goes,
+    unmaps nothing: what the child mapped since at that address stays."""
     jobs = _core.HostJobs(_core.make_host_backend(64 << 10), 1, 4096)
     base = jobs.pinned
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: is the parent's pinned region mapped here?
+    if pid == 0:  # the child
         try:
-            with open("/proc/self/maps") as f:
-                ranges = [line.split()[0].split("-") for line in f]
-            mapped = any(int(lo, 16) <= base < int(hi, 16) for lo, hi in ranges)
-            os.write(w, b"mapped" if mapped else b"absent")
+            said = [b"mapped" if mapped_here(base) else b"absent"]
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_long]
+            # PROT_READ | PROT_WRITE; MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE
+            own = libc.mmap(base, 4096, 0x3, 0x22 | 0x100000, -1, 0)
+            said.append(b"own" if own == base else b"elsewhere")
+            del jobs
+            said.append(b"kept" if mapped_here(base) else b"unmapped")
+            os.write(w, b",".join(said))
         finally:
             os._exit(0)
     os.close(w)
     os.waitpid(pid, 0)
     with os.fdopen(r, "rb") as f:
-        assert f.read() == b"absent"
+        assert f.read() == b"absent,own,kept"
     x = np.arange(8, dtype=np.float16)
     put(base, x)  # the parent's rows are its own as before
     np.testing.assert_array_equal(take(base, x.shape, np.float16), x)
