@@ -107,7 +107,7 @@ void bind_backend(py::module_& m) {
         }
         py::gil_scoped_release nogil;
         g.add_host_matmuls(list);
-      }, py::arg("jobs"), py::arg("matmuls"), Drain(),
+      }, py::arg("jobs").none(false), py::arg("matmuls"), Drain(),
          "Adds per item (job index, X's device address, its pinned host rows, bytes, Y's pinned host rows, Y's "
          "device address, bytes, nodes after, nodes before): a D2H copy of X, a host node running the job, an H2D "
          "copy of Y. The graph holds `jobs` while it lives.")

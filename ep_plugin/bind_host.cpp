@@ -190,10 +190,16 @@ std::string set_job(HostJobs& jobs, size_t i, const std::string& kind, int64_t k
   j.x = reinterpret_cast<const void*>(uintptr_t(x));
   j.y = reinterpret_cast<void*>(uintptr_t(y));
   const uint64_t item = j.x_dtype == HOST_F32 ? 4 : 2;
-  if (m >= 1 && k >= 1 && !jobs.holds(x, uint64_t(m) * uint64_t(k) * item))
+  // Rows of more bytes than 64 bits count are not inside any region (the product must not wrap).
+  const auto inside = [&](uint64_t p, int64_t rows, int64_t cols) {
+    uint64_t bytes = 0;
+    return !__builtin_mul_overflow(uint64_t(rows), uint64_t(cols), &bytes) &&
+           !__builtin_mul_overflow(bytes, item, &bytes) && jobs.holds(p, bytes);
+  };
+  if (m >= 1 && k >= 1 && !inside(x, m, k))
     throw py::value_error("x's " + std::to_string(m) + " x " + std::to_string(k) + " values are not inside the jobs' "
                           "pinned region");
-  if (m >= 1 && n >= 1 && !jobs.holds(y, uint64_t(m) * uint64_t(n) * item))
+  if (m >= 1 && n >= 1 && !inside(y, m, n))
     throw py::value_error("y's " + std::to_string(m) + " x " + std::to_string(n) + " values are not inside the jobs' "
                           "pinned region");
   j.status = -1;
@@ -207,7 +213,8 @@ std::string set_job(HostJobs& jobs, size_t i, const std::string& kind, int64_t k
 
 void bind_host(py::module_& m) {
   py::class_<HostJobs, std::shared_ptr<HostJobs>>(m, "HostJobs")
-      .def(py::init<std::shared_ptr<PhysicalBackend>, size_t, uint64_t>(), py::arg("backend"), py::arg("count"),
+      .def(py::init<std::shared_ptr<PhysicalBackend>, size_t, uint64_t>(), py::arg("backend").none(false),
+           py::arg("count"),
            py::arg("pinned_bytes"), Drain(),
            "`count` host MatMul jobs for a graph's host nodes and `pinned_bytes` of zeroed page-locked host memory "
            "for their X and Y rows; a graph given them holds them while it lives")

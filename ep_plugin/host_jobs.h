@@ -4,6 +4,9 @@
 // holds this object (GraphHostMatMul::owner) for as long as its host nodes may run.
 #pragma once
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -37,6 +40,7 @@ class HostJobs {
   void* pinned_ = nullptr;
   uint64_t bytes_ = 0, mapped_ = 0;
   bool registered_ = false;
+  pid_t pid_ = getpid();  // the process that mapped the region
 };
 
 }  // namespace offload

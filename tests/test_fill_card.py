@@ -2,13 +2,20 @@
 asked (not a share of the budget) keep more weights resident, a longer generation than
 the one planned for plans again, and memory another process takes after the start gives
 a typed error or a new plan, never a crash, and loses nothing."""
+import contextlib
+import gc
+import weakref
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 from onnx_offload import BudgetExceeded, OffloadSession
+from onnx_offload import session as session_module
+from onnx_offload.engines.ort_sessions import SessionFactory
 from onnx_offload.config import BUDGET_MARGIN
 from onnx_offload.generation.loop import FIRST_CONTEXT
+from onnx_offload.memory import Device
 from onnx_offload.memory.ort_memory import SLACK
 from onnx_offload.models import weight_bytes
 from onnx_offload.models.decoder import decoder_lm
@@ -123,3 +130,80 @@ def test_memory_taken_from_outside_after_the_start_is_a_typed_error_and_loses_no
         np.testing.assert_array_equal(s.generate(ids, 6), want)
         assert s.stats().outside_bytes == 0
         assert s.close().committed == 0
+
+
+class _Played:
+    """ORT's device memory as a card would show it, on the host backend: `nbytes` taken
+    while any ORT session the segments made lives (its libraries' handles and
+    workspaces), beside a device of the budget's size (see the test above). Installed as
+    the session's Device, so that the memory is played while the first engine is made."""
+
+    def __init__(self, monkeypatch, budget: int, nbytes: int):
+        self.live = weakref.WeakSet()  # the ORT sessions the segments' factory made, while they live
+        self.nbytes = nbytes
+        played = self
+        create = SessionFactory.create
+
+        def counted(factory, *args, **kw):
+            made = create(factory, *args, **kw)
+            played.live.add(made[0])
+            return made
+
+        class PlayedDevice(Device):
+            def __init__(self, kind, config):
+                super().__init__(kind, config)
+
+                def free_memory():
+                    snap = self.ledger.snapshot()
+                    arena = snap.committed - sum(z.outside for z in snap.zones.values()) + snap.pooled
+                    return max(0, budget + SLACK - arena - (played.nbytes if len(played.live) else 0))
+                self.free_memory_hook = free_memory
+
+        monkeypatch.setattr(SessionFactory, "create", counted)
+        monkeypatch.setattr(session_module, "Device", PlayedDevice)
+
+
+@contextlib.contextmanager
+def refcounts_only():
+    """Objects freed by their reference counts alone while inside (no cycle collection)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_segments_whose_sessions_take_more_than_planned_are_planned_again_and_the_failed_ones_go(model, monkeypatch):
+    ids = prompt(1, 30, 4)
+    want = reference_greedy(model, ids, 6)
+    budget = weight_bytes(model) * 11 // 10
+    with session(model, vram_limit=budget) as s:
+        snap = s.device.ledger.snapshot()
+        assert len(s.segments) == 1  # every weight resident
+        kv = snap.zones["kv"].reserve  # the first generation's KV cache
+        room = snap.budget - snap.committed - kv - snap.zones["scratch"].reserve
+    # ORT's sessions take more than the room the resident weights leave when they are made.
+    nbytes = (room // G + 128) * G  # whole granules, as the meter charges
+    played = _Played(monkeypatch, budget, nbytes)
+    with refcounts_only(), session(model, vram_limit=budget) as s:
+        notes = s.stats().notes
+        assert any("planned again" in n and "for its sessions" in n for n in notes), notes
+        assert len(s.segments) > 1  # the weights stream to make the room
+        assert s.device.ledger.snapshot().zones["kv"].reserve == kv > 0  # the plan's KV reserve stays
+        # The first plan's ORT session went when it failed: only the segments' own live.
+        assert len(played.live) == len(s.segments), (len(played.live), len(s.segments))
+        assert s.stats().outside_bytes == nbytes  # charged once, to the plan that holds it
+        np.testing.assert_array_equal(s.generate(ids, 6), want)
+        assert s.close().committed == 0
+
+
+def test_segments_whose_sessions_no_plan_holds_are_a_typed_error_and_plain_ort_runs(model, monkeypatch):
+    ids = prompt(1, 12, 5)
+    want = reference_greedy(model, ids, 4)
+    budget = weight_bytes(model) * 11 // 10
+    _Played(monkeypatch, budget, budget)  # more than the budget holds beside any segment
+    with pytest.raises(BudgetExceeded, match="for its own use"):
+        session(model, vram_limit=budget)
+    # The greedy loop on plain ORT sessions in the same process, as before.
+    np.testing.assert_array_equal(reference_greedy(model, ids, 4), want)

@@ -525,3 +525,19 @@ def test_the_link_bench_measures_the_gemv_and_the_h2d_at_once():
     # At least one 256 MiB copy ran wholly inside the GEMV's calls, so the rate is measured.
     assert row["h2d_with_gemv_gbps"] > 1, row
     assert "together GB/s" in print_link(res)
+
+
+def test_the_link_bench_raises_a_failed_copy_instead_of_waiting_for_it(monkeypatch):
+    """The link bench's copies run on a thread of their own: one that fails (here on a
+    closed stream of the host backend) is raised by start() and stop(), not waited for."""
+    from onnx_offload.errors import StateError
+    from onnx_offload.tools import bench_host_link
+    monkeypatch.setattr(bench_host_link, "COPY", 1 << 20)  # the host backend plays the device
+    copier = bench_host_link._Copier(_core.make_host_backend(64 << 10))
+    copier.start()
+    copier.stop()
+    assert copier.done and all(ms >= 0 for _, _, ms in copier.done)
+    copier.stream.close()
+    with pytest.raises(StateError, match="closed"):
+        copier.start()
+    copier.close()

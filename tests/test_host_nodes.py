@@ -7,6 +7,7 @@ The bound, as docs/host_compute.md states it: every output within 16 * eps * max
 of plain ORT's on the unrewritten model (eps of the output's type).
 """
 import ctypes
+import os
 import pickle
 
 import ml_dtypes
@@ -218,6 +219,66 @@ def test_jobs_keep_x_and_y_inside_their_pinned_region():
         jobs.set(0, "int8", 8, 8, w.ctypes.data, x_dtype="float16", m=2, x=base, y=base + 32)
     with pytest.raises(IndexError):
         jobs.status(1)
+
+
+def test_jobs_refuse_sizes_that_wrap_and_a_missing_backend():
+    """Sizes whose byte counts pass 2^64 and a backend of None are typed errors: a size
+    that wrapped would map nothing, or pass the region's check, and a job would then read
+    and write outside it."""
+    be = _core.make_host_backend(64 << 10)
+    with pytest.raises(TypeError):
+        _core.HostJobs(None, 1, 4096)
+    with pytest.raises(ValueError, match="more than a process can map"):
+        _core.HostJobs(be, 1, 2 ** 64 - 1)
+    jobs = _core.HostJobs(be, 1, 4096)
+    w = np.zeros((4, 4), np.float32)
+    base = jobs.pinned
+    # 2^61 + 1 rows of 4 float16 values are 2^64 + 8 bytes: 8 once wrapped, which the region holds.
+    with pytest.raises(ValueError, match="x's .* not inside"):
+        jobs.set(0, "float32", 4, 4, w.ctypes.data, x_dtype="float16", m=2 ** 61 + 1, x=base, y=base)
+    # 4 rows of 2^60 + 1 float32 values: 16 bytes once wrapped.
+    with pytest.raises(ValueError, match="y's .* not inside"):
+        jobs.set(0, "float32", 1, 2 ** 60 + 1, w.ctypes.data, x_dtype="float32", m=4, x=base, y=base)
+    assert jobs.status(0) == (-1, "the job has not run")  # nothing was written
+
+
+def mapped_here(address: int) -> bool:
+    with open("/proc/self/maps") as f:
+        ranges = [line.split()[0].split("-") for line in f]
+    return any(int(lo, 16) <= address < int(hi, 16) for lo, hi in ranges)
+
+
+def test_a_forked_child_gets_no_copy_of_the_pinned_rows_and_leaves_its_own_mappings_be():
+    """The pinned rows are left out of a fork child: with a copy-on-write copy in the child,
+    the parent's next write to a row would go to a new page while the device's copies
+    still read and write the registered one. The child's copy of the jobs, when it goes,
+    unmaps nothing: what the child mapped since at that address stays."""
+    jobs = _core.HostJobs(_core.make_host_backend(64 << 10), 1, 4096)
+    base = jobs.pinned
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            said = [b"mapped" if mapped_here(base) else b"absent"]
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_long]
+            # PROT_READ | PROT_WRITE; MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE
+            own = libc.mmap(base, 4096, 0x3, 0x22 | 0x100000, -1, 0)
+            said.append(b"own" if own == base else b"elsewhere")
+            del jobs
+            said.append(b"kept" if mapped_here(base) else b"unmapped")
+            os.write(w, b",".join(said))
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    with os.fdopen(r, "rb") as f:
+        assert f.read() == b"absent,own,kept"
+    x = np.arange(8, dtype=np.float16)
+    put(base, x)  # the parent's rows are its own as before
+    np.testing.assert_array_equal(take(base, x.shape, np.float16), x)
 
 
 def test_the_host_backend_has_no_graph_to_put_host_nodes_in():

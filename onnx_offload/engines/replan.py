@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from .._core import round_up
 from ..config import ENV_VRAM_LIMIT, fmt_bytes
 from ..errors import BudgetExceeded, OffloadWarning
-from ..memory import base_zones, plan_budget, smallest_budget
+from ..memory import StepMemoryShort, base_zones, plan_budget, smallest_budget
 from .stream_plan import StreamingUnavailable
 from .streaming import StreamEngine
 
@@ -204,3 +204,40 @@ def engine_short(engines, kv: int, scratch: int, why) -> BudgetExceeded:
                               f"batch or the length")
     return BudgetExceeded(f"{what}: lower the batch, the length or prefill_chunk (the prompt's tokens per "
                           f"step, now {engines.config.prefill_chunk})")
+
+
+def segments_with_room(engines) -> None:
+    """engines.make_segment_runner(), planned again with more scratch while ORT takes more
+    device memory when it creates its sessions (its handles and workspaces) than the plan
+    set aside: the new plan keeps fewer weights resident to make the room. Where no plan
+    of the budget holds it, the StepMemoryShort stands (a BudgetExceeded). The caller
+    holds the session's lock."""
+    for attempt in range(3):
+        needed = 0
+        try:
+            return engines.make_segment_runner()
+        except StepMemoryShort as e:
+            if attempt == 2 or not engines.config.offload or not e.needed:
+                raise
+            # A copy of the error, without its traceback or context: their frames hold the
+            # failed runner and its ORT sessions, which must go before the next ones are made.
+            needed, error = e.needed, StepMemoryShort(str(e), e.needed)
+        # Outside the handler: the failed runner's ORT sessions go with its frames.
+        engines.drop()
+        engines.meter.refund()
+        g = engines.device.granularity
+        # The KV reserve of the plan in force stays (the first generation's, where the
+        # model sized it): a configuration that names the scratch reserve takes none
+        # from the model's defaults.
+        zones = engines.plan.zones
+        trial = dataclasses.replace(engines.config, scratch_bytes=round_up(zones["scratch"].reserve + needed, g),
+                                    kv_bytes=engines.config.kv_bytes or zones["kv"].reserve)
+        try:
+            plan = plan_budget(trial, **engines.run_inputs.plan_inputs)
+        except BudgetExceeded:
+            raise error from None
+        engines.plan = plan
+        engines.device.apply(plan)
+        engines.notes.append(f"ORT took {fmt_bytes(needed)} of device memory for its sessions beyond the step "
+                             f"memory planned: the budget was planned again with {fmt_bytes(trial.scratch_bytes)} "
+                             f"for the steps")

@@ -29,9 +29,9 @@ from ..config import fmt_bytes
 from ..errors import BudgetExceeded, CudaDriverError, OffloadError, OffloadWarning, with_ort_type
 from ..loading import Routing, Segment, WeightInfo, check_bindable, split, value_types
 from ..memory import (Counters, ResidencyManager, StepMemoryShort, ZonePlan, describe_zones, device_out_of_memory,
-                      is_out_of_memory, plan_budget)
+                      is_out_of_memory)
 from .graph_capture import GraphCaptureDecision
-from .replan import engine_short, kv_short
+from .replan import engine_short, kv_short, segments_with_room
 from .ort_sessions import SessionFactory
 from .runner import SegmentRunner
 from .in_place import stream_layout
@@ -155,33 +155,8 @@ class Engines:
                 scratch += e.needed or scratch
 
     def make_segments_with_room(self) -> None:
-        """make_segment_runner, planned again with more scratch while ORT takes more device
-        memory when it creates its sessions (its handles and workspaces) than the plan set
-        aside: the new plan keeps fewer weights resident to make the room. Where no plan
-        of the budget holds it, the StepMemoryShort stands (a BudgetExceeded)."""
-        for attempt in range(3):
-            needed = 0
-            try:
-                return self.make_segment_runner()
-            except StepMemoryShort as e:
-                if attempt == 2 or not self.config.offload or not e.needed:
-                    raise
-                needed, error = e.needed, e.with_traceback(None)
-            # Outside the handler: the failed runner's ORT sessions go with its frames.
-            self.drop()
-            self.meter.refund()
-            g = self.device.granularity
-            trial = dataclasses.replace(self.config, scratch_bytes=round_up(
-                self.plan.zones["scratch"].reserve + needed, g))
-            try:
-                plan = plan_budget(trial, **self.run_inputs.plan_inputs)
-            except BudgetExceeded:
-                raise error from None
-            self.plan = plan
-            self.device.apply(plan)
-            self.notes.append(f"ORT took {fmt_bytes(needed)} of device memory for its sessions beyond the step "
-                              f"memory planned: the budget was planned again with {fmt_bytes(trial.scratch_bytes)} "
-                              f"for the steps")
+        """See replan.segments_with_room."""
+        segments_with_room(self)
 
     def split(self, plan) -> List[Segment]:
         """The segments of `plan`: made before anything changes, since a model may not split."""

@@ -43,8 +43,9 @@ class OrtMemoryMeter:
         self.settled = 0  # of those, what settle() charged: the budget's room the device could not give
 
     def mark(self) -> Optional[Tuple[int, int]]:
-        """The device's free bytes and the arena's physical bytes now (None: not measured)."""
-        if not self._device.is_cuda:
+        """The device's free bytes and the arena's physical bytes now (None: not measured,
+        on the host backend unless its free memory is played)."""
+        if not self._device.is_cuda and self._device.free_memory_hook is None:
             return None
         free = self.keep_free()
         snap = self._device.ledger.snapshot()

@@ -25,7 +25,8 @@ COPY = 256 * MiB
 
 class _Copier:
     """H2D copies of COPY bytes back to back on a thread of its own, each with its wall
-    window and its device time, until stopped."""
+    window and its device time, until stopped. A copy that fails ends the thread; start()
+    or stop() raises its error in the caller's thread."""
 
     def __init__(self, backend):
         from .bench import PinnedBuffer
@@ -34,15 +35,24 @@ class _Copier:
         self.pinned = PinnedBuffer(backend, COPY)
         self.dst = backend.plain_alloc(COPY)
         self.done: List[tuple] = []  # (wall start, wall end, device ms)
+        self._error: Optional[BaseException] = None  # what ended the thread
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def _run(self) -> None:
         from .bench import timed_copy_ms
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            ms = timed_copy_ms(self.backend, self.stream, self.dst, self.pinned.ptr, COPY)
-            self.done.append((t0, time.perf_counter(), ms))
+        try:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                ms = timed_copy_ms(self.backend, self.stream, self.dst, self.pinned.ptr, COPY)
+                self.done.append((t0, time.perf_counter(), ms))
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            self._error = e
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def start(self) -> None:
         self.done.clear()
@@ -50,12 +60,18 @@ class _Copier:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         while not self.done:  # the first copy pays for the stream's start
+            if not self._thread.is_alive():
+                self._thread.join()
+                self._raise_error()
+                raise RuntimeError("the H2D copies' thread ended before its first copy")
             time.sleep(0.001)
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
+        self._raise_error()
 
     def rate_within(self, t0: float, t1: float) -> Optional[float]:
         """Bytes/s of the copies that ran wholly inside [t0, t1] (None: none did)."""
@@ -63,9 +79,12 @@ class _Copier:
         return COPY * len(inside) / (sum(inside) / 1e3) if inside else None
 
     def close(self) -> None:
-        self.stop()
-        self.backend.plain_free(self.dst, COPY)
-        self.pinned.close()
+        try:
+            self.stop()
+        finally:
+            self.backend.plain_free(self.dst, COPY)
+            self.pinned.close()
+            self.stream.close()
 
 
 def bench_link(weights_mib: int = 2048, runs: int = 7, kinds=("fp16", "int4"),
