@@ -39,6 +39,7 @@ ENV_CACHE_DIR = "ONNX_OFFLOAD_CACHE_DIR"
 # each paged in before it runs; "auto", the graph where it can run, else segments.
 ENGINES = ("auto", "graph", "segments")
 ENV_EXPERTS = "ONNX_OFFLOAD_EXPERTS"
+ENV_HOST_COMPUTE = "ONNX_OFFLOAD_HOST_COMPUTE"
 # How a mixture-of-experts model's experts stream: "routed", only those its router picks
 # for the step; "dense", every expert every step; "in_place", the streaming engine (CUDA)
 # leaves each stack of experts in pinned host memory and ORT's MoE kernel reads the picked
@@ -247,6 +248,17 @@ def parse_experts(value: str, name: str = ENV_EXPERTS) -> str:
     return text
 
 
+def parse_host_compute(value, name: str = ENV_HOST_COMPUTE):
+    """"auto", "off", or a number of host threads (1 to 4096): host compute on, with that many."""
+    text = str(value).strip().lower()
+    n = int(text) if isinstance(value, str) and text.isdigit() else integer(value)
+    if text in ("auto", "off") and isinstance(value, str):
+        return text
+    if n is None or not 1 <= n <= 4096:
+        raise ValueError(f"{name}={value!r} is not valid: expected auto, off or a number of host threads (1 to 4096)")
+    return n
+
+
 def env_is_set(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether the variable holds a value (an empty one counts as unset)."""
     value = (os.environ if env is None else env).get(name)
@@ -263,6 +275,7 @@ ENV_FIELDS = (
     (ENV_ENGINE, "engine", parse_engine),
     (ENV_CACHE_DIR, "cache_dir", parse_cache_dir),
     (ENV_EXPERTS, "experts", parse_experts),
+    (ENV_HOST_COMPUTE, "host_compute", parse_host_compute),
 )
 
 
@@ -295,6 +308,9 @@ class OffloadConfig:
     # generate() feeds a prompt longer than this in chunks of at most this many tokens, so
     # the memory a prompt step needs is bounded whatever the prompt's length.
     prefill_chunk: int = 512
+    # The host's cores multiply part of a decode step's streamed weights (docs/host_compute.md):
+    # "auto" where the rates measured at start say it helps, "off", or a number of threads.
+    host_compute: Union[str, int] = "auto"
 
     def __post_init__(self):
         # The switches as the environment spells them too ("0" is off, not a true string).
@@ -319,6 +335,7 @@ class OffloadConfig:
         self.policy = parse_policy(self.policy, "policy")
         self.engine = parse_engine(self.engine, "engine")
         self.experts = parse_experts(self.experts, "experts")
+        self.host_compute = parse_host_compute(self.host_compute, "host_compute")
         self.cache_dir = parse_cache_dir("off" if self.cache_dir is None else self.cache_dir, "cache_dir")
         if self.weight_bytes is not None:
             self.weight_bytes = parse_bytes(self.weight_bytes, "weight_bytes")

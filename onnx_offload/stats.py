@@ -42,6 +42,9 @@ class OffloadStats:
     graph_steps: int = 0  # steps run under a captured graph (captured once per plan, then replayed)
     margin: int = 0  # what the "auto" budget left of the device's free memory (0: the budget was given)
     reserves: tuple = ()  # (zone, reserve bytes, how it is sized) of each zone that reserves any
+    # Host compute (docs/host_compute.md): on, the MatMuls and weights the host computes, the
+    # bytes a step each side, both rates and the steps it ran; off, why.
+    host_compute: dict = dataclasses.field(default_factory=lambda: dict(on=False, why="", steps=0))
 
     @property
     def vram_alloc_ms(self) -> float:
@@ -117,6 +120,12 @@ class OffloadStats:
         text = table(rows) + "\n\n" + table(zones, ("zone", "committed", "peak", "allowance", "reserve"))
         if self.reserves:
             text += "\n\n" + "\n".join(f"reserve of {z}: {fmt_bytes(n)}, {how}" for z, n, how in self.reserves)
+        h = self.host_compute
+        if h.get("on"):
+            rates = ", ".join(f"{k} {r.get(1, 0) / 1e9:.1f} GB/s" for k, r in h["host_rates"].items())
+            text += (f"\n\nhost compute: {len(h['matmuls'])} MatMul(s), {fmt_bytes(h['host_bytes_per_step'])} a step on "
+                     f"the host ({rates} while the link ran), {fmt_bytes(h['streamed_bytes_per_step'])} streamed "
+                     f"({h['link_rate'] / 1e9:.1f} GB/s); {h['steps']} step(s) so far")
         if self.notes:
             text += "\n\n" + "\n".join(f"note: {n}" for n in self.notes)
         return text
@@ -193,7 +202,10 @@ class ReportingMembers:
             outside_bytes=self._meter.charged if self._meter else 0, notes=tuple(self._notes),
             graph_steps=runner.graph_steps if runner else 0,
             margin=dev.margin if self.config.vram_limit is None else 0,
-            reserves=tuple((z, v.reserve, self._reserve_sizing(z)) for z, v in ledger.zones.items() if v.reserve))
+            reserves=tuple((z, v.reserve, self._reserve_sizing(z)) for z, v in ledger.zones.items() if v.reserve),
+            host_compute=runner.host_report() if isinstance(runner, StreamEngine) else
+            dict(on=False, why="host compute runs in the streaming engine's captured steps; this session's weights "
+                               "run in segments" if runner is not None else "", steps=0))
 
     def _reserve_sizing(self, zone: str) -> str:
         """How the plan in force sized a zone's reserve, in words."""

@@ -12,13 +12,14 @@ copies, which the engine issues itself before the launch.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import onnxruntime as ort
 
 from .._core import round_up
 from ..errors import OffloadError
 from ..memory import SLACK, StepMemoryShort, is_out_of_memory
+from .host_nodes import HostNodes
 from .ortvalues import FixedBuffer, nbytes_of, numpy_dtype
 from .stream_plan import StreamingUnavailable, leading_copies, plan_copies, ring_by_reads
 from .stream_ring import Ring
@@ -34,18 +35,27 @@ class StepGraph:
     """One signature's captured step: the graph and the buffers it reads and writes."""
 
     def __init__(self, graph, buffers: Dict[str, FixedBuffer], outputs: Dict[str, ort.OrtValue],
-                 lead: Tuple[Tuple[int, int, int], ...]):
+                 lead: Tuple[Tuple[int, int, int], ...], host: Optional[HostNodes] = None):
         self.graph = graph
         self.buffers = buffers  # the engine's own: inputs it copies into, outputs the caller did not bind
         self.outputs = outputs  # every output's value, where the graph writes it
         self.lead = lead  # (destination, source, bytes) of the copies issued before the launch
+        self.host = host  # the host-computed MatMuls in the graph, if any
 
 
 class GraphBuilder:
-    """Builds the streaming engine's graphs on its one ORT session (`session`, None once
-    the engine closes), with the page-ins of the weights streamed through `ring`."""
+    """Builds the streaming engine's graphs on one of its ORT sessions (`session`, None once
+    the engine closes), with the page-ins of the weights streamed through `ring`.
 
-    def __init__(self, device, session, ring: Ring, store, info, meter, graph_outputs: List[str], device_id: int):
+    With `host` (a HostPlan), the session runs the model rewritten for host compute: the
+    host MatMuls' weights are not copied (their units are skipped), and each graph gets
+    the host MatMuls' copies and host nodes (HostNodes). Such a graph needs the ring
+    placed by the whole model's reads first (a graph of the builder without `host`)."""
+
+    def __init__(self, device, session, ring: Ring, store, info, meter, graph_outputs: List[str], device_id: int,
+                 host=None):
+        self.host = host
+        self._skip = set(host.host_weights) if host is not None else set()
         self.device = device
         self.session = session
         self.ring = ring
@@ -99,6 +109,7 @@ class GraphBuilder:
             stream.synchronize()
             graph = self._capture(io)
             lead = self._add_page_ins(graph)
+            nodes = self._add_host_nodes(graph, feeds, bound) if self.host is not None else None
             graph.instantiate(stream)
             self._meter.charge_since(mark)
             self.captures += 1
@@ -106,7 +117,18 @@ class GraphBuilder:
             for name in made:
                 dev.scratch.deallocate(buffers.pop(name).ptr)
             raise
-        return StepGraph(graph, buffers, bound, lead)
+        return StepGraph(graph, buffers, bound, lead, nodes)
+
+    def _add_host_nodes(self, graph, feeds: Dict[str, ort.OrtValue], bound: Dict[str, ort.OrtValue]) -> HostNodes:
+        """The host MatMuls' copies and host nodes, in `graph` (HostComputeRefused where
+        they cannot be placed)."""
+        hosts = self.host.hosts
+        nodes = HostNodes(self.device.backend, hosts,
+                          {h.x_output: (bound[h.x_output].data_ptr(), bound[h.x_output].shape()) for h in hosts},
+                          {h.y_input: feeds[h.y_input].data_ptr() for h in hosts},
+                          {w: self.store.ptr(w) for h in hosts for w in h.weights}, self.host.threads)
+        nodes.add_to(graph)
+        return nodes
 
     def _ort_run(self, io) -> None:
         """An uncaptured ORT run; ORT's arena or the device running out of memory is a
@@ -172,7 +194,7 @@ class GraphBuilder:
 
     def _add_page_ins(self, graph) -> Tuple[Tuple[int, int, int], ...]:
         """Adds the page-in copies to the captured graph, all but the lead (returned)."""
-        units = self.plan.units
+        units = [u for u in self.plan.units if not self._skip.intersection(u.names)]
         if not units:
             return ()
         names = [n for u in units for n in u.names]
@@ -197,6 +219,8 @@ class GraphBuilder:
             low = readers[i][0] if low is None else min(low, readers[i][0])
             first_from[i] = low
         if not self.ring.placed_by_reads:
+            if self._skip:  # the rewrite does not read every unit: the whole model's graph places the ring
+                raise StreamingUnavailable("a host-computed step's graph cannot place the ring")
             # ORT's reads, seen for the first time: the ring follows them from now on.
             self.device.copy_stream.synchronize()  # no lead copy may still land in the ring
             self.ring.place(self._ring_by_reads(graph, copied, readers, first_from))

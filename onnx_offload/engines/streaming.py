@@ -28,6 +28,8 @@ from ..loading import Segment
 from ..memory import REBALANCE_STEPS, Counters, ExpertPages
 from .base import Engine
 from .graph_capture import GraphCaptureDecision
+from .host_step import HostPlan
+from .stream_host import HostComputeMembers
 from .in_place import in_place_nodes, with_router_outputs
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
 from .stream_capture import GraphBuilder, StepGraph
@@ -39,7 +41,7 @@ from .stream_ring import Ring
 GRAPH_SIGNATURES = 16
 
 
-class StreamEngine(Engine):
+class StreamEngine(HostComputeMembers, Engine):
     """Runs a model whose weights do not fit as one captured ORT session, streaming
     through the ring, behind the one surface both engines offer (``Engine``)."""
 
@@ -48,7 +50,7 @@ class StreamEngine(Engine):
 
     def __init__(self, device, residency, store, weights: Sequence[WeightInfo], plan: StreamPlan, factory, meter,
                  model, workdir: str, inputs: Sequence[str], graph_outputs: List[str], capture_reason: str,
-                 device_id: int):
+                 device_id: int, host_compute="off"):
         self.device = device
         self.residency = residency
         self.store = store
@@ -75,8 +77,14 @@ class StreamEngine(Engine):
         self._ring = Ring(device, plan)
         self._initializer_values: List[ort.OrtValue] = []
         self.session = None
+        self.host: Optional[HostPlan] = None  # the split in force for decode steps (host compute)
+        self.host_session = None  # the ORT session of the model rewritten for it
+        self._host_builder: Optional[GraphBuilder] = None
+        self._host_dims: Dict[str, list] = {}
+        self.host_steps = 0  # steps whose graph had the host compute its MatMuls
+        self.host_note = ""  # why host compute is off, or what it does
         self.runs = []
-        self._per_step: Optional[Counters] = None
+        self._per_step: Dict[bool, Counters] = {}  # a step's counters, by whether the host computed
         self._lead: Optional[tuple] = None  # the lead copies issued for the next step, if any
         self._lead_done = self._compute_done = None  # events: after the lead copies, after queued compute
         # Stacks read in place from the host store's paged region: their hot experts on
@@ -106,6 +114,7 @@ class StreamEngine(Engine):
             mark = meter.mark()
             self.session = factory.create(path, so, False)[0]
             meter.charge_since(mark, creating=True)
+            self._start_host_compute(host_compute, factory, model, weights, workdir)
             if self.experts is not None:
                 self.experts.place()
                 self.notes.append(f"{len(self.experts.resident)} of {len(self.experts.counts)} experts read in place "
@@ -113,7 +122,7 @@ class StreamEngine(Engine):
                                   f"({self.experts.committed} bytes); every {REBALANCE_STEPS} steps the most "
                                   f"picked take the place of colder ones")
         except BaseException:
-            self.session = None
+            self.session = self.host_session = None
             self._initializer_values = []
             if self.experts is not None:
                 self.experts.close()
@@ -123,9 +132,12 @@ class StreamEngine(Engine):
         segment = Segment(0, list(range(len(model.graph.node))), [w.name for w in weights], list(inputs),
                           list(graph_outputs), model)
         self.runs = [_Run(segment, self.session)]
-        self._builder = GraphBuilder(device, self.session, self._ring, store, self.info, meter,
-                                     self._graph_outputs + [r for r in self._routers if r not in self._graph_outputs],
-                                     device_id)
+        outputs = self._graph_outputs + [r for r in self._routers if r not in self._graph_outputs]
+        self._builder = GraphBuilder(device, self.session, self._ring, store, self.info, meter, outputs, device_id)
+        if self.host is not None:
+            xs = [h.x_output for h in self.host.hosts if h.x_output not in outputs]
+            self._host_builder = GraphBuilder(device, self.host_session, self._ring, store, self.info, meter,
+                                              outputs + list(dict.fromkeys(xs)), device_id, host=self.host)
 
     @property
     def captures(self) -> int:
@@ -158,9 +170,12 @@ class StreamEngine(Engine):
         # As after ORT's own run, the outputs are complete on return: the caller reads
         # them from the host (the step's one host wait) or from any stream.
         stream.synchronize()
+        if g.host is not None:
+            g.host.check()  # HostComputeFailed: the step's outputs are not to be used
+            self.host_steps += 1
         self.steps += 1
         self.graph_steps += 1
-        self._count_step()
+        self._count_step(g.host is not None)
         if self.experts is not None:
             self._count_experts(g)
         # The next step's lead copies run while the caller works on this one's outputs:
@@ -168,18 +183,22 @@ class StreamEngine(Engine):
         # for them.
         self._issue_lead(g.lead)
 
-    def _count_step(self) -> None:
-        """Counts a replayed step: every resident weight hits, every streamed one is copied."""
-        if self._per_step is None:
-            resident, streamed = list(self.residency.slots), self.plan.streamed
+    def _count_step(self, host: bool) -> None:
+        """Counts a replayed step: every resident weight hits, every streamed one is copied
+        (in a host-computed step, those the host does not compute; the host's weights are
+        no device access)."""
+        per = self._per_step.get(host)
+        if per is None:
+            on_host = set(self.host.host_weights) if host else set()
+            resident, streamed = list(self.residency.slots), [n for n in self.plan.streamed if n not in on_host]
             resident_bytes = sum(self.info[n].nbytes for n in resident)
             streamed_bytes = sum(self.info[n].nbytes for n in streamed)
-            self._per_step = Counters(steps=1, accesses=len(resident) + len(streamed), hits=len(resident),
-                                      page_ins=len(streamed), access_bytes=resident_bytes + streamed_bytes,
-                                      hit_bytes=resident_bytes, bypassed=len(streamed), bypassed_bytes=streamed_bytes,
-                                      htod_bytes=streamed_bytes)
-        self.residency.counters = self.residency.counters + self._per_step  # one store
-        self.last_step = self._per_step
+            per = self._per_step[host] = Counters(
+                steps=1, accesses=len(resident) + len(streamed), hits=len(resident), page_ins=len(streamed),
+                access_bytes=resident_bytes + streamed_bytes, hit_bytes=resident_bytes, bypassed=len(streamed),
+                bypassed_bytes=streamed_bytes, htod_bytes=streamed_bytes)
+        self.residency.counters = self.residency.counters + per  # one store
+        self.last_step = per
 
     def _count_experts(self, g: StepGraph) -> None:
         """The experts the step's routers picked, read back from the graph's outputs: hits on
@@ -202,7 +221,7 @@ class StreamEngine(Engine):
         if g is None:
             return
         self.device.compute_stream.synchronize()  # nothing may still replay onto the buffers
-        g.graph = None
+        g.graph = g.host = None
         for buf in g.buffers.values():
             self.device.scratch.deallocate(buf.ptr)
         g.buffers.clear()
@@ -217,8 +236,8 @@ class StreamEngine(Engine):
         if g is None:
             self._free(self._oneshot)
             self._oneshot = None
-            g = self._builder.build(feeds, outputs, {})
-            if fixed:
+            g, keep = self._build(feeds, outputs, {})
+            if fixed and keep:
                 self._keep(sig, g)
             else:
                 self._oneshot = g
@@ -243,12 +262,16 @@ class StreamEngine(Engine):
                     buffers[k] = FixedBuffer.on(self.device, ptr, v.shape(), dtype)
                 for k, v in feeds.items():
                     copy_into(self.device, buffers[k], v)
-                g = self._builder.build({k: buffers[k].value for k in feeds}, {}, buffers)
+                g, keep = self._build({k: buffers[k].value for k in feeds}, {}, buffers)
             except BaseException:
                 for buf in buffers.values():
                     self.device.scratch.deallocate(buf.ptr)
                 raise
-            self._keep(sig, g)
+            if keep:
+                self._keep(sig, g)
+            else:
+                self._free(self._oneshot)
+                self._oneshot = g
         else:
             self._graphs.move_to_end(sig)
             for k, v in feeds.items():
@@ -298,6 +321,9 @@ class StreamEngine(Engine):
             self._oneshot = None
             self.runs = []
             self.session = self._builder.session = None
+            if self._host_builder is not None:
+                self._host_builder.session = None
+            self.host_session = None
             self._initializer_values = []
         finally:
             try:

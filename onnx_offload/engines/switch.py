@@ -135,7 +135,7 @@ class Engines:
             cap = max(g, budget - self.cost(layout.resident) - layout.ring_bytes - kv)
             self.runner = StreamEngine(dev, self.residency, self.store, run.weights, layout, self.factory(cap),
                                        self.meter, run.model, run.workdir, run.feed_inputs, run.outputs,
-                                       run.capture.reason, cfg.device_id)
+                                       run.capture.reason, cfg.device_id, cfg.host_compute)
         except BaseException:
             self.residency.close()
             self.residency = None

@@ -8,7 +8,7 @@ host store the page-ins copy from, and the meter that charges ORT's own memory.
 from .budget import ZonePlan, base_zones, describe_zones, plan_budget, smallest_budget
 from .device import Device, cuda_available, weights_allowance
 from .expert_pages import REBALANCE_STEPS, ExpertPages, InPlaceNode
-from .host_split import HostSplit, StepWeight, host_rate, plan_host_split
+from .host_split import NODE_SECONDS, PREFILL_TOKENS, HostSplit, StepWeight, host_rate, plan_host_split
 from .host_store import HostStore, read_bytes
 from .ort_memory import OrtMemoryMeter, SLACK
 from .planning import plan_inputs, plan_or_explain
@@ -16,7 +16,7 @@ from .counters import Counters
 from .residency import ResidencyManager
 from .step_memory import StepMemoryShort, activation_shape, device_out_of_memory, is_out_of_memory, step_scratch
 
-__all__ = ["REBALANCE_STEPS", "Counters", "Device", "ExpertPages", "HostSplit", "HostStore", "StepWeight", "host_rate",
+__all__ = ["NODE_SECONDS", "PREFILL_TOKENS", "REBALANCE_STEPS", "Counters", "Device", "ExpertPages", "HostSplit", "HostStore", "StepWeight", "host_rate",
            "plan_host_split", "InPlaceNode", "OrtMemoryMeter",
            "ResidencyManager", "SLACK", "StepMemoryShort",
            "ZonePlan", "activation_shape", "base_zones", "cuda_available", "describe_zones", "device_out_of_memory",

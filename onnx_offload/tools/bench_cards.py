@@ -40,13 +40,14 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from ..config import GiB, MiB
-from ..stats import fmt_bytes, table
+from ..memory import host_rate
 from .bench import pinned_h2d
+from .bench_cards_table import _line, print_cards  # noqa: F401 - print_cards: the command's table
 from .bench_decode import WARMUP, build_decoder, in_process_of_its_own
 
 SHAPE_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256, max_length=8192,
@@ -145,19 +146,21 @@ def _generate(s, ids: np.ndarray, new: int) -> Dict:
                 tokens=np.stack(tokens, 1))
 
 
-def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) -> Dict:
-    """One card: the user's call beside a process that holds the rest of the device."""
+def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str, host_compute="off") -> Dict:
+    """One card: the user's call beside a process that holds the rest of the device, with
+    host compute as given."""
     from ..session import OffloadSession
     holder = Card(card) if kind == "cuda" else None
     peak = _Peak(holder.free) if holder is not None else None
     s = None
-    out: Dict = dict(card=card, batch=int(ids.shape[0]), prompt=int(ids.shape[1]))
+    out: Dict = dict(card=card, batch=int(ids.shape[0]), prompt=int(ids.shape[1]), host_compute=host_compute)
     try:
         if kind == "cuda":
-            s = OffloadSession(path, providers=["CUDAExecutionProvider"], offload=True, vmm=True, cache_dir=cache)
+            s = OffloadSession(path, providers=["CUDAExecutionProvider"], offload=True, vmm=True, cache_dir=cache,
+                               host_compute=host_compute)
         else:  # the host backend: the card is the budget
             s = OffloadSession(path, providers=["CPUExecutionProvider"], offload=True, vmm=True, cache_dir=cache,
-                               vram_limit=card, host_granularity=64 << 10)
+                               vram_limit=card, host_granularity=64 << 10, host_compute=host_compute)
         _generate(s, ids, new)  # captures the graphs
         made, replayed = getattr(s._runner, "captures", 0), s.stats().graph_steps
         g = _generate(s, ids, new)
@@ -174,7 +177,7 @@ def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) 
                    # What the budget left and how each reserve is sized; the ledger's peak and
                    # ORT's measured bytes, so that the peak less them is what lay outside it.
                    margin=st.margin, reserves=[list(x) for x in st.reserves], ledger_peak=st.ledger.peak_committed,
-                   ort_bytes=st.outside_bytes,
+                   ort_bytes=st.outside_bytes, host=st.host_compute,
                    notes=list(st.notes), tokens=g["tokens"])
     except Exception as e:  # noqa: BLE001 - a row that fails is a row of the table
         out.update(error=f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
@@ -189,6 +192,27 @@ def row(path: str, card: int, ids: np.ndarray, new: int, kind: str, cache: str) 
             out["card_free"] = holder.free
             holder.close()
     return out
+
+
+def _bounds(r: Dict, a: Dict, bw: float, off: Optional[Dict]) -> None:
+    """A row's bounds against plain ORT's loop `a` and the link's `bw` bytes/s. With host
+    compute on, the step's non-resident bytes (the off row's streamed bytes, `off`) move
+    over the link and through the host's cores at once: the bound is
+    max(resident step, non-resident bytes / (H2D + the host rate measured in the session))."""
+    r["tokens_equal"] = bool(np.array_equal(r.pop("tokens"), a["tokens"]))
+    r["anchor_ms"], r["anchor_prompt_ms"] = a["ms_per_token"], a["prompt_ms"]
+    if "error" in r:
+        return
+    r["bound_ms"] = max(a["ms_per_token"], r["step_htod"] / bw * 1e3)
+    r["prefill_bound_ms"] = max(a["prompt_ms"], r["prompt_htod"] / bw * 1e3)
+    h = r.get("host") or {}
+    if off is not None and "error" not in off and h.get("on"):
+        rate = max(host_rate(h["host_rates"], k, r["batch"]) for k in h["host_rates"])
+        r["bound_ms"] = max(a["ms_per_token"], off["step_htod"] / (bw + rate) * 1e3)
+    if r.get("peak") is not None:
+        # The weights that could have been resident: those that were, and the card's bytes
+        # the process left unused.
+        r["could_reside"] = min(r["weight_bytes"], r["resident"] + max(0, r["card_free"] - r["peak"]))
 
 
 def warm_cache(path: str, kind: str, cache: str, ids=None) -> Dict:
@@ -254,7 +278,9 @@ def llama_rows(llama_bench: str, gguf_path: str, shape: dict, card: int, prompt:
 
 
 def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BATCHES, new: int = NEW,
-                llama_bench=None, ort_levers: bool = False) -> Dict:
+                llama_bench=None, ort_levers: bool = False, host_compute: bool = True) -> Dict:
+    """Every card, prompt and batch: a row with host compute off, and where weights stream
+    and `host_compute`, a row with it as the user's call has it ("auto") beside."""
     from . import llama_cpp
     shape = SHAPE_8B if kind == "cuda" else SHAPE_CPU
     llama = llama_cpp.find_llama_bench(llama_bench) if kind == "cuda" else None
@@ -303,92 +329,21 @@ def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BA
             print(f"  anchor {batch} x {prompt}: {a['ms_per_token']:.2f} ms/token, prompt {a['prompt_ms']:.0f} ms",
                   flush=True)
             for card in cards:
-                r = in_process_of_its_own("bench_cards", "row", path=path, card=card, ids=ids.tolist(), new=new,
-                                          kind=kind, cache=cache)
-                r["tokens_equal"] = bool(np.array_equal(r.pop("tokens"), a["tokens"]))
-                if "error" not in r:
-                    r["bound_ms"] = max(a["ms_per_token"], r["step_htod"] / bw * 1e3)
-                    r["prefill_bound_ms"] = max(a["prompt_ms"], r["prompt_htod"] / bw * 1e3)
-                r["anchor_ms"], r["anchor_prompt_ms"] = a["ms_per_token"], a["prompt_ms"]
-                if "error" not in r and r.get("peak") is not None:
-                    # The weights that could have been resident: those that were, and the
-                    # card's bytes the process left unused.
-                    r["could_reside"] = min(r["weight_bytes"], r["resident"] + max(0, r["card_free"] - r["peak"]))
-                if llama and batch == 1:
-                    r["llama"] = llama_rows(llama, gguf_path, shape, card, prompt, new)
-                rows.append(r)
-                print("  " + _line(r), flush=True)
+                llama_row = llama_rows(llama, gguf_path, shape, card, prompt, new) if llama and batch == 1 else None
+                off = None
+                for mode in ("off", "auto"):
+                    if mode == "auto" and (not host_compute or off is None or "error" in off or not off["step_htod"]):
+                        break  # every weight resident (or the row failed): nothing for the host to take
+                    r = in_process_of_its_own("bench_cards", "row", path=path, card=card, ids=ids.tolist(), new=new,
+                                              kind=kind, cache=cache, host_compute=mode)
+                    _bounds(r, a, bw, off)
+                    if llama_row:
+                        r["llama"] = llama_row
+                    off = off or r
+                    rows.append(r)
+                    print("  " + _line(r), flush=True)
     return dict(kind=kind, weights=weights, h2d_gbps=bw / 1e9, new=new, shape=shape, rows=rows, levers=levers,
                 llama_bench=llama)
-
-
-def _line(r: Dict) -> str:
-    head = f"{fmt_bytes(r['card'])} card, {r['batch']} x {r['prompt']}"
-    if "error" in r:
-        return f"{head}: {r['error']}"
-    # Every column the table has, so that a run cut short still says them.
-    return (f"{head}: {r['ms_per_token']:.2f} ms/token ({r['ms_per_token'] / r['bound_ms']:.2f}x), first token "
-            f"{r['ttft_ms']:.0f} ms ({r['ttft_ms'] / r['prefill_bound_ms']:.2f}x), {r['engine']}, resident "
-            f"{fmt_bytes(r['resident'])}, peak {fmt_bytes(r['peak']) if 'peak' in r else '-'} (budget "
-            f"{fmt_bytes(r['budget'])}, margin {fmt_bytes(r['margin'])}, ledger peak {fmt_bytes(r['ledger_peak'])}, "
-            f"ORT's measured {fmt_bytes(r['ort_bytes'])}), could reside "
-            f"{fmt_bytes(r['could_reside']) if 'could_reside' in r else '-'}, tokens "
-            f"{'equal' if r['tokens_equal'] else 'DIFFER'}, graphs made in the measured run "
-            f"{r.get('captures_second', '-')}, its steps replayed {r.get('graph_steps', '-')}"
-            + (", llama.cpp fit / best / ours vs best (ms/token, first token): " + " / ".join(_llama_cells(r))
-               if r.get("llama") else ""))
-
-
-def _llama_cells(r: Dict) -> tuple:
-    """llama.cpp's columns of a row: its fit's and its best -ngl's ms/token and prompt time,
-    and our ms/token and first token against its best."""
-    lm = r.get("llama")
-    if not lm:
-        return ("-",) * 4
-
-    def cell(x, ngl=""):
-        if "error" in x:
-            return "failed"
-        return f"{x['ms_per_token']:.2f} / {x['prompt_ms']:.0f}{ngl}"
-    best = lm.get("best", {})
-    best_cell = cell(best, f" (-ngl {best.get('ngl')})") if best else "-"
-    if "error" in r or "error" in best:
-        return cell(lm["fit"]), best_cell, "-", "-"
-    return (cell(lm["fit"]), best_cell, f"{r['ms_per_token'] / best['ms_per_token']:.2f}x",
-            f"{r['ttft_ms'] / best['prompt_ms']:.2f}x")
-
-
-def print_cards(res: Dict) -> str:
-    llama = bool(res.get("llama_bench"))
-    rows = []
-    for r in res["rows"]:
-        extra = _llama_cells(r) if llama else ()
-        if "error" in r:
-            rows.append((fmt_bytes(r["card"]), r["prompt"], r["batch"], "FAILED", "-", "-", "-", "-", "-", "-",
-                         fmt_bytes(r["peak"]) if r.get("peak") else "-", "-", "-", r["error"][:80]) + extra)
-            continue
-        used = (f"{fmt_bytes(r['peak'])} of {fmt_bytes(r['card_free'])}" if r.get("peak") is not None else "-")
-        rows.append((fmt_bytes(r["card"]), r["prompt"], r["batch"], f"{r['ms_per_token']:.2f}",
-                     f"{r['ttft_ms']:.0f}", fmt_bytes(r["resident"]), f"{r['bound_ms']:.2f}",
-                     f"{r['ms_per_token'] / r['bound_ms']:.2f}x", f"{r['prefill_bound_ms']:.0f}",
-                     f"{r['ttft_ms'] / r['prefill_bound_ms']:.2f}x", used,
-                     fmt_bytes(r["could_reside"]) if "could_reside" in r else "-",
-                     "yes" if r["tokens_equal"] else "NO", r["engine"]) + extra)
-    head = (f"bench cards ({res['kind']}): weights {fmt_bytes(res['weights'])}, pinned H2D {res['h2d_gbps']:.1f} "
-            f"GB/s, {res['new']} new tokens, the second generate() of each session")
-    heads = ("card", "prompt", "batch", "ms/token", "first token ms", "resident", "bound ms", "vs bound",
-             "prefill bound ms", "vs bound", "device used of card", "could reside", "tokens = ORT", "engine")
-    if llama:
-        heads += ("llama.cpp fit ms/token / prompt ms", "llama.cpp best", "ms/token vs best", "first token vs best")
-    text = head + "\n" + table(rows, heads)
-    if res.get("levers"):
-        text += "\n\nORT's levers, the all-resident step (whole device, batch 1):\n" + table(
-            [(x["lever"], f"{x['ms_per_token']:.2f}" if "ms_per_token" in x else x.get("error", "")[:60],
-              f"{x['ms_per_token'] / res['levers'][0]['ms_per_token']:.3f}x"
-              if "ms_per_token" in x and "ms_per_token" in res["levers"][0] else "-",
-              "yes" if x.get("tokens_equal") else "NO", " ".join(f"{k}={v}" for k, v in x["options"].items()))
-             for x in res["levers"]], ("lever", "ms/token", "vs none", "tokens = none", "options"))
-    return text
 
 
 if __name__ == "__main__":

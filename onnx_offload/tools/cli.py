@@ -17,10 +17,10 @@ import os
 import sys
 import warnings
 
-from ..config import (ENGINES, ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_ENGINE, ENV_EXPERTS, ENV_OFFLOAD,
+from ..config import (ENGINES, ENV_HOST_COMPUTE, ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_ENGINE, ENV_EXPERTS, ENV_OFFLOAD,
                       ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT, EXPERTS, POLICIES)
 from ..errors import OffloadError, OffloadWarning
-from .cli_args import as_flags, count, device_list, positive_float, positive_int, temperature, top_p
+from .cli_args import as_flags, count, device_list, host_compute, positive_float, positive_int, temperature, top_p
 from .cli_bench import cmd_bench, cmd_cache, cmd_demo
 from .cli_chat import add_chat_parser
 from .cli_models import cmd_generate, cmd_run
@@ -51,6 +51,11 @@ def _config_flags(p) -> None:
                         f"in_place (CUDA: stacks the budget cannot hold stay in pinned host memory, where the MoE "
                         f"kernel reads the picked experts), or auto, routed on the CPU and in_place on CUDA "
                         f"(overrides {ENV_EXPERTS}; default auto)")
+    p.add_argument("--host-compute", type=host_compute,
+                   help=f"the host's cores multiply part of a decode step's streamed weights while the link carries "
+                        f"the rest (CUDA, streaming engine): auto (where the rates measured at start say the step "
+                        f"gets faster), off, or a number of host threads (overrides {ENV_HOST_COMPUTE}; default "
+                        f"auto)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     p.add_argument("--devices", type=device_list,
                    help="split the model across these devices, a stage each (comma-separated ids, such as 0,1); "

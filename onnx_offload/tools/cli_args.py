@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from ..config import (ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_ENGINE, ENV_EXPERTS, ENV_OFFLOAD,
+from ..config import (ENV_HOST_COMPUTE, ENV_CACHE_DIR, ENV_CUDA_GRAPH, ENV_DEVICE_BYTES, ENV_ENGINE, ENV_EXPERTS, ENV_OFFLOAD,
                       ENV_POLICY, ENV_VMM, ENV_VRAM_LIMIT, env_is_set)
 from ..errors import OffloadError, UnsupportedModel
 from ..loading import config_problem, open_regular, read_config
@@ -70,12 +70,13 @@ _CONFIG_FLAGS = (
     ("prefill_chunk", "prefill_chunk", None, None),
     ("engine", "engine", ENV_ENGINE, None),
     ("experts", "experts", ENV_EXPERTS, None),
+    ("host_compute", "host_compute", ENV_HOST_COMPUTE, None),
 )
 
 # The configuration's keywords as this command's flags, for the advice an error gives.
 _FLAG_OF = {"vram_limit": "--vram-limit", "weight_bytes": "--weight-bytes", "kv_bytes": "--kv-bytes",
             "scratch_bytes": "--scratch-bytes", "prefill_chunk": "--prefill-chunk", "engine": "--engine",
-            "experts": "--experts"}
+            "experts": "--experts", "host_compute": "--host-compute"}
 _KEYWORD = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")='?(\w+)'?")
 _KEYWORD_LIST = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")=\[((?:'?\w+'?(?:, )?)+)\]")
 
@@ -184,6 +185,15 @@ def positive_int(text: str, least: int = 1) -> int:
     if n < least:
         raise argparse.ArgumentTypeError(f"must be at least {least}, got {text!r}")
     return n
+
+
+def host_compute(text: str):
+    """An argparse type: auto, off or a number of host threads (config.parse_host_compute)."""
+    from ..config import parse_host_compute
+    try:
+        return parse_host_compute(text, "--host-compute")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(" is not valid: ")[-1]) from None
 
 
 def device_list(text: str) -> list:
