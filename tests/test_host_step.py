@@ -148,3 +148,67 @@ def test_a_decoder_generates_with_the_host_computing_part_of_each_decode_step(tm
         t = int(differ[0])
         top2 = np.sort(ref[t])[-2:]
         assert top2[1] - top2[0] <= 2 * bound, (t, top2, bound)
+
+
+def _host_decoder():
+    shape = dict(layers=4, hidden=1024, heads=8, kv_heads=2, intermediate=4096, vocab=4096, dtype=np.float16)
+    return decoder_lm("gqa", max_length=256, **shape)
+
+
+def _host_session(model):
+    return OffloadSession(model.SerializeToString(), providers=["CUDAExecutionProvider"], vram_limit="2GiB",
+                          offload=True, vmm=True, weight_bytes=weight_bytes(model) // 3, host_compute=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("ctrl_c")
+def test_ctrl_c_after_a_host_computed_step_leaves_the_session_as_it_was(monkeypatch):
+    import signal
+    from onnx_offload.engines.streaming import StreamEngine
+    model = _host_decoder()
+    ids = np.random.default_rng(6).integers(0, 4096, (1, 12))
+    with _host_session(model) as s:
+        want = s.generate(ids, 12)
+        steps = s.stats().host_compute["steps"]
+        assert steps >= 11
+        original = StreamEngine._launch
+
+        def launch(self, g):
+            original(self, g)
+            if g.host is not None:
+                signal.raise_signal(signal.SIGINT)  # lands as the host-computed step ends
+        with monkeypatch.context() as m:
+            m.setattr(StreamEngine, "_launch", launch)
+            with pytest.raises(KeyboardInterrupt):
+                s.generate(ids, 12)
+        # The host's sums are made in one order whatever the step: the same tokens again.
+        np.testing.assert_array_equal(s.generate(ids, 12), want)
+        assert s.stats().host_compute["steps"] > steps
+        final = s.close()
+    assert final.committed == 0
+
+
+@pytest.mark.gpu
+def test_two_sessions_on_two_threads_share_the_host_s_cores(tmp_path):
+    import threading
+    model = _host_decoder()
+    prompts = [np.random.default_rng(k).integers(0, 4096, (1, 10)) for k in (7, 8)]
+    with _host_session(model) as a, _host_session(model) as b:
+        want = [a.generate(prompts[0], 10), b.generate(prompts[1], 10)]
+        got, errors = [None, None], []
+
+        def work(i, s):
+            try:
+                for _ in range(3):
+                    got[i] = s.generate(prompts[i], 10)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=work, args=(i, s)) for i, s in enumerate((a, b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        assert a.stats().host_compute["on"] and b.stats().host_compute["on"]

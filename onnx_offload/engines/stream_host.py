@@ -16,6 +16,7 @@ import onnxruntime as ort
 
 from ..errors import HostComputeRefused, OffloadError
 from ..loading import WeightInfo, save_model
+from ..memory import StepMemoryShort
 from .host_step import plan_host_compute
 from .ortvalues import FixedBuffer, nbytes_of
 from .stream_capture import StepGraph
@@ -26,26 +27,31 @@ class HostComputeMembers:
         """The host compute split (host_step.py) and the ORT session of the model rewritten
         for it. Under "auto", a split that cannot be made leaves host compute off, with the
         reason in the notes; a thread count given raises it."""
+        self._host_mode = mode
         try:
             host, self.host_note = plan_host_compute(mode, self.device, self.store, model, self.plan, self.info,
                                                      self._ring.address)
+            if host is not None:
+                so = factory.session_options()
+                dropped = set(host.host_weights)
+                for w, value in zip(weights, self._initializer_values):
+                    if w.name not in dropped:
+                        so.add_initializer(w.name, value)
+                path = save_model(host.model, os.path.join(workdir, "model_host.onnx"))
+                mark = self._meter.mark()
+                self.host_session = factory.create(path, so, False)[0]
+                self._meter.charge_since(mark, creating=True)
+        except StepMemoryShort:
+            raise  # the engine is planned again with more room, host compute with it
         except (OffloadError, RuntimeError, ValueError) as e:
             if mode != "auto":
                 raise
-            host, self.host_note = None, f"host compute is off: its rates could not be measured ({e})"
+            host, self.host_session = None, None
+            self.host_note = f"host compute is off: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
         if host is None:
             if mode != "off":
                 self.notes.append(self.host_note)
             return
-        so = factory.session_options()
-        dropped = set(host.host_weights)
-        for w, value in zip(weights, self._initializer_values):
-            if w.name not in dropped:
-                so.add_initializer(w.name, value)
-        path = save_model(host.model, os.path.join(workdir, "model_host.onnx"))
-        mark = self._meter.mark()
-        self.host_session = factory.create(path, so, False)[0]
-        self._meter.charge_since(mark, creating=True)
         self.host = host
         self.notes.append(self.host_note)
         # Each graph input's dims by name, to size the host results' buffers from a step's feeds.
@@ -92,15 +98,17 @@ class HostComputeMembers:
                 made.append(name)
                 fed[name] = buffers[name].value
             g = self._host_builder.build(fed, outputs, buffers)
-        except HostComputeRefused as e:
+        except BaseException as e:
             for name in made:
                 self.device.scratch.deallocate(buffers.pop(name).ptr)
-            self._host_off(f"host compute is off: {e}")
+            # A graph the host's nodes cannot go in ends host compute for the session, and the
+            # step runs the whole model; under "auto", so does any failure of the rewrite's own
+            # (a thread count given raises it). Memory short is planned for as in any step.
+            if isinstance(e, StepMemoryShort) or not isinstance(e, (OffloadError, RuntimeError, ValueError)) or (
+                    self._host_mode != "auto" and not isinstance(e, HostComputeRefused)):
+                raise
+            self._host_off(f"host compute is off: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
             return self._builder.build(feeds, outputs, buffers), True
-        except BaseException:
-            for name in made:
-                self.device.scratch.deallocate(buffers.pop(name).ptr)
-            raise
         for h in self.host.hosts:  # the host MatMuls' X and Y are the engine's, not the caller's
             if h.x_output not in outputs and h.x_output not in self._graph_outputs:
                 g.outputs.pop(h.x_output, None)

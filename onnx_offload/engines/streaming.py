@@ -83,6 +83,7 @@ class StreamEngine(HostComputeMembers, Engine):
         self._host_dims: Dict[str, list] = {}
         self.host_steps = 0  # steps whose graph had the host compute its MatMuls
         self.host_note = ""  # why host compute is off, or what it does
+        self._host_mode = host_compute
         self.runs = []
         self._per_step: Dict[bool, Counters] = {}  # a step's counters, by whether the host computed
         self._lead: Optional[tuple] = None  # the lead copies issued for the next step, if any
