@@ -37,7 +37,8 @@ def test_a_bad_option_is_a_value_error_naming_it(value):
 
 def test_the_cli_flag_is_checked_before_any_weight_loads(tmp_path):
     r = subprocess.run([sys.executable, "-m", "onnx_offload", "run", str(tmp_path / "absent.onnx"),
-                        "--host-compute", "lots"], capture_output=True, text=True, env=child_env(), timeout=120)
+                        "--host-compute", "lots"], capture_output=True, text=True, env=child_env(), timeout=120,
+                       cwd=str(tmp_path))
     assert r.returncode == 2 and "--host-compute" in r.stderr and "number of host threads" in r.stderr
 
 
