@@ -31,7 +31,8 @@ from .generation import (FIRST_CONTEXT, GenerationMembers, default_generation, f
                          release_kept, with_generation)
 from .interrupts import deferred_interrupts
 from .loading import (CUDA_EP, LoadRequest, copy_options, make_workdir, point_weights_at_placeholder, prepare,
-                      read_as_tables, read_in_place, remove_workdir, routing_for, unseen, weights_as_inputs)
+                      read_as_tables, read_in_place, remove_workdir, routing_for, unseen, weights_as_inputs,
+                      window_cache_inputs)
 from .memory import Device, HostStore, OrtMemoryMeter, activation_shape, cuda_available, plan_inputs, plan_or_explain
 from .progress import LoadProgress
 from .stats import ReportingMembers
@@ -230,7 +231,8 @@ class OffloadSession(ClosedAtExit, InferenceSessionMembers, GenerationMembers, R
         self._meter = OrtMemoryMeter(dev)
         run = RunInputs(model, self._weights, names, groups_by_target, shared, stable, capture,
                         [o.name for o in self._graph_outputs], self._feed_inputs, self._graph_inputs, inputs,
-                        record_timeline, self._workdir, routing, read_as_tables(model, names), stacks)
+                        record_timeline, self._workdir, routing, read_as_tables(model, names), stacks,
+                        window_cache_inputs(model))
         self._engines = Engines(dev, self._store, self._meter, cfg, self._options, self._cuda_options, run, plan,
                                 self._notes, lambda: release_kept(self), self.close)
         # The reserves the plan took from the first generation (memory.budget.base_zones), or

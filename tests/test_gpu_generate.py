@@ -127,10 +127,9 @@ def test_left_padded_prompts_generate_as_a_plain_ort_loop(layout):
 # input that ORT reads in host memory (the nodes that derive the lengths from it run on the
 # CPU). IOBinding copies such an input when it is bound, so a binding kept from step to step
 # binds it again, and such a segment runs uncaptured (a replay would not read it again).
-# Streamed so, the tokens still part from plain ORT's at the 4th new token (45 of 48 differ,
-# H100, ORT 1.31.1); resident they are equal. The cause is not found.
-@pytest.mark.parametrize("weights", ["resident", pytest.param("a third", marks=pytest.mark.xfail(
-    reason="streamed in segments on CUDA, the tokens part from plain ORT's at the 4th new token", strict=True))])
+# The reference is plain ORT's loop without CUDA graphs: in the Run that captures a graph,
+# ORT runs the step twice, and a window-sized cache evicts twice (engines/step_state.py).
+@pytest.mark.parametrize("weights", ["resident", "a third"])
 def test_window_sized_caches_give_plain_orts_tokens_and_decode_steps_replay(weights, tmp_path):
     # ORT's CUDA GroupQueryAttention takes a window-sized cache (sliding_window_cache=1) of
     # exactly local_window_size positions, past and present one buffer: plain ORT's loop is
@@ -141,7 +140,7 @@ def test_window_sized_caches_give_plain_orts_tokens_and_decode_steps_replay(weig
                  dtype="float16")
     model = decoder_lm("gqa", **{**shape, "dtype": np.float16}, window_cache=32)
     ids = np.random.default_rng(3).integers(0, 512, (1, 40))
-    want = anchor(save_decoder(model, str(tmp_path / "m")), shape, ids, 48, "cuda")["tokens"]
+    want = anchor(save_decoder(model, str(tmp_path / "m")), shape, ids, 48, "cuda", graphs=False)["tokens"]
     with session(model, weights) as s:
         assert s.decoder_spec.window_caches == ((0, 32), (2, 32))
         before = s.stats().graph_steps

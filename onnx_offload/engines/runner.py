@@ -37,6 +37,7 @@ from .graph_capture import GraphCaptureDecision
 from .ortvalues import as_ortvalue, copy_into, ortvalue_at, signature
 from .routing import Router
 from .segment_plans import Binder, Plan, Plans, graph_run_options
+from .step_state import run_once_on_state
 
 # ORT takes its memory (arena growth, workspaces, capture) on the first steps: the
 # meter measures these and trusts the figure after them.
@@ -59,7 +60,8 @@ class SegmentRunner(Engine):
 
     def __init__(self, device, residency, factory, meter, segments: List[Segment], workdir: str,
                  graph_outputs: List[str], *, streaming: bool, stable: bool, capture: GraphCaptureDecision,
-                 device_id: int, constants: Optional[Dict[str, np.ndarray]] = None, routing=None):
+                 device_id: int, constants: Optional[Dict[str, np.ndarray]] = None, routing=None,
+                 state=frozenset()):
         self.device = device
         self.residency = residency
         self._factory = factory
@@ -67,6 +69,7 @@ class SegmentRunner(Engine):
         self._workdir = workdir
         self._graph_outputs = graph_outputs
         self._constants = constants or {}  # graph outputs that are small initializers
+        self._state = frozenset(state)  # inputs the model changes in place (step_state.py)
         self.streaming = streaming
         self._stable = stable
         self.capture = capture
@@ -265,7 +268,10 @@ class SegmentRunner(Engine):
                 elif run.host_inputs:
                     self._binder.bind_inputs(io, run.host_inputs, plan, values, feeds)
                 try:
-                    run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
+                    if run.captured and plan is not None and plan.runs == 0 and self.capture.enabled:
+                        run_once_on_state(dev, run.session, io, graph_options, feeds, self._state)
+                    else:
+                        run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
                 except RuntimeError as e:
                     self._binder.raise_as_ort_run(e, run, plan, {**values, **bound_outputs}, feeds, run_options)
                     raise

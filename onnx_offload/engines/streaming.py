@@ -32,6 +32,7 @@ from .host_step import HostPlan
 from .stream_host import HostComputeMembers
 from .in_place import in_place_nodes, with_router_outputs
 from .ortvalues import FixedBuffer, as_ortvalue, copy_into, nbytes_of, numpy_dtype, ortvalue_at, signature
+from .step_state import StateCopy
 from .stream_capture import GraphBuilder, StepGraph
 from .stream_plan import StreamPlan
 from .stream_ring import Ring
@@ -50,7 +51,7 @@ class StreamEngine(HostComputeMembers, Engine):
 
     def __init__(self, device, residency, store, weights: Sequence[WeightInfo], plan: StreamPlan, factory, meter,
                  model, workdir: str, inputs: Sequence[str], graph_outputs: List[str], capture_reason: str,
-                 device_id: int, host_compute="off"):
+                 device_id: int, host_compute="off", state=frozenset()):
         self.device = device
         self.residency = residency
         self.store = store
@@ -84,6 +85,7 @@ class StreamEngine(HostComputeMembers, Engine):
         self.host_steps = 0  # steps whose graph had the host compute its MatMuls
         self.host_note = ""  # why host compute is off, or what it does
         self._host_mode = host_compute
+        self._state = frozenset(state)  # inputs the model changes in place (step_state.py)
         self.runs = []
         self._per_step: Dict[bool, Counters] = {}  # a step's counters, by whether the host computed
         self._lead: Optional[tuple] = None  # the lead copies issued for the next step, if any
@@ -237,7 +239,13 @@ class StreamEngine(HostComputeMembers, Engine):
         if g is None:
             self._free(self._oneshot)
             self._oneshot = None
-            g, keep = self._build(feeds, outputs, {})
+            # Making the graph runs ORT twice: inputs the model changes in place are put back
+            # before the launch, which then runs the step once on them (step_state.py).
+            with StateCopy(self.device, feeds, self._state) as saved:
+                try:
+                    g, keep = self._build(feeds, outputs, {})
+                finally:  # also for a step run again after a failure (a new plan)
+                    saved.restore()
             if fixed and keep:
                 self._keep(sig, g)
             else:

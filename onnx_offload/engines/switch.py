@@ -59,6 +59,7 @@ class RunInputs:
     routing: Optional[Routing] = None  # the MoE nodes whose experts stream by route, when weights stream
     tables: Sequence[str] = ()  # weights only Gathers read (embeddings): the streaming engine reads them in place
     stacks: Sequence[str] = ()  # expert stacks it may read in place (experts="in_place"), in first-use order
+    state: frozenset = frozenset()  # inputs the model changes in place (window-sized caches): step_state.py
 
 
 class Engines:
@@ -135,7 +136,7 @@ class Engines:
             cap = max(g, budget - self.cost(layout.resident) - layout.ring_bytes - kv)
             self.runner = StreamEngine(dev, self.residency, self.store, run.weights, layout, self.factory(cap),
                                        self.meter, run.model, run.workdir, run.feed_inputs, run.outputs,
-                                       run.capture.reason, cfg.device_id, cfg.host_compute)
+                                       run.capture.reason, cfg.device_id, cfg.host_compute, run.state)
         except BaseException:
             self.residency.close()
             self.residency = None
@@ -196,7 +197,7 @@ class Engines:
         self.runner = SegmentRunner(dev, self.residency, self.segment_factory, self.meter, segments,
                                     run.workdir, run.outputs, streaming=plan.streaming, stable=run.stable,
                                     capture=run.capture, device_id=cfg.device_id, constants=constants,
-                                    routing=routing)
+                                    routing=routing, state=run.state)
 
     def make_segments(self, plan, segments: Optional[List[Segment]] = None) -> None:
         self.plan = plan

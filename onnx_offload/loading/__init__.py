@@ -7,7 +7,7 @@ read as a weights table; the segmenter splits it where the weights must stream.
 """
 
 from .cache_clear import cache_entries, cache_tagged, clear_cache
-from .decoder import DecoderSpec, SAMPLING_DEFAULTS, decoder_spec, rotary_rows, window_caches
+from .decoder import DecoderSpec, SAMPLING_DEFAULTS, decoder_spec, rotary_rows, window_cache_inputs, window_caches
 from .experts import MoENode, Routing, find_routing, read_in_place, routed_experts, routing_for
 from .files import (CONFIG_BYTES, Files, check_external_data, config_problem, copy_regular, external_data_folder,
                     materialize, model_file, open_regular, opened, read_config, read_json, read_range, saving)
@@ -36,7 +36,7 @@ __all__ = ["CONFIG_BYTES", "CPU_EP", "CUDA_DEFAULTS", "CUDA_EP", "CUDA_LEVERS", 
            "point_weights_at_placeholder", "prepare", "read_as_tables", "read_in_place", "read_json", "read_range",
            "recomputed_values",
            "remove_workdir", "rotary_rows", "routed_experts", "routing_for", "save_model", "saving", "segment_weights",
-           "set_config", "split", "unseen", "value_types", "weights_as_inputs", "window_caches",
+           "set_config", "split", "unseen", "value_types", "weights_as_inputs", "window_cache_inputs", "window_caches",
            "cache_tagged", "config_problem", "open_regular", "read_config"]
 # The optimization pass, for a model split across devices (optimized whole, then split).
 __all__ += ["load_optimized", "optimization_level", "optimize_once", "write_optimized"]

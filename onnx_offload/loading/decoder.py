@@ -322,6 +322,18 @@ def window_caches(model) -> tuple:
     return tuple(sorted(found.items()))
 
 
+def window_cache_inputs(model) -> frozenset:
+    """The graph inputs that are window-sized caches (the past key and value of each
+    GroupQueryAttention with sliding_window_cache=1): the op evicts from them in place, so
+    a step run twice on them evicts twice."""
+    inputs = {i.name for i in model.graph.input}
+    found = set()
+    for n in model.graph.node:
+        if n.op_type == "GroupQueryAttention" and any(a.name == "sliding_window_cache" and a.i for a in n.attribute):
+            found.update(x for x in list(n.input)[3:5] if x in inputs)
+    return frozenset(found)
+
+
 def rotary_rows(model) -> Optional[int]:
     """The positions the model's position tables hold: a GroupQueryAttention's rotary table
     (its cos_cache input), or a table of 2-D weights gathered by the position_ids input

@@ -89,7 +89,8 @@ def setup(kind: str, out_dir: str, prompt: int, new: int, int4: bool = False) ->
 
 
 def anchor(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, warm_prompt: bool = False,
-           forced: Optional[list] = None, logits_out: Optional[str] = None, prepack: bool = True) -> Dict:
+           forced: Optional[list] = None, logits_out: Optional[str] = None, prepack: bool = True,
+           graphs: bool = True) -> Dict:
     """The best plain-ORT loop: device KV shared between past and present, IOBinding bound
     once, a CUDA graph replayed per decode step (on CUDA). `warm_prompt`: the prompt runs
     once before the timed one (ORT's first run of a shape picks kernels and grows its arena).
@@ -97,11 +98,14 @@ def anchor(path: str, shape: dict, ids: np.ndarray, new: int, kind: str, warm_pr
     returned tokens stay the picks); `logits_out`: a .npy file for each step's logits
     (float32 [new, batch, vocab]). A layer whose attention keeps a window-sized cache
     (loading.window_caches) gets a buffer of the window's positions. `prepack=False`: ORT's
-    kernels read the weights as they are, as in the package's sessions."""
+    kernels read the weights as they are, as in the package's sessions. `graphs=False`: no
+    CUDA graph. ORT runs a step twice in the Run that captures its graph, which evicts twice
+    from a window-sized cache: a model with one runs each step once only so."""
     import onnx
     from ..loading import window_caches
     dev = "cuda" if kind == "cuda" else "cpu"
-    prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"})] if kind == "cuda" else ["CPUExecutionProvider"]
+    prov = ([("CUDAExecutionProvider", {"enable_cuda_graph": "1" if graphs else "0"})] if kind == "cuda"
+            else ["CPUExecutionProvider"])
     so = ort.SessionOptions()
     if not prepack:
         so.add_session_config_entry("session.disable_prepacking", "1")
