@@ -309,8 +309,8 @@ class OffloadConfig:
     # the memory a prompt step needs is bounded whatever the prompt's length.
     prefill_chunk: int = 512
     # The host's cores multiply part of a decode step's streamed weights (docs/host_compute.md):
-    # "auto" where the rates measured at start say it helps, "off", or a number of threads.
-    host_compute: Union[str, int] = "auto"
+    # "auto" where measured rates say it helps, "off" (default until measured on a GPU), or threads.
+    host_compute: Union[str, int] = "off"
 
     def __post_init__(self):
         # The switches as the environment spells them too ("0" is off, not a true string).

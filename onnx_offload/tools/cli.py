@@ -55,7 +55,7 @@ def _config_flags(p) -> None:
                    help=f"the host's cores multiply part of a decode step's streamed weights while the link carries "
                         f"the rest (CUDA, streaming engine): auto (where the rates measured at start say the step "
                         f"gets faster), off, or a number of host threads (overrides {ENV_HOST_COMPUTE}; default "
-                        f"auto)")
+                        f"off)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     p.add_argument("--devices", type=device_list,
                    help="split the model across these devices, a stage each (comma-separated ids, such as 0,1); "
