@@ -14,7 +14,7 @@ os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
 os.environ.pop("ONNX_OFFLOAD_CACHE_DIR", None)
 # Host compute (on by default where it helps, CUDA only) changes a decode step's last bits:
 # the suite's tests state bitwise equality with plain ORT, so it is off unless a test turns
-# it on by name (tests/test_host_compute.py).
+# it on by name (tests/test_host_step.py).
 os.environ["ONNX_OFFLOAD_HOST_COMPUTE"] = "off"
 
 

@@ -213,3 +213,20 @@ def test_two_sessions_on_two_threads_share_the_host_s_cores(tmp_path):
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
         assert a.stats().host_compute["on"] and b.stats().host_compute["on"]
+
+
+def test_bench_cards_bounds_a_host_row_by_both_rates_as_its_json_gives_them():
+    import json
+    from onnx_offload.tools.bench_cards import _bounds
+    host = dict(on=True, steps=31, host_rates={"float16": {1: 40e9, 4: 30e9, 8: 10e9}})
+    a = dict(ms_per_token=5.0, prompt_ms=100.0, tokens=np.zeros((1, 4), np.int64))
+    off = dict(step_htod=int(9.5e9), prompt_htod=0)
+    row = json.loads(json.dumps(dict(batch=1, step_htod=int(4e9), prompt_htod=0, host=host, tokens=[[0, 0, 0, 0]])))
+    row["tokens"] = np.asarray(row["tokens"])
+    _bounds(row, a, 55e9, off)
+    assert row["bound_ms"] == pytest.approx(9.5e9 / (55e9 + 40e9) * 1e3)
+    assert row["tokens_equal"]
+    idle = json.loads(json.dumps(dict(batch=4, step_htod=int(9.5e9), prompt_htod=0, host={**host, "steps": 0},
+                                      tokens=[[0, 0, 0, 0]])))
+    _bounds(idle, a, 55e9, off)  # on, but no step ran on the host: the link's bound
+    assert idle["bound_ms"] == pytest.approx(9.5e9 / 55e9 * 1e3)

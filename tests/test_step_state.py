@@ -40,3 +40,45 @@ def test_the_copy_puts_the_inputs_back_and_gives_its_memory_back():
             nothing.restore()
     finally:
         dev.close()
+
+
+class _EvictingSession:
+    """Stands in for an ORT session whose Run captures a CUDA graph (which no CPU run can
+    do): each run shifts the window cache by one position and appends a row, as a
+    GroupQueryAttention with sliding_window_cache=1 does in place; the first run under a
+    graph id runs the model twice, as ORT's Run does when it captures."""
+
+    def __init__(self, cache: np.ndarray):
+        self.cache, self.captured = cache, False
+
+    def _once(self):
+        self.cache[:-1] = self.cache[1:].copy()
+        self.cache[-1] = 100  # the step's new position
+
+    def run_with_iobinding(self, io, options):
+        self._once()
+        if not self.captured:  # "another run for necessary memory allocation or graph capture"
+            self.captured = True
+            self._once()
+
+
+def test_a_first_graph_run_leaves_the_cache_as_one_run_does():
+    from onnx_offload.engines.step_state import run_once_on_state
+    dev = Device("host", OffloadConfig(vram_limit=64 << 20, host_granularity=64 << 10))
+    dev.set_zones({z: ZonePlan(64 << 20, 0) for z in ("weights", "kv", "scratch", "transient")})
+    try:
+        cache = np.arange(4, dtype=np.float32)
+        value = ort.OrtValue.ortvalue_from_numpy(cache)
+        view = value.numpy()
+        one = _EvictingSession(np.arange(4, dtype=np.float32))
+        one.captured = True
+        one.run_with_iobinding(None, None)  # the step once, as plain ORT's loop without graphs runs it
+        session = _EvictingSession(view)
+        run_once_on_state(dev, session, None, None, {"past": value}, {"past"})
+        np.testing.assert_array_equal(view, one.cache)  # [1, 2, 3, 100]: one position evicted
+        twice = _EvictingSession(np.arange(4, dtype=np.float32))
+        twice.run_with_iobinding(None, None)
+        assert not np.array_equal(twice.cache, one.cache)  # without the copy: evicted twice
+        assert dev.scratch.stats().live_bytes == 0
+    finally:
+        dev.close()

@@ -110,6 +110,13 @@ def _by_matmul(found: Mapping[str, Tuple[str, str]]) -> Dict[str, List[str]]:
     return out
 
 
+def _x_dtype(kind: str, weights: Sequence) -> Optional[np.dtype]:
+    """The dtype of a candidate MatMul's X and Y (float16 or float32), or None where the host
+    kernels do not take it (bfloat16)."""
+    dtype = np.dtype(weights[1].dtype if kind == "int4" else weights[0].dtype)
+    return dtype if dtype.name in ("float16", "float32") else None
+
+
 def _views(store, kind: str, weights: Sequence) -> dict:
     """The arrays of one candidate MatMul's weights (WeightInfo: B, then an int4 MatMul's
     scales and zero points) where they lie in the pinned store, with its k and n."""
@@ -119,11 +126,12 @@ def _views(store, kind: str, weights: Sequence) -> dict:
         scales = store.view(weights[1].name).view(weights[1].dtype)
         zp = store.view(weights[2].name) if len(weights) > 2 else None
         return dict(kind=kind, b=store.view(b.name).reshape(n, blocks, half), scales=scales, zp=zp,
-                    k=blocks * half * 2, n=n, block=half * 2, bytes=sum(w.nbytes for w in weights))
+                    k=blocks * half * 2, n=n, block=half * 2, bytes=sum(w.nbytes for w in weights),
+                    x_dtype=_x_dtype(kind, weights))
     w = weights[0]
     k, n = (int(d) for d in w.shape)
     view = store.view(w.name).view(w.dtype).reshape(k, n)
-    return dict(kind=kind, w=view, k=k, n=n, bytes=w.nbytes)
+    return dict(kind=kind, w=view, k=k, n=n, bytes=w.nbytes, x_dtype=_x_dtype(kind, weights))
 
 
 def _gemv(v: dict, x: np.ndarray, threads: Optional[int]) -> None:
@@ -180,14 +188,14 @@ def measure_rates(device, store, by_kind: Mapping[str, Sequence[dict]], copy: Tu
             total = sum(v["bytes"] for v in views)
             rates[kind] = {}
             for m in rows:
-                xs = {v["k"]: rng.standard_normal((m, v["k"])).astype(np.float16) for v in views}
+                xs = {(v["k"], v["x_dtype"]): rng.standard_normal((m, v["k"])).astype(v["x_dtype"]) for v in views}
                 for v in views[:1]:
-                    _gemv(v, xs[v["k"]], threads)  # the pool's threads start
+                    _gemv(v, xs[v["k"], v["x_dtype"]], threads)  # the pool's threads start
                 passes = []
                 for _ in range(MEASURE_PASSES):
                     t0 = time.perf_counter()
                     for v in views:
-                        _gemv(v, xs[v["k"]], threads)
+                        _gemv(v, xs[v["k"], v["x_dtype"]], threads)
                     passes.append(time.perf_counter() - t0)
                 rates[kind][m] = total / statistics.median(passes)
     if not copies.bytes or copies.seconds <= 0:
@@ -207,6 +215,9 @@ def plan_host_compute(mode, device, store, model: onnx.ModelProto, plan, info: M
     if not streamed:
         return None, "host compute is off: every weight the step reads is resident"
     found = {n: c for n, c in host_candidates(model).items() if n in set(streamed)}
+    # The host kernels take X and Y in float16 or float32: an int4 MatMul's are its scales' type.
+    groups = _by_matmul(found)
+    found = {n: c for n, c in found.items() if _x_dtype(c[1], [info[m] for m in groups[c[0]]])}
     if not found:
         return None, "host compute is off: no streamed weight is read by a MatMul the host can compute"
     threads = None if mode == "auto" else int(mode)
@@ -216,7 +227,8 @@ def plan_host_compute(mode, device, store, model: onnx.ModelProto, plan, info: M
         if sum(v["bytes"] for v in by_kind.get(kind, ())) >= MEASURE_BYTES:
             continue
         by_kind.setdefault(kind, []).append(_views(store, kind, [info[n] for n in names]))
-    first = streamed[0]
+    # The largest streamed weight: copies of a few KiB would measure their overhead, not the link.
+    first = max(streamed, key=lambda n: info[n].nbytes)
     copy = (ring_address[first], store.ptr(first), min(COPY_BYTES, info[first].nbytes))
     t0 = time.perf_counter()
     link, rates = measure_rates(device, store, by_kind, copy, threads)

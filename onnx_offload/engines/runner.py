@@ -269,7 +269,8 @@ class SegmentRunner(Engine):
                     self._binder.bind_inputs(io, run.host_inputs, plan, values, feeds)
                 try:
                     if run.captured and plan is not None and plan.runs == 0 and self.capture.enabled:
-                        run_once_on_state(dev, run.session, io, graph_options, feeds, self._state)
+                        run_once_on_state(dev, run.session, io, graph_options, feeds,
+                                          self._state.intersection(run.seg.inputs))
                     else:
                         run.session.run_with_iobinding(io, graph_options if run.captured else run_options)
                 except RuntimeError as e:

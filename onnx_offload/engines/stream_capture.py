@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import onnxruntime as ort
 
 from .._core import round_up
-from ..errors import OffloadError
+from ..errors import HostComputeRefused, OffloadError
 from ..memory import SLACK, StepMemoryShort, is_out_of_memory
 from .host_nodes import HostNodes
 from .ortvalues import FixedBuffer, nbytes_of, numpy_dtype
@@ -123,6 +123,11 @@ class GraphBuilder:
         """The host MatMuls' copies and host nodes, in `graph` (HostComputeRefused where
         they cannot be placed)."""
         hosts = self.host.hosts
+        for h in hosts:  # the result's buffer was sized from the feeds' named dims: X must agree
+            x, y = bound[h.x_output].shape(), feeds[h.y_input].shape()
+            if list(x[:-1]) != list(y[:-1]):
+                raise HostComputeRefused(f"the host cannot compute {h.node!r}: its input came out {list(x)} in ORT's "
+                                         f"run, and its result's buffer is {list(y)}", h.weights)
         nodes = HostNodes(self.device.backend, hosts,
                           {h.x_output: (bound[h.x_output].data_ptr(), bound[h.x_output].shape()) for h in hosts},
                           {h.y_input: feeds[h.y_input].data_ptr() for h in hosts},

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import onnxruntime as ort
 
-from ..errors import HostComputeRefused, OffloadError
+from ..errors import BudgetExceeded, HostComputeFailed, HostComputeRefused
 from ..loading import WeightInfo, save_model
 from ..memory import StepMemoryShort
 from .host_step import plan_host_compute
@@ -23,6 +23,24 @@ from .stream_capture import StepGraph
 
 
 class HostComputeMembers:
+    @property
+    def captures(self) -> int:
+        """Graphs made (a replayed step makes none), the host graphs' too."""
+        host = self._host_builder.captures if self._host_builder is not None else 0
+        return self._builder.captures + self._host_captures + host
+
+    def _check_host(self, g: StepGraph) -> None:
+        """After a host-computed step's replay: HostComputeFailed where a host MatMul gave no
+        result (the step's outputs are not to be used); under "auto" the next steps then run
+        the whole model."""
+        try:
+            g.host.check()
+        except HostComputeFailed as e:
+            if self._host_mode == "auto":
+                self._host_off(f"host compute is off: {e}")
+            raise
+        self.host_steps += 1
+
     def _start_host_compute(self, mode, factory, model, weights: Sequence[WeightInfo], workdir: str) -> None:
         """The host compute split (host_step.py) and the ORT session of the model rewritten
         for it. Under "auto", a split that cannot be made leaves host compute off, with the
@@ -43,7 +61,7 @@ class HostComputeMembers:
                 self._meter.charge_since(mark, creating=True)
         except StepMemoryShort:
             raise  # the engine is planned again with more room, host compute with it
-        except (OffloadError, RuntimeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - under "auto", whatever the rewrite meets turns it off
             if mode != "auto":
                 raise
             host, self.host_session = None, None
@@ -103,8 +121,11 @@ class HostComputeMembers:
                 self.device.scratch.deallocate(buffers.pop(name).ptr)
             # A graph the host's nodes cannot go in ends host compute for the session, and the
             # step runs the whole model; under "auto", so does any failure of the rewrite's own
-            # (a thread count given raises it). Memory short is planned for as in any step.
-            if isinstance(e, StepMemoryShort) or not isinstance(e, (OffloadError, RuntimeError, ValueError)) or (
+            # (a thread count given raises it). Memory short is planned for as in any step; no
+            # room for the host's buffers this once runs the whole model this once.
+            if isinstance(e, BudgetExceeded) and not isinstance(e, StepMemoryShort):
+                return self._builder.build(feeds, outputs, buffers), False
+            if isinstance(e, StepMemoryShort) or not isinstance(e, Exception) or (
                     self._host_mode != "auto" and not isinstance(e, HostComputeRefused)):
                 raise
             self._host_off(f"host compute is off: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
@@ -118,6 +139,8 @@ class HostComputeMembers:
         """Host compute ends for the session: its graphs go, and so does its ORT session."""
         for sig in [k for k, g in self._graphs.items() if g.host is not None]:
             self._free(self._graphs.pop(sig))
+        if self._host_builder is not None:
+            self._host_captures += self._host_builder.captures
         self.host = self._host_builder = self.host_session = None
         self.host_note = why
         self.notes.append(why)

@@ -85,6 +85,7 @@ class StreamEngine(HostComputeMembers, Engine):
         self.host_steps = 0  # steps whose graph had the host compute its MatMuls
         self.host_note = ""  # why host compute is off, or what it does
         self._host_mode = host_compute
+        self._host_captures = 0  # graphs made by host-compute builders since dropped
         self._state = frozenset(state)  # inputs the model changes in place (step_state.py)
         self.runs = []
         self._per_step: Dict[bool, Counters] = {}  # a step's counters, by whether the host computed
@@ -142,11 +143,6 @@ class StreamEngine(HostComputeMembers, Engine):
             self._host_builder = GraphBuilder(device, self.host_session, self._ring, store, self.info, meter,
                                               outputs + list(dict.fromkeys(xs)), device_id, host=self.host)
 
-    @property
-    def captures(self) -> int:
-        """Graphs made (a replayed step makes none)."""
-        return self._builder.captures
-
     # ------------------------------------------------------------------ running
     def _issue_lead(self, lead) -> None:
         """The lead copies of a step, on the copy stream after everything the compute
@@ -174,8 +170,7 @@ class StreamEngine(HostComputeMembers, Engine):
         # them from the host (the step's one host wait) or from any stream.
         stream.synchronize()
         if g.host is not None:
-            g.host.check()  # HostComputeFailed: the step's outputs are not to be used
-            self.host_steps += 1
+            self._check_host(g)
         self.steps += 1
         self.graph_steps += 1
         self._count_step(g.host is not None)

@@ -206,8 +206,10 @@ def _bounds(r: Dict, a: Dict, bw: float, off: Optional[Dict]) -> None:
     r["bound_ms"] = max(a["ms_per_token"], r["step_htod"] / bw * 1e3)
     r["prefill_bound_ms"] = max(a["prompt_ms"], r["prompt_htod"] / bw * 1e3)
     h = r.get("host") or {}
-    if off is not None and "error" not in off and h.get("on"):
-        rate = max(host_rate(h["host_rates"], k, r["batch"]) for k in h["host_rates"])
+    if off is not None and "error" not in off and h.get("on") and h.get("steps"):
+        # The row came back as JSON: the rates' row counts are strings there.
+        rates = {k: {int(m): v for m, v in by.items()} for k, by in h["host_rates"].items()}
+        rate = max(host_rate(rates, k, r["batch"]) for k in rates)
         r["bound_ms"] = max(a["ms_per_token"], off["step_htod"] / (bw + rate) * 1e3)
     if r.get("peak") is not None:
         # The weights that could have been resident: those that were, and the card's bytes
@@ -332,8 +334,9 @@ def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BA
                 llama_row = llama_rows(llama, gguf_path, shape, card, prompt, new) if llama and batch == 1 else None
                 off = None
                 for mode in ("off", "auto"):
-                    if mode == "auto" and (not host_compute or off is None or "error" in off or not off["step_htod"]):
-                        break  # every weight resident (or the row failed): nothing for the host to take
+                    if mode == "auto" and (not host_compute or kind != "cuda" or off is None or "error" in off
+                                           or not off["step_htod"]):
+                        break  # every weight resident, the host backend, or the row failed: nothing to compare
                     r = in_process_of_its_own("bench_cards", "row", path=path, card=card, ids=ids.tolist(), new=new,
                                               kind=kind, cache=cache, host_compute=mode)
                     _bounds(r, a, bw, off)
