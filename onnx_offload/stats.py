@@ -203,9 +203,7 @@ class ReportingMembers:
             graph_steps=runner.graph_steps if runner else 0,
             margin=dev.margin if self.config.vram_limit is None else 0,
             reserves=tuple((z, v.reserve, self._reserve_sizing(z)) for z, v in ledger.zones.items() if v.reserve),
-            host_compute=runner.host_report() if isinstance(runner, StreamEngine) else
-            dict(on=False, why="host compute runs in the streaming engine's captured steps; this session's weights "
-                               "run in segments" if runner is not None else "", steps=0))
+            host_compute=runner.host_report() if runner is not None else dict(on=False, why="", steps=0))
 
     def _reserve_sizing(self, zone: str) -> str:
         """How the plan in force sized a zone's reserve, in words."""

@@ -12,7 +12,7 @@ from onnx_offload.models.decoder import decoder_lm
 
 # What the session, generation, dropin.py and iobinding.py call or read on the engine.
 CALLS = ["run", "run_bound", "run_segments", "run_single_with_ort_values", "run_single_with_iobinding",
-         "drop_plans", "close"]
+         "drop_plans", "close", "host_report"]
 PROPERTIES = ["single", "plan_count"]
 DATA = ["device", "streaming", "plain", "runs", "capture", "notes", "steps", "graph_steps", "last_step"]
 

@@ -45,6 +45,11 @@ class Engine(abc.ABC):
     last_step: Counters
 
     @abc.abstractmethod
+    def host_report(self) -> dict:
+        """What stats() says of host compute (docs/host_compute.md): on, what the host
+        computes and the rates, or why it is off; the steps it ran in."""
+
+    @abc.abstractmethod
     def run(self, output_names: Optional[Sequence[str]], input_feed, run_options) -> list:
         """ORT's run(): one step on the caller's values; the outputs as host arrays."""
 

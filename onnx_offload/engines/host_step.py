@@ -117,7 +117,7 @@ def _x_dtype(kind: str, weights: Sequence) -> Optional[np.dtype]:
     return dtype if dtype.name in ("float16", "float32") else None
 
 
-def _views(store, kind: str, weights: Sequence) -> dict:
+def weight_views(store, kind: str, weights: Sequence) -> dict:
     """The arrays of one candidate MatMul's weights (WeightInfo: B, then an int4 MatMul's
     scales and zero points) where they lie in the pinned store, with its k and n."""
     if kind == "int4":
@@ -134,12 +134,12 @@ def _views(store, kind: str, weights: Sequence) -> dict:
     return dict(kind=kind, w=view, k=k, n=n, bytes=w.nbytes, x_dtype=_x_dtype(kind, weights))
 
 
-def _gemv(v: dict, x: np.ndarray, threads: Optional[int]) -> None:
+def gemv(v: dict, x: np.ndarray, threads: Optional[int]) -> np.ndarray:
+    """x [M, K] @ the weight of `v` (as weight_views gives it), on the host's cores."""
     if v["kind"] == "int4":
-        _core.host_matmul_nbits(x, v["b"], v["scales"], v["zp"], k=v["k"], n=v["n"], block_size=v["block"],
+        return _core.host_matmul_nbits(x, v["b"], v["scales"], v["zp"], k=v["k"], n=v["n"], block_size=v["block"],
                                 threads=threads)
-    else:
-        _core.host_matmul(x, v["w"], threads=threads)
+    return _core.host_matmul(x, v["w"], threads=threads)
 
 
 class _Copies:
@@ -179,7 +179,7 @@ class _Copies:
 def measure_rates(device, store, by_kind: Mapping[str, Sequence[dict]], copy: Tuple[int, int, int],
                   threads: Optional[int], rows: Sequence[int] = HOST_ROWS) -> Tuple[float, Dict[str, Dict[int, float]]]:
     """(H2D bytes/s, {kind: {rows: host GEMV bytes/s}}), both measured at once: the GEMV
-    over each kind's weights (`by_kind`, as _views gives them) while copies of
+    over each kind's weights (`by_kind`, as weight_views gives them) while copies of
     `copy` = (device address, pinned source, bytes) run back to back."""
     rng = np.random.default_rng(0)
     rates: Dict[str, Dict[int, float]] = {}
@@ -190,12 +190,12 @@ def measure_rates(device, store, by_kind: Mapping[str, Sequence[dict]], copy: Tu
             for m in rows:
                 xs = {(v["k"], v["x_dtype"]): rng.standard_normal((m, v["k"])).astype(v["x_dtype"]) for v in views}
                 for v in views[:1]:
-                    _gemv(v, xs[v["k"], v["x_dtype"]], threads)  # the pool's threads start
+                    gemv(v, xs[v["k"], v["x_dtype"]], threads)  # the pool's threads start
                 passes = []
                 for _ in range(MEASURE_PASSES):
                     t0 = time.perf_counter()
                     for v in views:
-                        _gemv(v, xs[v["k"], v["x_dtype"]], threads)
+                        gemv(v, xs[v["k"], v["x_dtype"]], threads)
                     passes.append(time.perf_counter() - t0)
                 rates[kind][m] = total / statistics.median(passes)
     if not copies.bytes or copies.seconds <= 0:
@@ -205,7 +205,7 @@ def measure_rates(device, store, by_kind: Mapping[str, Sequence[dict]], copy: Tu
 
 def plan_host_compute(mode, device, store, model: onnx.ModelProto, plan, info: Mapping, ring_address: Mapping[str, int],
                       ) -> Tuple[Optional[HostPlan], str]:
-    """The split for the engine's decode steps, or (None, why not)."""
+    """The split for the streaming engine's decode steps, or (None, why not)."""
     if mode == "off":
         return None, "host compute is off"
     if not device.is_cuda:
@@ -214,10 +214,26 @@ def plan_host_compute(mode, device, store, model: onnx.ModelProto, plan, info: M
     streamed = plan.streamed
     if not streamed:
         return None, "host compute is off: every weight the step reads is resident"
-    found = {n: c for n, c in host_candidates(model).items() if n in set(streamed)}
-    # The host kernels take X and Y in float16 or float32: an int4 MatMul's are its scales' type.
-    groups = _by_matmul(found)
-    found = {n: c for n, c in found.items() if _x_dtype(c[1], [info[m] for m in groups[c[0]]])}
+    # The link measured on the largest streamed weight: copies of a few KiB would measure
+    # their overhead, not the link.
+    first = max(streamed, key=lambda n: info[n].nbytes)
+    resident = sum(info[n].nbytes for n in plan.resident)
+    return choose_split(mode, device, store, model, streamed, resident / DEVICE_READ_RATE, info,
+                        ring_address[first])
+
+
+def choose_split(mode, device, store, model: onnx.ModelProto, streamed: Sequence[str], gpu: float, info: Mapping,
+                 copy_dst: int) -> Tuple[Optional[HostPlan], str]:
+    """The split of a step that streams `streamed` (in read order) beside `gpu` seconds of
+    the resident part's compute, its rates measured with copies of the largest streamed
+    weight into `copy_dst` (COPY_BYTES, or the weight where smaller), or (None, why not)."""
+    candidates, streaming = host_candidates(model), set(streamed)
+    groups = _by_matmul(candidates)
+    # A MatMul is a candidate where every weight it reads streams (an int4 MatMul's scales may
+    # be too small to be a weight: they stay in the model, and so does the MatMul), and where
+    # the host kernels take its X and Y: float16 or float32, an int4 MatMul's its scales' type.
+    found = {n: c for n, c in candidates.items() if all(m in streaming for m in groups[c[0]])
+             and _x_dtype(c[1], [info[m] for m in groups[c[0]]])}
     if not found:
         return None, "host compute is off: no streamed weight is read by a MatMul the host can compute"
     threads = None if mode == "auto" else int(mode)
@@ -226,16 +242,13 @@ def plan_host_compute(mode, device, store, model: onnx.ModelProto, plan, info: M
         kind = found[names[0]][1]
         if sum(v["bytes"] for v in by_kind.get(kind, ())) >= MEASURE_BYTES:
             continue
-        by_kind.setdefault(kind, []).append(_views(store, kind, [info[n] for n in names]))
-    # The largest streamed weight: copies of a few KiB would measure their overhead, not the link.
+        by_kind.setdefault(kind, []).append(weight_views(store, kind, [info[n] for n in names]))
     first = max(streamed, key=lambda n: info[n].nbytes)
-    copy = (ring_address[first], store.ptr(first), min(COPY_BYTES, info[first].nbytes))
+    copy = (copy_dst, store.ptr(first), min(COPY_BYTES, info[first].nbytes))
     t0 = time.perf_counter()
     link, rates = measure_rates(device, store, by_kind, copy, threads)
     measured = time.perf_counter() - t0
     weights = [StepWeight(n, info[n].nbytes, *(reversed(found[n]) if n in found else ())) for n in streamed]
-    resident = sum(info[n].nbytes for n in plan.resident)
-    gpu = resident / DEVICE_READ_RATE
     split = plan_host_split(weights, link, rates, gpu, 1)
     said = (f"H2D {link / 1e9:.1f} GB/s while the host GEMV ran at "
             + ", ".join(f"{k} {r[1] / 1e9:.1f} GB/s" for k, r in rates.items()) + " (one row)")

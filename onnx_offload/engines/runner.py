@@ -34,6 +34,7 @@ from ..loading import Segment
 from ..memory import Counters
 from .base import Engine
 from .graph_capture import GraphCaptureDecision
+from .host_segments import HostSteps
 from .ortvalues import as_ortvalue, copy_into, ortvalue_at, signature
 from .routing import Router
 from .segment_plans import Binder, Plan, Plans, graph_run_options
@@ -61,7 +62,7 @@ class SegmentRunner(Engine):
     def __init__(self, device, residency, factory, meter, segments: List[Segment], workdir: str,
                  graph_outputs: List[str], *, streaming: bool, stable: bool, capture: GraphCaptureDecision,
                  device_id: int, constants: Optional[Dict[str, np.ndarray]] = None, routing=None,
-                 state=frozenset()):
+                 state=frozenset(), host: Optional[HostSteps] = None, host_note: str = ""):
         self.device = device
         self.residency = residency
         self._factory = factory
@@ -70,6 +71,8 @@ class SegmentRunner(Engine):
         self._graph_outputs = graph_outputs
         self._constants = constants or {}  # graph outputs that are small initializers
         self._state = frozenset(state)  # inputs the model changes in place (step_state.py)
+        self.host = host  # the host's MatMuls between segments (host_segments.py), or None
+        self.host_note = host_note  # what host compute does, or why it is off
         self.streaming = streaming
         self._stable = stable
         self.capture = capture
@@ -147,6 +150,9 @@ class SegmentRunner(Engine):
     @property
     def plan_count(self) -> int:
         return len(self._plans)
+
+    def host_report(self) -> dict:
+        return self.host.report() if self.host is not None else dict(on=False, why=self.host_note, steps=0)
 
     # ------------------------------------------------------------------ running
     def run(self, output_names, input_feed, run_options):
@@ -244,6 +250,8 @@ class SegmentRunner(Engine):
         if self.streaming:
             res.settle()  # what a step cut short by an exception left acquired
         try:  # an exception anywhere in the step (an interrupt lands between any two lines)
+            if self.host is not None:
+                self.host.after(-1, values, bound_outputs, feeds, plan)
             for run in self.runs:
                 seg = run.seg
                 # Unsplit, every weight is resident and pinned for the session's life.
@@ -291,6 +299,8 @@ class SegmentRunner(Engine):
                     reader = dev.backend.create_event()
                     reader.record(dev.compute_stream)
                     res.release(seg.index, reader)
+                if self.host is not None:
+                    self.host.after(seg.index, values, bound_outputs, feeds, plan)
         except BaseException:
             if self.streaming:
                 res.settle()  # what the step acquired and did not release
@@ -298,9 +308,11 @@ class SegmentRunner(Engine):
         if self.streaming:
             res.end_step()
             self.last_step = res.counters.minus(before)
+            if self.host is not None:
+                self.host.steps += 1
         else:
             self.last_step = res.count_resident_step()
-        self._pass_through(values, feeds)
+        pass_through(self, values, feeds)
         self.steps += 1
         self._meter.charge_since(mark)
         if plan is None:
@@ -312,23 +324,6 @@ class SegmentRunner(Engine):
             if self.capture.enabled and any(r.captured for r in self.runs):
                 self.graph_steps += 1
         return values
-
-    def _pass_through(self, values, feeds) -> None:
-        """Graph outputs that no node produces: a graph input, a weight or a small
-        initializer, returned as is."""
-        for name in self._graph_outputs:
-            if name in self._produced:
-                continue
-            if name in values:
-                continue
-            if name in feeds:
-                values[name] = feeds[name]
-            elif name in self.residency.info:
-                info = self.residency.info[name]
-                data = self.residency.store.view(name).view(info.dtype).reshape(info.shape)
-                values[name] = as_ortvalue(data.copy())
-            elif name in self._constants:
-                values[name] = as_ortvalue(self._constants[name].copy())
 
     def _all_bound(self, feeds, outputs) -> bool:
         seg = self.runs[0].seg
@@ -353,4 +348,22 @@ class SegmentRunner(Engine):
         """Drops the ORT sessions first (they may still free scratch), then the plans."""
         self.runs = []
         self._initializer_values = []
+        if self.host is not None:
+            self.host.close()
         self._plans.clear()
+
+
+def pass_through(runner: "SegmentRunner", values, feeds) -> None:
+    """Graph outputs that no node produces: a graph input, a weight or a small
+    initializer, returned as is."""
+    for name in runner._graph_outputs:
+        if name in runner._produced or name in values:
+            continue
+        if name in feeds:
+            values[name] = feeds[name]
+        elif name in runner.residency.info:
+            info = runner.residency.info[name]
+            data = runner.residency.store.view(name).view(info.dtype).reshape(info.shape)
+            values[name] = as_ortvalue(data.copy())
+        elif name in runner._constants:
+            values[name] = as_ortvalue(runner._constants[name].copy())

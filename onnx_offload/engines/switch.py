@@ -31,6 +31,7 @@ from ..loading import Routing, Segment, WeightInfo, check_bindable, split, value
 from ..memory import (Counters, ResidencyManager, StepMemoryShort, ZonePlan, describe_zones, device_out_of_memory,
                       is_out_of_memory)
 from .graph_capture import GraphCaptureDecision
+from .host_segments import host_segments_of, host_steps_for
 from .replan import engine_short, kv_short, segments_with_room
 from .ort_sessions import SessionFactory
 from .runner import SegmentRunner
@@ -83,6 +84,7 @@ class Engines:
         # Whether the weights would run on the streaming engine once they stream: a
         # generation that finds no room beside resident weights moves there, not to segments.
         self.graph_possible = False
+        self.host_split: Optional[tuple] = None  # host compute in segments: (split or None, why)
 
     @property
     def cost(self):
@@ -160,10 +162,11 @@ class Engines:
         segments_with_room(self)
 
     def split(self, plan) -> List[Segment]:
-        """The segments of `plan`: made before anything changes, since a model may not split."""
+        """The segments of `plan` (host_segments.py's with host compute), made first: a model may not split."""
         run = self.run_inputs
         if plan.streaming:
-            return split(run.model, run.groups_by_target[plan.segment_target], run.names.__contains__)
+            return host_segments_of(self, plan) or split(run.model, run.groups_by_target[plan.segment_target],
+                                                         run.names.__contains__)
         everything = list(range(len(run.model.graph.node)))
         if not run.stable:  # the weights are inputs, so every value goes through IOBinding
             # One segment: only the graph's inputs and outputs are bound, whose types the
@@ -184,6 +187,7 @@ class Engines:
         self.needs = None  # the streaming engine's reserves no longer apply
         if segments is None:
             segments = self.split(plan)
+        host, note = host_steps_for(self, plan, segments)
         routing = run.routing if plan.streaming else None
         self.residency = ResidencyManager(dev, self.store, run.weights, [s.weights for s in segments], cfg.policy,
                                           vmm=run.stable, record_timeline=run.record_timeline,
@@ -197,7 +201,7 @@ class Engines:
         self.runner = SegmentRunner(dev, self.residency, self.segment_factory, self.meter, segments,
                                     run.workdir, run.outputs, streaming=plan.streaming, stable=run.stable,
                                     capture=run.capture, device_id=cfg.device_id, constants=constants,
-                                    routing=routing, state=run.state)
+                                    routing=routing, state=run.state, host=host, host_note=note)
 
     def make_segments(self, plan, segments: Optional[List[Segment]] = None) -> None:
         self.plan = plan

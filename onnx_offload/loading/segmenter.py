@@ -66,10 +66,11 @@ class Segment:
 
 
 def plan_segments(model: onnx.ModelProto, weight_cost: Callable[[Sequence[str]], int],
-                  is_weight: Callable[[str], bool], target: int, cuts: AbstractSet[int] = frozenset()
-                  ) -> List[List[int]]:
+                  is_weight: Callable[[str], bool], target: int, cuts: AbstractSet[int] = frozenset(),
+                  hard: AbstractSet[int] = frozenset()) -> List[List[int]]:
     """Groups consecutive nodes so that each group's weights cost at most `target`, and
-    so that each node of `cuts` starts a group.
+    so that each node of `cuts` starts a group where the group before it reads a weight,
+    and each node of `hard` starts one wherever it is not the first node.
 
     `weight_cost(names)` is the committed cost of a set of weights. A node whose own
     weights exceed the target gets a segment to itself. Nodes before the first weight
@@ -84,7 +85,8 @@ def plan_segments(model: onnx.ModelProto, weight_cost: Callable[[Sequence[str]],
     for i, node in enumerate(model.graph.node):
         mine = [n for n in dict.fromkeys(node_inputs(node)) if is_weight(n)]
         new = [n for n in mine if n not in seen]
-        if current_weights and ((new and weight_cost(current_weights + new) > target) or i in cuts):
+        if (current and i in hard) or (current_weights and ((new and weight_cost(current_weights + new) > target)
+                                                            or i in cuts)):
             groups.append(current)
             current, current_weights, seen = [], [], set()
             new = mine
