@@ -53,9 +53,9 @@ def _config_flags(p) -> None:
                         f"(overrides {ENV_EXPERTS}; default auto)")
     p.add_argument("--host-compute", type=host_compute,
                    help=f"the host's cores multiply part of a decode step's streamed weights while the link carries "
-                        f"the rest (CUDA's streaming engine; on the CPU, between segments): auto (where the rates "
-                        f"measured at start say the step gets faster), off, or a number of host threads (overrides "
-                        f"{ENV_HOST_COMPUTE}; default off)")
+                        f"the rest (CUDA's streaming engine; on the CPU, given a thread count, between segments): "
+                        f"auto (where the rates measured at start say the step gets faster), off, or a number of "
+                        f"host threads (overrides {ENV_HOST_COMPUTE}; default off)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU host backend even with a GPU")
     p.add_argument("--devices", type=device_list,
                    help="split the model across these devices, a stage each (comma-separated ids, such as 0,1); "
