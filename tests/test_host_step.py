@@ -15,7 +15,7 @@ from onnx_offload.memory import Device, HostStore, StepWeight, ZonePlan, plan_ho
 from onnx_offload.models import decoder_lm, weight_bytes
 from onnx_offload.models.int4 import quantize_block
 
-from conftest import child_env
+from conftest import child_env, generate_on_two_threads
 
 G = 1 << 20
 
@@ -186,27 +186,10 @@ def test_ctrl_c_after_a_host_computed_step_leaves_the_session_as_it_was(monkeypa
 
 @pytest.mark.gpu
 def test_two_sessions_on_two_threads_share_the_host_s_cores(tmp_path):
-    import threading
     model = _host_decoder()
     prompts = [np.random.default_rng(k).integers(0, 4096, (1, 10)) for k in (7, 8)]
     with _host_session(model) as a, _host_session(model) as b:
-        want = [a.generate(prompts[0], 10), b.generate(prompts[1], 10)]
-        got, errors = [None, None], []
-
-        def work(i, s):
-            try:
-                for _ in range(3):
-                    got[i] = s.generate(prompts[i], 10)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-        threads = [threading.Thread(target=work, args=(i, s)) for i, s in enumerate((a, b))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(g, w)
+        generate_on_two_threads((a, b), prompts, 10)
         assert a.stats().host_compute["on"] and b.stats().host_compute["on"]
 
 
