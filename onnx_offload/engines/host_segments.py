@@ -112,6 +112,8 @@ def host_steps_for(engines, plan, segments: List[Segment]) -> Tuple[Optional["Ho
     """(The host's part for a runner of `segments` under `plan`, or None; what it does or why
     it is off.)"""
     host, note = engines.host_split or (None, "host compute is off")
+    if engines.config.host_compute == "off":
+        return None, "host compute is off"
     if not plan.streaming:
         return None, "host compute is off: every weight is resident"
     if host is None or not any(h.y_input in s.inputs for s in segments for h in host.hosts):

@@ -138,7 +138,7 @@ def gemv(v: dict, x: np.ndarray, threads: Optional[int]) -> np.ndarray:
     """x [M, K] @ the weight of `v` (as weight_views gives it), on the host's cores."""
     if v["kind"] == "int4":
         return _core.host_matmul_nbits(x, v["b"], v["scales"], v["zp"], k=v["k"], n=v["n"], block_size=v["block"],
-                                threads=threads)
+                                       threads=threads)
     return _core.host_matmul(x, v["w"], threads=threads)
 
 
