@@ -258,23 +258,12 @@ class StreamEngine(HostComputeMembers, Engine):
         sig = ("run",) + signature(feeds)
         g = self._graphs.get(sig)
         if g is None:
-            buffers: Dict[str, FixedBuffer] = {}
-            try:
-                for k, v in feeds.items():
-                    dtype = numpy_dtype(v.data_type())
-                    ptr = self.device.scratch.allocate(max(1, nbytes_of(v.shape(), dtype)))
-                    buffers[k] = FixedBuffer.on(self.device, ptr, v.shape(), dtype)
-                for k, v in feeds.items():
-                    copy_into(self.device, buffers[k], v)
-                g, keep = self._build({k: buffers[k].value for k in feeds}, {}, buffers)
-            except BaseException:
-                for buf in buffers.values():
-                    self.device.scratch.deallocate(buf.ptr)
-                raise
+            self._free(self._oneshot)
+            self._oneshot = None
+            g, keep = _build_on_copies(self, feeds)
             if keep:
                 self._keep(sig, g)
             else:
-                self._free(self._oneshot)
                 self._oneshot = g
         else:
             self._graphs.move_to_end(sig)
@@ -343,3 +332,28 @@ class _Run:
         self.seg = seg
         self.session = session
         self.captured = True
+
+
+def _build_on_copies(engine: StreamEngine, feeds: Dict[str, ort.OrtValue]) -> Tuple[StepGraph, bool]:
+    """engine._build on buffers of the engine's own that hold copies of `feeds` (a step of
+    run(), whose values are the caller's for this call only). As in run_bound, the inputs the
+    model changes in place are put back after the build, so the launch runs the step once on
+    them (step_state.py)."""
+    buffers: Dict[str, FixedBuffer] = {}
+    try:
+        for k, v in feeds.items():
+            dtype = numpy_dtype(v.data_type())
+            ptr = engine.device.scratch.allocate(max(1, nbytes_of(v.shape(), dtype)))
+            buffers[k] = FixedBuffer.on(engine.device, ptr, v.shape(), dtype)
+        for k, v in feeds.items():
+            copy_into(engine.device, buffers[k], v)
+        fed = {k: buffers[k].value for k in feeds}
+        with StateCopy(engine.device, fed, engine._state) as saved:
+            try:
+                return engine._build(fed, {}, buffers)
+            finally:
+                saved.restore()
+    except BaseException:
+        for buf in buffers.values():
+            engine.device.scratch.deallocate(buf.ptr)
+        raise
