@@ -105,3 +105,51 @@ def test_bench_cards_prints_llama_cpps_columns_only_with_llama_bench():
     assert "94.50 / 900 (-ngl 15)" in line and "margin 256.00 MiB" in line, line
     failed = dict(lm, best=dict(error="out of memory"))
     assert "failed" in print_cards(dict(res, rows=[dict(row, llama=failed)], llama_bench="/x/llama-bench"))
+
+
+def test_an_int4_model_s_gguf_holds_the_very_values_orts_blocks_hold(model, tmp_path):
+    # The int4 model (MatMulNBits, blocks of 32, zero point 8) written as Q4_0: gguf's own
+    # dequantizer gives back exactly (q - 8) * scale of every block ORT multiplies.
+    import onnx
+    import onnx.numpy_helper as nh
+    from onnx_offload.models import int4
+    path, m = model
+    q = int4(m)
+    folder = str(tmp_path / "int4")
+    cfg = genai_config(SHAPE["layers"], SHAPE["hidden"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["vocab"],
+                       SHAPE["max_length"], eos_token_id=-1)
+    qpath = save_decoder(q, folder, config=cfg)
+    shape = dict(SHAPE, quant="int4")
+    out = llama_cpp.write_gguf(qpath, shape, str(tmp_path / "q4.gguf"))
+    r = gguf.GGUFReader(out)
+    tensors = {t.name: t for t in r.tensors}
+    weights = {t.name: nh.to_array(t) for t in onnx.load(qpath).graph.initializer}
+    names = llama_cpp.gguf_names(SHAPE["layers"])
+    quantized = 0
+    for onnx_name, (g, _) in names.items():
+        t = tensors[g]
+        if onnx_name + "_Q4" not in weights:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F16 or t.tensor_type == gguf.GGMLQuantizationType.F32
+            continue
+        quantized += 1
+        packed, scales = weights[onnx_name + "_Q4"], weights[onnx_name + "_scales"]
+        n, blocks, _ = packed.shape
+        values = np.empty((n, blocks, 32), np.float32)
+        values[..., 0::2] = (packed & 15).astype(np.float32) - 8
+        values[..., 1::2] = (packed >> 4).astype(np.float32) - 8
+        want = (values * scales.astype(np.float32).reshape(n, blocks, 1)).reshape(n, blocks * 32)
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q4_0, g
+        assert list(t.shape) == [blocks * 32, n], g  # GGML's [in, out]
+        got = gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType.Q4_0).reshape(n, blocks * 32)
+        np.testing.assert_array_equal(got, want, err_msg=g)
+    assert quantized == 7 * SHAPE["layers"] + 1  # every projection and the head
+    f = r.fields["general.file_type"]
+    assert f.parts[f.data[0]][0] == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    assert llama_cpp.layer_bytes(shape) * 32 == llama_cpp.layer_bytes(SHAPE) * 9  # 18 bytes a block of 32
+
+
+def test_q4_0_takes_only_blocks_of_32_with_fp16_scales():
+    with pytest.raises(ValueError, match="blocks of 32"):
+        llama_cpp.q4_0_rows(np.zeros((2, 1, 8), np.uint8), np.ones(2, np.float16))
+    with pytest.raises(ValueError, match="float32"):
+        llama_cpp.q4_0_rows(np.zeros((2, 1, 16), np.uint8), np.ones(2, np.float32))

@@ -22,7 +22,11 @@ second process); the engine that ran.
 With llama.cpp's ``llama-bench`` (``--llama-bench PATH``, or on PATH), each batch-1 row
 also runs llama.cpp on the same weights (an F16 GGUF, ``llama_cpp.write_gguf``) under
 the same card: its own fit and the largest ``-ngl`` that loads, with its ms/token at the
-prompt's depth and its prompt time beside ours, and the ratios. ``--ort-levers`` measures
+prompt's depth and its prompt time beside ours, and the ratios. ``--int4`` runs the
+model with its MatMuls as int4 ``MatMulNBits`` (``models.int4``, as the genai builder's
+``-p int4`` writes them) on 4 and 6 GiB cards, and llama.cpp on the same blocks as Q4_0
+(on the CPU, a streamed int4 row's tokens can differ from plain ORT's, which prepacks:
+docs/int4.md). ``--ort-levers`` measures
 the all-resident step (the whole device) with each of ORT's CUDA levers
 (``loading.ort_options.CUDA_LEVERS``).
 
@@ -55,14 +59,15 @@ SHAPE_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336
 SHAPE_CPU = dict(layers=4, hidden=256, heads=8, kv_heads=2, intermediate=704, vocab=1000, max_length=8192,
                  dtype="float32")
 CARDS_GIB = (8, 12, 16, 24)
+CARDS_INT4_GIB = (4, 6)  # the int4 model's 4.6 GB of weights on cards smaller than it
 PROMPTS = (512, 4096)
 BATCHES = (1, 4)
 NEW = 32
 
 
 def build_model(shape: dict, out_dir: str) -> str:
-    """The builder-layout decoder of `shape`, made once in `out_dir`."""
-    return build_decoder(shape, os.path.join(out_dir, "cards_model"))
+    """The builder-layout decoder of `shape`, made once in `out_dir` (a folder for each quant)."""
+    return build_decoder(shape, os.path.join(out_dir, "cards_model" + ("_int4" if shape.get("quant") else "")))
 
 
 HOLDER = """
@@ -280,11 +285,13 @@ def llama_rows(llama_bench: str, gguf_path: str, shape: dict, card: int, prompt:
 
 
 def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BATCHES, new: int = NEW,
-                llama_bench=None, ort_levers: bool = False, host_compute: bool = True) -> Dict:
+                llama_bench=None, ort_levers: bool = False, host_compute: bool = True, int4: bool = False) -> Dict:
     """Every card, prompt and batch: a row with host compute off, and where weights stream
-    and `host_compute`, a row with it as the user's call has it ("auto") beside."""
+    and `host_compute`, a row with it as the user's call has it ("auto") beside. `int4`: the
+    model's MatMuls as MatMulNBits (the genai builder's int4), and llama.cpp's as Q4_0."""
     from . import llama_cpp
     shape = SHAPE_8B if kind == "cuda" else SHAPE_CPU
+    shape = dict(shape, quant="int4") if int4 else shape
     llama = llama_cpp.find_llama_bench(llama_bench) if kind == "cuda" else None
     os.makedirs(out_dir, exist_ok=True)
     t = time.perf_counter()
@@ -292,7 +299,8 @@ def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BA
     print(f"  model ready in {time.perf_counter() - t:.1f} s", flush=True)
     weights = os.path.getsize(path + ".data")
     if cards is None:
-        cards = [c * GiB for c in CARDS_GIB] if kind == "cuda" else [int(weights * f) for f in (0.3, 0.6, 1.5)]
+        cards = ([c * GiB for c in (CARDS_INT4_GIB if int4 else CARDS_GIB)] if kind == "cuda"
+                 else [int(weights * f) for f in (0.3, 0.6, 1.5)])
     bw = pinned_h2d(kind, GiB if kind == "cuda" else 128 * MiB)
     cache = os.path.join(out_dir, "cache")
     w = in_process_of_its_own("bench_cards", "warm_cache", path=path, kind=kind, cache=cache, ids=[[0]])
@@ -300,7 +308,7 @@ def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BA
     gguf_path = None
     if llama:
         t = time.perf_counter()
-        gguf_path = os.path.join(out_dir, "cards_model", "model-f16.gguf")
+        gguf_path = os.path.join(os.path.dirname(path), "model-q4_0.gguf" if int4 else "model-f16.gguf")
         if not os.path.exists(gguf_path):
             llama_cpp.write_gguf(path, shape, gguf_path + ".part")
             os.replace(gguf_path + ".part", gguf_path)
@@ -346,7 +354,7 @@ def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BA
                     rows.append(r)
                     print("  " + _line(r), flush=True)
     return dict(kind=kind, weights=weights, h2d_gbps=bw / 1e9, new=new, shape=shape, rows=rows, levers=levers,
-                llama_bench=llama)
+                llama_bench=llama, int4=int4)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ def print_cards(res: Dict) -> str:
                      f"{r['ttft_ms'] / r['prefill_bound_ms']:.2f}x", used,
                      fmt_bytes(r["could_reside"]) if "could_reside" in r else "-",
                      "yes" if r["tokens_equal"] else "NO", r["engine"]) + extra)
-    head = (f"bench cards ({res['kind']}): weights {fmt_bytes(res['weights'])}, pinned H2D {res['h2d_gbps']:.1f} "
+    head = (f"bench cards ({res['kind']}): {'int4 (llama.cpp: Q4_0) ' if res.get('int4') else ''}weights "
+            f"{fmt_bytes(res['weights'])}, pinned H2D {res['h2d_gbps']:.1f} "
             f"GB/s, {res['new']} new tokens, the second generate() of each session; with host compute on, the bound "
             f"is max(resident step, non-resident bytes / (H2D + the host rate the session measured))")
     heads = ("card", "prompt", "batch", "host compute", "ms/token", "first token ms", "resident", "bound ms", "vs bound",

@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     b.add_argument("--widths", choices=("gpt-oss-20b", "narrow"), default="gpt-oss-20b",
                    help="bench moe on CUDA: gpt-oss-20b's layer widths in 4 layers (default), or hidden 1024 in 12")
     b.add_argument("--int4", action="store_true",
-                   help="bench compare: the model's MatMuls as int4 MatMulNBits, the streaming engine's rows only")
+                   help="bench compare: the model's MatMuls as int4 MatMulNBits, the streaming engine's rows only; "
+                        "bench cards: the same, on 4 and 6 GiB cards, beside llama.cpp's Q4_0")
     b.add_argument("--devices", type=device_list,
                    help="bench compare: one device against the model split across these (such as 0,1), at a total "
                         "weights budget of 25%%")

@@ -129,7 +129,7 @@ def cmd_bench(args) -> int:
         res = bench_cards(kind, out, cards=listed(args.cards, lambda t: parse_bytes(t, "--cards"), None),
                           prompts=listed(args.prompts, positive_int, PROMPTS),
                           batches=listed(args.batches, positive_int, BATCHES), llama_bench=args.llama_bench,
-                          ort_levers=args.ort_levers)
+                          ort_levers=args.ort_levers, int4=args.int4)
         text = print_cards(res)
     elif args.what == "int4":
         from .bench_int4 import bench_int4, print_int4

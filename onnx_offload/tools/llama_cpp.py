@@ -1,5 +1,5 @@
-"""llama.cpp beside the package in ``bench cards``: the same weights as an F16 GGUF, and
-``llama-bench`` run under the same simulated card.
+"""llama.cpp beside the package in ``bench cards``: the same weights as a GGUF (F16, or
+Q4_0 for an int4 model), and ``llama-bench`` run under the same simulated card.
 
 ``write_gguf`` writes the builder-layout decoder's weights (``models.decoder``) with the
 ``gguf`` package (the optional extra ``[bench]``) under llama.cpp's names for its
@@ -9,6 +9,13 @@ K are not permuted to GGML's rotary layout: the tokens differ from ours, the tim
 token does not. The vocabulary is one of the model's size (byte tokens and names), which
 llama-bench needs only to load: it feeds random tokens. The tensors are written one at a
 time, so the writer holds one in memory.
+
+An int4 model's MatMulNBits weights (4 bits, blocks of 32 along K, one scale a block, zero
+point 8: ``models.int4``, as the genai builder writes them) are GGML's Q4_0 blocks in
+another order: Q4_0 holds a block's fp16 scale, then its 32 values two a byte with the
+first 16 in the low nibbles, where MatMulNBits holds neighbours in one byte. ``q4_0_rows``
+reorders the nibbles, so llama.cpp multiplies the very values ORT does. The embedding
+stays F16, as in the ONNX model.
 
 ``bench_args`` is the command line of one run: llama.cpp's own fit (``-fitt 1024 -fitc
 1024``) or a given ``-ngl``; ``parse`` reads its ``-o json`` output: ms/token of the decode
@@ -60,13 +67,34 @@ def _arrays(model_path: str) -> Dict[str, np.ndarray]:
     return out
 
 
+Q4_BLOCK = 32  # the values in one Q4_0 block
+
+
+def q4_0_rows(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MatMulNBits' B [N, K / 32, 16] and scales [N * K / 32] (fp16) as Q4_0 rows [N, K / 32
+    * 18] bytes: each block's scale, then its values q[j] | q[j + 16] << 4."""
+    n, blocks, half = packed.shape
+    if half * 2 != Q4_BLOCK or scales.dtype != np.float16:
+        raise ValueError(f"Q4_0 takes blocks of {Q4_BLOCK} with fp16 scales, not {half * 2} with {scales.dtype}")
+    q = np.empty((n, blocks, Q4_BLOCK), np.uint8)
+    q[..., 0::2] = packed & 15
+    q[..., 1::2] = packed >> 4
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    d = np.ascontiguousarray(scales).reshape(n, blocks, 1).view(np.uint8)
+    return np.concatenate([d, qs], axis=-1).reshape(n, blocks * 18)
+
+
 def write_gguf(model_path: str, shape: dict, out_path: str, eps: float = 1e-5, rope_theta: float = 10000.0) -> str:
-    """The decoder's weights at `model_path` (of `shape`, as bench cards makes it) as an F16
-    GGUF of llama.cpp's llama architecture at `out_path`; returns the path."""
+    """The decoder's weights at `model_path` (of `shape`, as bench cards makes it) as a GGUF
+    of llama.cpp's llama architecture at `out_path` (Q4_0 where the model's MatMuls are
+    int4, F16 otherwise); returns the path."""
     import gguf
     layers, hidden, heads, vocab = shape["layers"], shape["hidden"], shape["heads"], shape["vocab"]
     arrays = _arrays(model_path)
     names = gguf_names(layers)
+    q4 = {n for n in names if n + "_Q4" in arrays and n + "_scales" in arrays}
+    for n in q4:
+        arrays[n] = None  # stands for its blocks, read when written
     missing = sorted(set(names) - set(arrays))
     if missing:
         raise ValueError(f"{model_path} is not the builder-layout decoder bench cards writes: no {missing[:3]}")
@@ -82,7 +110,7 @@ def write_gguf(model_path: str, shape: dict, out_path: str, eps: float = 1e-5, r
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(eps)
     w.add_vocab_size(vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if q4 else gguf.LlamaFileType.MOSTLY_F16)
     special = ["<unk>", "<s>", "</s>"]
     tokens = special + [f"<0x{b:02X}>" for b in range(256)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
@@ -98,12 +126,19 @@ def write_gguf(model_path: str, shape: dict, out_path: str, eps: float = 1e-5, r
     order = list(names)
 
     def as_written(onnx_name: str) -> np.ndarray:
+        if onnx_name in q4:
+            return q4_0_rows(np.asarray(arrays[onnx_name + "_Q4"]), np.asarray(arrays[onnx_name + "_scales"]))
         a = arrays[onnx_name]
         a = a.T if names[onnx_name][1] else a
         # Norms in F32, as llama.cpp's converter writes them; the rest in F16.
         return np.ascontiguousarray(a, dtype=np.float32 if a.ndim == 1 else np.float16)
 
     for n in order:
+        if n in q4:
+            rows, blocks, _ = arrays[n + "_Q4"].shape
+            w.add_tensor_info(names[n][0], (rows, blocks * 18), np.dtype(np.uint8), rows * blocks * 18,
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+            continue
         a = arrays[n]
         shape_np = a.shape[::-1] if names[n][1] else a.shape
         dtype = np.float32 if a.ndim == 1 else np.float16
@@ -154,6 +189,7 @@ def parse(text: str, prompt: int, new: int) -> Dict:
 
 
 def layer_bytes(shape: dict) -> int:
-    """One layer's F16 weight bytes."""
+    """One layer's weight bytes: F16, or Q4_0's 18 bytes a block of 32 for an int4 shape."""
     h, kv = shape["hidden"], shape["kv_heads"] * shape["hidden"] // shape["heads"]
-    return 2 * (2 * h * h + 2 * h * kv + 3 * h * shape["intermediate"])
+    values = 2 * h * h + 2 * h * kv + 3 * h * shape["intermediate"]
+    return values * 18 // Q4_BLOCK if shape.get("quant") == "int4" else 2 * values
