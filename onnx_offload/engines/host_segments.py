@@ -178,7 +178,9 @@ class HostSteps:
             x = np.asarray(x.numpy())
             v = self._views[h.y_input]
             x2 = np.ascontiguousarray(x.reshape(-1, h.k).astype(v["x_dtype"], copy=False))
-            if x2.shape[0] > PREFILL_TOKENS:
+            if x2.shape[0] == 0:  # an empty batch or sequence: an empty product, as ORT gives
+                y = np.zeros((0, h.n), h.y_dtype)
+            elif x2.shape[0] > PREFILL_TOKENS:
                 y = self._session(h).run(None, {"x": x2})[0]
             else:
                 y = gemv(v, x2, self.plan.threads)

@@ -1,0 +1,83 @@
+"""Host compute between streamed segments (engines/host_segments.py) on inputs and settings
+the decoders of tests/test_host_segments.py do not reach: a host MatMul fed straight from a
+graph input, empty inputs, and a thread count beyond the CPUs the process may use.
+
+Outputs are compared with plain ORT's on the same model: equal in shape and type, and within
+the bound of docs/host_compute.md (16 eps x max|output|) where the host's kernels multiply.
+"""
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from onnx_offload import OffloadSession, _core
+from onnx_offload.models import weight_bytes
+
+CPU = ["CPUExecutionProvider"]
+BOUND_ULPS = 16
+K = 64
+LAYERS = 8
+
+
+def _chain(dtype=np.float32) -> "onnx.ModelProto":  # noqa: F821
+    """x [batch, seq, K] through LAYERS of Relu(x @ w): eight alike MatMuls, of which the split
+    gives the host some (one or two are often too few for it on a busy machine); the first
+    one's X is the graph input itself (the runner multiplies it before the first segment)."""
+    t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    rng = np.random.default_rng(0)
+    nodes, weights, x = [], [], "x"
+    for i in range(LAYERS):
+        weights.append(numpy_helper.from_array((rng.standard_normal((K, K)) * 0.1).astype(dtype), f"w{i}"))
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", t, ["batch", "seq", K])],
+                          [helper.make_tensor_value_info(x, t, ["batch", "seq", K])], weights)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _session(model, mode):
+    return OffloadSession(model.SerializeToString(), providers=CPU, offload=True, vmm=True,
+                          weight_bytes=weight_bytes(model) // 3, host_compute=mode)
+
+
+def _within_bound(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.size:
+        bound = BOUND_ULPS * float(np.finfo(want.dtype).eps) * float(np.abs(want.astype(np.float32)).max())
+        assert float(np.abs(got.astype(np.float32) - want.astype(np.float32)).max()) <= bound
+
+
+@pytest.mark.parametrize("shape", [(1, 0, K), (0, 1, K), (0, 3, K)], ids=["no-tokens", "no-rows", "no-rows-3"])
+def test_an_empty_input_gives_plain_ort_s_empty_output_with_the_host_computing(shape):
+    model = _chain()
+    plain = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    rng = np.random.default_rng(1)
+    step = {"x": rng.standard_normal((1, 1, K)).astype(np.float32)}
+    empty = {"x": np.zeros(shape, np.float32)}
+    with _session(model, 2) as s:
+        assert s.stats().host_compute["on"], s.stats().host_compute
+        _within_bound(s.run(None, step)[0], plain.run(None, step)[0])
+        committed = s.stats().ledger.committed
+        for _ in range(2):  # the first of a shape, then under its plan's fixed buffers
+            got = s.run(None, empty)[0]
+            want = plain.run(None, empty)[0]
+            assert got.shape == want.shape == shape and got.dtype == want.dtype
+        assert s.stats().ledger.committed == committed
+        _within_bound(s.run(None, step)[0], plain.run(None, step)[0])
+        assert s.stats().host_compute["steps"] == 4
+
+
+def test_a_thread_count_beyond_the_process_s_cpus_runs_on_those_it_may_use():
+    """A thread count valid anywhere (1 to 4096) runs on a machine with fewer CPUs, on as
+    many threads as the process may use, and says so."""
+    model = _chain()
+    plain = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    cpus = int(_core.host_cpu()["logical_cpus"])
+    x = {"x": np.random.default_rng(2).standard_normal((1, 1, K)).astype(np.float32)}
+    for asked in (cpus + 1, 4096):
+        with _session(model, asked) as s:
+            _within_bound(s.run(None, x)[0], plain.run(None, x)[0])
+            st = s.stats()
+        assert st.host_compute["on"] and st.host_compute["threads"] == cpus, st.host_compute
+        assert any(f"on {cpus} threads ({asked} asked for; this process may use {cpus} CPUs)" in n
+                   for n in st.notes), st.notes
