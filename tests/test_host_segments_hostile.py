@@ -8,9 +8,10 @@ the bound of docs/host_compute.md (16 eps x max|output|) where the host's kernel
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnx_offload import OffloadSession, _core
+from onnx_offload.errors import ModelRunError
 from onnx_offload.models import weight_bytes
 
 CPU = ["CPUExecutionProvider"]
@@ -32,6 +33,19 @@ def _chain(dtype=np.float32) -> "onnx.ModelProto":  # noqa: F821
         x = f"r{i}"
     g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", t, ["batch", "seq", K])],
                           [helper.make_tensor_value_info(x, t, ["batch", "seq", K])], weights)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _fan(k="k") -> "onnx.ModelProto":  # noqa: F821
+    """x [batch, seq, k] into LAYERS MatMuls side by side, summed: whichever the host takes, its
+    X is the graph input. `k`: x's last dim as the graph declares it (a name: any the caller gives)."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array((rng.standard_normal((K, K)) * 0.1).astype(np.float32), f"w{i}")
+               for i in range(LAYERS)]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"]) for i in range(LAYERS)]
+    nodes.append(helper.make_node("Sum", [f"m{i}" for i in range(LAYERS)], ["y"]))
+    g = helper.make_graph(nodes, "fan", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", K])], weights)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
@@ -81,3 +95,25 @@ def test_a_thread_count_beyond_the_process_s_cpus_runs_on_those_it_may_use():
         assert st.host_compute["on"] and st.host_compute["threads"] == cpus, st.host_compute
         assert any(f"on {cpus} threads ({asked} asked for; this process may use {cpus} CPUs)" in n
                    for n in st.notes), st.notes
+
+
+def test_an_input_of_another_k_than_the_host_s_weight_raises_ort_s_error_and_loses_nothing():
+    """x's last dim is a name in the graph: a caller may feed any. ORT's MatMul refuses one
+    other than the weight's K (Fail); a host MatMul fed straight from x refuses it as that."""
+    model = _fan()
+    plain = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    good = {"x": np.random.default_rng(3).standard_normal((1, 1, K)).astype(np.float32)}
+    with _session(model, 2) as s:
+        assert s.stats().host_compute["on"], s.stats().host_compute
+        want = s.run(None, good)[0]
+        _within_bound(want, plain.run(None, good)[0])
+        committed = s.stats().ledger.committed
+        for shape in ((1, 1, K - 1), (1, 2, K // 2), (2, 1, K // 2)):
+            bad = {"x": np.ones(shape, np.float32)}
+            with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail):
+                plain.run(None, bad)
+            with pytest.raises(ModelRunError, match="MatMul dimension mismatch") as e:
+                s.run(None, bad)
+            assert isinstance(e.value, ort.capi.onnxruntime_pybind11_state.Fail)
+        assert s.stats().ledger.committed == committed
+        np.testing.assert_array_equal(s.run(None, good)[0], want)

@@ -37,9 +37,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
 from .. import _core
-from ..errors import BudgetExceeded, HostComputeRefused
+from ..errors import BudgetExceeded, HostComputeRefused, ModelRunError, with_ort_type
 from ..loading import CPU_EP, HostMatMul, Segment, plan_segments, point_weights_at_placeholder, save_model, split
 from ..memory import PREFILL_TOKENS
 from .host_step import COPY_BYTES, HostPlan, gemv, weight_views, choose_split
@@ -176,6 +177,10 @@ class HostSteps:
             name = h.x_output
             x = values[name] if name in values else bound[name] if name in bound else feeds[name]
             x = np.asarray(x.numpy())
+            if x.shape[-1:] != (h.k,):  # as ORT's MatMul refuses it (a graph input's K is the caller's)
+                raise with_ort_type(ModelRunError, Fail)(
+                    f"MatMul dimension mismatch in {h.node!r}: its input {name!r} is {list(x.shape)}, and its "
+                    f"weight's K is {h.k}")
             v = self._views[h.y_input]
             x2 = np.ascontiguousarray(x.reshape(-1, h.k).astype(v["x_dtype"], copy=False))
             if x2.shape[0] == 0:  # an empty batch or sequence: an empty product, as ORT gives
