@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_offload import OffloadSession, _core
-from onnx_offload.errors import ModelRunError
+from onnx_offload.errors import ModelRunError, OffloadWarning
 from onnx_offload.models import weight_bytes
 
 CPU = ["CPUExecutionProvider"]
@@ -117,3 +117,33 @@ def test_an_input_of_another_k_than_the_host_s_weight_raises_ort_s_error_and_los
             assert isinstance(e.value, ort.capi.onnxruntime_pybind11_state.Fail)
         assert s.stats().ledger.committed == committed
         np.testing.assert_array_equal(s.run(None, good)[0], want)
+
+
+def test_a_generation_that_plans_the_budget_again_runs_with_the_host_s_segments_on_a_full_card(monkeypatch):
+    """A card of 5 MiB, which a batch of four sequences' KV cache fills: the generation plans
+    the budget again (its weights stream in segments) with one segment's page-in set aside.
+    The rewrite's segments lay the weights out otherwise than the model's; where one would
+    page in more than the plan sets aside, the session uses segments that fit, or runs that
+    plan without the host's part, and the generation runs as with host compute off.
+
+    The split rests on rates measured on the machine, which vary run to run; they are fixed
+    here at rates under which the split's segments at the plan's target page in a granule
+    more than the plan sets aside (14.4 GB/s for the link, 1.2 GB/s for the host)."""
+    from onnx_offload.engines import host_step
+    from onnx_offload.models import decoder_lm
+    model = decoder_lm("gqa", max_length=512, dtype=np.float32, layers=4, hidden=256, heads=4, kv_heads=2,
+                       intermediate=512, vocab=97)
+    ids = np.random.default_rng(0).integers(0, 97, (4, 40))
+    kw = dict(providers=CPU, offload=True, vmm=True, vram_limit=5 << 20, host_granularity=64 << 10)
+    with OffloadSession(model.SerializeToString(), host_compute="off", **kw) as s, \
+            pytest.warns(OffloadWarning, match="the weights now stream in"):
+        want = s.generate(ids, 200)
+    monkeypatch.setattr(host_step, "measure_rates", lambda device, store, by_kind, copy, threads, rows=(1, 4, 8): (
+        14.4e9, {k: {m: 1.2e9 for m in rows} for k in by_kind}))
+    with OffloadSession(model.SerializeToString(), host_compute=2, **kw) as s:
+        assert s.stats().host_compute["on"]
+        with pytest.warns(OffloadWarning, match="the weights now stream in"):  # the generation planned again
+            got = s.generate(ids, 200)
+        st = s.stats()
+    np.testing.assert_array_equal(got, want)
+    assert st.host_compute["on"] and st.host_compute["steps"] == 200, st.host_compute  # segments that fit

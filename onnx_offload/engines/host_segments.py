@@ -47,6 +47,7 @@ from .host_step import COPY_BYTES, HostPlan, gemv, weight_views, choose_split
 from .ortvalues import as_ortvalue, copy_into, ortvalue_at
 
 SPIN_ENV = "ONNX_OFFLOAD_HOST_SPIN_US"
+FIT_TRIES = 8  # segment targets tried (each 3/4 of the one before) for segments that fit the plan
 
 
 def plan_for_segments(mode, device, store, run) -> Tuple[Optional[HostPlan], str]:
@@ -89,8 +90,15 @@ def plan_for_segments(mode, device, store, run) -> Tuple[Optional[HostPlan], str
 def host_segments_of(engines, plan) -> Optional[List[Segment]]:
     """The segments of the streaming `plan` with the host's part between them, or None where
     host compute does not run (the split, chosen once, is kept in ``engines.host_split``
-    with what it does or why it is off, which the notes say). `engines`: the Engines."""
+    with what it does or why it is off, which the notes say). `engines`: the Engines.
+
+    The plan sets aside what paging in its largest segment of the model as given commits
+    (the transient zone's reserve). The rewrite's segments lay the slots out otherwise (the
+    host's weights in none of them), so one may straddle a granule more: those of smaller
+    targets are tried, and where none fits, this plan runs the model as given
+    (``engines.host_unfit`` says why)."""
     run = engines.run_inputs
+    engines.host_unfit = ""
     if engines.host_split is None:
         mode = engines.config.host_compute
         engines.host_split = plan_for_segments(mode, engines.device, engines.store, run)
@@ -99,14 +107,25 @@ def host_segments_of(engines, plan) -> Optional[List[Segment]]:
     host = engines.host_split[0]
     if host is None:
         return None
+    room, costs = plan.zones["transient"].reserve, run.plan_inputs["segment_costs"]
+    target, need = plan.segment_target, 0
     try:
-        return host_segments(host, run.weights, engines.cost, plan.segment_target)
+        for _ in range(FIT_TRIES):
+            segments = host_segments(host, run.weights, engines.cost, target)
+            need = max(costs([s.weights for s in segments]), default=0)
+            if need <= room:
+                return segments
+            target = max(1, target * 3 // 4)
     except HostComputeRefused as e:
         if engines.config.host_compute != "auto":
             raise
         engines.host_split = (None, f"host compute is off: {e}")
         engines.notes.append(engines.host_split[1])
         return None
+    engines.host_unfit = (f"host compute is off under this budget plan: paging in a segment of the model rewritten "
+                          f"for it commits up to {need} bytes, more than the {room} the plan sets aside for one")
+    engines.notes.append(engines.host_unfit)
+    return None
 
 
 def host_steps_for(engines, plan, segments: List[Segment]) -> Tuple[Optional["HostSteps"], str]:
@@ -118,7 +137,8 @@ def host_steps_for(engines, plan, segments: List[Segment]) -> Tuple[Optional["Ho
     if not plan.streaming:
         return None, "host compute is off: every weight is resident"
     if host is None or not any(h.y_input in s.inputs for s in segments for h in host.hosts):
-        return None, note  # segments of the model as given
+        # Segments of the model as given: by the split, or by this plan (host_segments_of sets host_unfit).
+        return None, getattr(engines, "host_unfit", "") or note
     run = engines.run_inputs
     return HostSteps(host, segments, engines.store, {w.name: w for w in run.weights}, engines.device,
                      engines.segment_factory.session_options, run.workdir, run.model), note
