@@ -147,3 +147,32 @@ def test_a_generation_that_plans_the_budget_again_runs_with_the_host_s_segments_
         st = s.stats()
     np.testing.assert_array_equal(got, want)
     assert st.host_compute["on"] and st.host_compute["steps"] == 200, st.host_compute  # segments that fit
+
+
+def test_a_session_lost_while_its_engine_is_replaced_still_reports_its_stats(monkeypatch):
+    """A generation that plans the budget again replaces the engine; where neither the new one
+    nor the one in force can be made (here: every segment runner made after the start fails
+    as a full device would), the session closes. Its stats() still answer, its calls say it
+    is closed, and a plain ORT session in the process runs."""
+    from onnx_offload.engines.switch import Engines
+    from onnx_offload.errors import BudgetExceeded, StateError
+    from onnx_offload.models import decoder_lm
+    model = decoder_lm("gqa", max_length=512, dtype=np.float32, layers=4, hidden=256, heads=4, kv_heads=2,
+                       intermediate=512, vocab=97)
+    ids = np.random.default_rng(0).integers(0, 97, (4, 40))
+    with OffloadSession(model.SerializeToString(), providers=CPU, offload=True, vmm=True, vram_limit=5 << 20,
+                        host_granularity=64 << 10, host_compute=2) as s:
+        def full(self, segments=None):
+            raise BudgetExceeded("the device is full")
+        monkeypatch.setattr(Engines, "make_segment_runner", full)
+        with pytest.raises(BudgetExceeded, match="the device is full"):
+            s.generate(ids, 200)
+        st = s.stats()
+        assert st.capture.startswith("off: the session closed") and not st.host_compute["on"]
+        assert st.ledger.committed == 0
+        with pytest.raises(StateError, match="closed"):
+            s.generate(ids, 2)
+    plain = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    feeds = {i.name: (ids if i.name == "input_ids" else np.ones_like(ids) if i.name == "attention_mask"
+                      else np.zeros((4, 2, 0, 64), np.float32)) for i in plain.get_inputs()}
+    assert plain.run(None, feeds)[0].shape == (4, 40, 97)
