@@ -176,3 +176,29 @@ def test_a_session_lost_while_its_engine_is_replaced_still_reports_its_stats(mon
     feeds = {i.name: (ids if i.name == "input_ids" else np.ones_like(ids) if i.name == "attention_mask"
                       else np.zeros((4, 2, 0, 64), np.float32)) for i in plain.get_inputs()}
     assert plain.run(None, feeds)[0].shape == (4, 40, 97)
+
+
+def test_the_host_pool_spins_again_as_before_once_the_sessions_that_quieted_it_close(monkeypatch):
+    """The host backend's segments have the pool's workers sleep after a job (a spin bound of
+    0, a setting of the process's); once the last session that ran host MatMuls closes, the
+    bound is what it was, for the sessions to come (the streaming engine's captured steps
+    count on the spin)."""
+    from onnx_offload.engines.host_segments import SPIN_ENV
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    model = _chain()
+    x = {"x": np.ones((1, 1, K), np.float32)}
+    before = _core.host_cpu()["spin_us"]
+    _core.host_set_spin_us(777)
+    try:
+        with _session(model, 2) as a, _session(model, 1) as b:
+            assert a.stats().host_compute["on"] and b.stats().host_compute["on"]
+            assert _core.host_cpu()["spin_us"] == 777  # made, not run yet
+            a.run(None, x)
+            b.run(None, x)
+            assert _core.host_cpu()["spin_us"] == 0
+            a.close()
+            assert _core.host_cpu()["spin_us"] == 0  # b still runs
+            b.run(None, x)
+        assert _core.host_cpu()["spin_us"] == 777
+    finally:
+        _core.host_set_spin_us(before)

@@ -27,10 +27,13 @@ options (no prepacking), gives what that MatMul gives with host compute off.
 On the host backend ORT's CPU kernels run on the host pool's cores right after each host
 MatMul, so the pool's workers sleep after a job instead of spinning for the next one
 (unless ONNX_OFFLOAD_HOST_SPIN_US says otherwise): spinning, they would take those cores.
+The bound is the process's: it is 0 from a step's first host MatMul until the last
+HostSteps that ran one closes, and then what it was before (``QuietPool``).
 """
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -186,13 +189,14 @@ class HostSteps:
         self._views = {h.y_input: dict(weight_views(store, h.kind, [info[n] for n in h.weights]), k=h.k)
                        for h in plan.hosts}
         self.steps = 0
-        if not device.is_cuda and SPIN_ENV not in os.environ:
-            _core.host_set_spin_us(0)
+        self._quiet = False  # whether this holds the host pool's spin bound at 0 (QUIET)
 
     def after(self, index: int, values: Dict, bound: Mapping, feeds: Mapping, plan) -> None:
         """Computes the Ys of the host MatMuls segment `index` made the X of: into the plan's
         fixed buffer where it has one (its bindings hold that address), else into `values`.
         X is this step's value, the caller's bound output, or a feed."""
+        if not self._quiet and not self.device.is_cuda and self._after.get(index):
+            self._quiet = QUIET.hold()
         for h in self._after.get(index, ()):
             name = h.x_output
             x = values[name] if name in values else bound[name] if name in bound else feeds[name]
@@ -246,7 +250,49 @@ class HostSteps:
         self._values.clear()
         self._views.clear()
         self._after.clear()
+        if self._quiet:
+            self._quiet = False
+            QUIET.release()
 
     def report(self) -> dict:
         """What stats() says of host compute."""
         return self.plan.report(self.steps)
+
+
+class QuietPool:
+    """The host pool's spin bound (a process-wide setting) at 0 while any holder runs host
+    MatMuls between segments; once the last lets go, the bound it found. Where SPIN_ENV
+    sets the bound, it is left alone (``hold`` gives False)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._before = 0
+        os.register_at_fork(after_in_child=self._in_child)
+
+    def hold(self) -> bool:
+        if SPIN_ENV in os.environ:
+            return False
+        with self._lock:
+            if not self._holders:
+                self._before = int(_core.host_cpu()["spin_us"])
+                _core.host_set_spin_us(0)
+            self._holders += 1
+        return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if not self._holders:
+                _core.host_set_spin_us(self._before)
+
+    def _in_child(self) -> None:
+        """A forked child: the parent's holders are not its own (their sessions refuse it),
+        and the lock may have been held by another of the parent's threads."""
+        self._lock = threading.Lock()
+        if self._holders:
+            self._holders = 0
+            _core.host_set_spin_us(self._before)
+
+
+QUIET = QuietPool()
