@@ -44,7 +44,8 @@ from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
 from .. import _core
 from ..errors import BudgetExceeded, HostComputeRefused, ModelRunError, with_ort_type
-from ..loading import CPU_EP, HostMatMul, Segment, plan_segments, point_weights_at_placeholder, save_model, split
+from ..loading import (CPU_EP, HostMatMul, Segment, plan_segments, point_weights_at_placeholder, save_model,
+                       segment_weights, split)
 from ..memory import PREFILL_TOKENS
 from .host_step import COPY_BYTES, HostPlan, gemv, weight_views, choose_split
 from .ortvalues import as_ortvalue, copy_into, ortvalue_at
@@ -112,11 +113,15 @@ def host_segments_of(engines, plan) -> Optional[List[Segment]]:
         return None
     room, costs = plan.zones["transient"].reserve, run.plan_inputs["segment_costs"]
     target, need = plan.segment_target, 0
+    def fits(weights_of_each: List[List[str]]) -> bool:
+        nonlocal need
+        need = max(costs(weights_of_each), default=0)
+        return need <= room
+
     try:
         for _ in range(FIT_TRIES):
-            segments = host_segments(host, run.weights, engines.cost, target)
-            need = max(costs([s.weights for s in segments]), default=0)
-            if need <= room:
+            segments = host_segments(host, run.weights, engines.cost, target, fits)
+            if segments is not None:
                 return segments
             target = max(1, target * 3 // 4)
     except HostComputeRefused as e:
@@ -147,16 +152,20 @@ def host_steps_for(engines, plan, segments: List[Segment]) -> Tuple[Optional["Ho
                      engines.segment_factory.session_options, run.workdir, run.model), note
 
 
-def host_segments(host: HostPlan, weights, cost, target: int) -> List[Segment]:
+def host_segments(host: HostPlan, weights, cost, target: int,
+                  fits: Callable[[List[List[str]]], bool] = lambda weights_of_each: True) -> Optional[List[Segment]]:
     """The segments of the rewrite `host.model`, planned for `target` as plan_inputs plans
-    them, with a boundary before each host MatMul's Where. `weights`: every WeightInfo of
-    the model (the host's are in no segment). HostComputeRefused where a Where would share
-    a segment with its X's producer."""
+    them, with a boundary before each host MatMul's Where, or None where `fits(the weights of
+    each)` says they do not fit. `weights`: every WeightInfo of the model (the host's are in
+    no segment). HostComputeRefused where a Where would share a segment with its X's
+    producer."""
     g = host.model.graph
     names = {w.name for w in weights} - set(host.host_weights)
     wheres = {h.output for h in host.hosts}
     hard = {i for i, n in enumerate(g.node) if n.op_type == "Where" and n.output[0] in wheres}
     groups = plan_segments(host.model, cost, names.__contains__, target, hard=hard)
+    if not fits([segment_weights(host.model, grp, names.__contains__) for grp in groups]):
+        return None
     segments = split(host.model, groups, names.__contains__)
     made = {o: s.index for s in segments for o in s.outputs}
     for s in segments:
