@@ -1,6 +1,8 @@
 """Host compute between streamed segments (engines/host_segments.py) on inputs and settings
 the decoders of tests/test_host_segments.py do not reach: a host MatMul fed straight from a
-graph input, empty inputs, and a thread count beyond the CPUs the process may use.
+graph input (empty inputs, another K), a thread count beyond the CPUs the process may use,
+a card that a generation's KV cache fills, a session lost while its engine is replaced, and
+the host pool's spin bound after the sessions close.
 
 Outputs are compared with plain ORT's on the same model: equal in shape and type, and within
 the bound of docs/host_compute.md (16 eps x max|output|) where the host's kernels multiply.
