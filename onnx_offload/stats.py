@@ -151,6 +151,8 @@ class ReportingMembers:
         runner = self._runner
         if runner is None and not self._closed:  # another thread moves the session to another runner
             runner = self._live_runner()
+        if runner is None:  # closed while its engine was being replaced, which could not be brought back
+            return GraphCaptureDecision(False, "the session closed: its engine could not be made again")
         return runner.capture
 
     def timeline_png(self, path: str) -> str:

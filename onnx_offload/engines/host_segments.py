@@ -27,25 +27,31 @@ options (no prepacking), gives what that MatMul gives with host compute off.
 On the host backend ORT's CPU kernels run on the host pool's cores right after each host
 MatMul, so the pool's workers sleep after a job instead of spinning for the next one
 (unless ONNX_OFFLOAD_HOST_SPIN_US says otherwise): spinning, they would take those cores.
+The bound is the process's: it is 0 from a step's first host MatMul until the last
+HostSteps that ran one closes, and then what it was before (``QuietPool``).
 """
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
 from .. import _core
-from ..errors import BudgetExceeded, HostComputeRefused
-from ..loading import CPU_EP, HostMatMul, Segment, plan_segments, point_weights_at_placeholder, save_model, split
+from ..errors import BudgetExceeded, HostComputeRefused, ModelRunError, with_ort_type
+from ..loading import (CPU_EP, HostMatMul, Segment, plan_segments, point_weights_at_placeholder, save_model,
+                       segment_weights, split)
 from ..memory import PREFILL_TOKENS
 from .host_step import COPY_BYTES, HostPlan, gemv, weight_views, choose_split
 from .ortvalues import as_ortvalue, copy_into, ortvalue_at
 
 SPIN_ENV = "ONNX_OFFLOAD_HOST_SPIN_US"
+FIT_TRIES = 8  # segment targets tried (each 3/4 of the one before) for segments that fit the plan
 
 
 def plan_for_segments(mode, device, store, run) -> Tuple[Optional[HostPlan], str]:
@@ -88,8 +94,15 @@ def plan_for_segments(mode, device, store, run) -> Tuple[Optional[HostPlan], str
 def host_segments_of(engines, plan) -> Optional[List[Segment]]:
     """The segments of the streaming `plan` with the host's part between them, or None where
     host compute does not run (the split, chosen once, is kept in ``engines.host_split``
-    with what it does or why it is off, which the notes say). `engines`: the Engines."""
+    with what it does or why it is off, which the notes say). `engines`: the Engines.
+
+    The plan sets aside what paging in its largest segment of the model as given commits
+    (the transient zone's reserve). The rewrite's segments lay the slots out otherwise (the
+    host's weights in none of them), so one may straddle a granule more: those of smaller
+    targets are tried, and where none fits, this plan runs the model as given
+    (``engines.host_unfit`` says why)."""
     run = engines.run_inputs
+    engines.host_unfit = ""
     if engines.host_split is None:
         mode = engines.config.host_compute
         engines.host_split = plan_for_segments(mode, engines.device, engines.store, run)
@@ -98,14 +111,29 @@ def host_segments_of(engines, plan) -> Optional[List[Segment]]:
     host = engines.host_split[0]
     if host is None:
         return None
+    room, costs = plan.zones["transient"].reserve, run.plan_inputs["segment_costs"]
+    target, need = plan.segment_target, 0
+    def fits(weights_of_each: List[List[str]]) -> bool:
+        nonlocal need
+        need = max(costs(weights_of_each), default=0)
+        return need <= room
+
     try:
-        return host_segments(host, run.weights, engines.cost, plan.segment_target)
+        for _ in range(FIT_TRIES):
+            segments = host_segments(host, run.weights, engines.cost, target, fits)
+            if segments is not None:
+                return segments
+            target = max(1, target * 3 // 4)
     except HostComputeRefused as e:
         if engines.config.host_compute != "auto":
             raise
         engines.host_split = (None, f"host compute is off: {e}")
         engines.notes.append(engines.host_split[1])
         return None
+    engines.host_unfit = (f"host compute is off under this budget plan: paging in a segment of the model rewritten "
+                          f"for it commits up to {need} bytes, more than the {room} the plan sets aside for one")
+    engines.notes.append(engines.host_unfit)
+    return None
 
 
 def host_steps_for(engines, plan, segments: List[Segment]) -> Tuple[Optional["HostSteps"], str]:
@@ -117,22 +145,27 @@ def host_steps_for(engines, plan, segments: List[Segment]) -> Tuple[Optional["Ho
     if not plan.streaming:
         return None, "host compute is off: every weight is resident"
     if host is None or not any(h.y_input in s.inputs for s in segments for h in host.hosts):
-        return None, note  # segments of the model as given
+        # Segments of the model as given: by the split, or by this plan (host_segments_of sets host_unfit).
+        return None, getattr(engines, "host_unfit", "") or note
     run = engines.run_inputs
     return HostSteps(host, segments, engines.store, {w.name: w for w in run.weights}, engines.device,
                      engines.segment_factory.session_options, run.workdir, run.model), note
 
 
-def host_segments(host: HostPlan, weights, cost, target: int) -> List[Segment]:
+def host_segments(host: HostPlan, weights, cost, target: int,
+                  fits: Callable[[List[List[str]]], bool] = lambda weights_of_each: True) -> Optional[List[Segment]]:
     """The segments of the rewrite `host.model`, planned for `target` as plan_inputs plans
-    them, with a boundary before each host MatMul's Where. `weights`: every WeightInfo of
-    the model (the host's are in no segment). HostComputeRefused where a Where would share
-    a segment with its X's producer."""
+    them, with a boundary before each host MatMul's Where, or None where `fits(the weights of
+    each)` says they do not fit. `weights`: every WeightInfo of the model (the host's are in
+    no segment). HostComputeRefused where a Where would share a segment with its X's
+    producer."""
     g = host.model.graph
     names = {w.name for w in weights} - set(host.host_weights)
     wheres = {h.output for h in host.hosts}
     hard = {i for i, n in enumerate(g.node) if n.op_type == "Where" and n.output[0] in wheres}
     groups = plan_segments(host.model, cost, names.__contains__, target, hard=hard)
+    if not fits([segment_weights(host.model, grp, names.__contains__) for grp in groups]):
+        return None
     segments = split(host.model, groups, names.__contains__)
     made = {o: s.index for s in segments for o in s.outputs}
     for s in segments:
@@ -165,20 +198,27 @@ class HostSteps:
         self._views = {h.y_input: dict(weight_views(store, h.kind, [info[n] for n in h.weights]), k=h.k)
                        for h in plan.hosts}
         self.steps = 0
-        if not device.is_cuda and SPIN_ENV not in os.environ:
-            _core.host_set_spin_us(0)
+        self._quiet = False  # whether this holds the host pool's spin bound at 0 (QUIET)
 
     def after(self, index: int, values: Dict, bound: Mapping, feeds: Mapping, plan) -> None:
         """Computes the Ys of the host MatMuls segment `index` made the X of: into the plan's
         fixed buffer where it has one (its bindings hold that address), else into `values`.
         X is this step's value, the caller's bound output, or a feed."""
+        if not self._quiet and not self.device.is_cuda and self._after.get(index):
+            self._quiet = QUIET.hold()
         for h in self._after.get(index, ()):
             name = h.x_output
             x = values[name] if name in values else bound[name] if name in bound else feeds[name]
             x = np.asarray(x.numpy())
+            if x.shape[-1:] != (h.k,):  # as ORT's MatMul refuses it (a graph input's K is the caller's)
+                raise with_ort_type(ModelRunError, Fail)(
+                    f"MatMul dimension mismatch in {h.node!r}: its input {name!r} is {list(x.shape)}, and its "
+                    f"weight's K is {h.k}")
             v = self._views[h.y_input]
             x2 = np.ascontiguousarray(x.reshape(-1, h.k).astype(v["x_dtype"], copy=False))
-            if x2.shape[0] > PREFILL_TOKENS:
+            if x2.shape[0] == 0:  # an empty batch or sequence: an empty product, as ORT gives
+                y = np.zeros((0, h.n), h.y_dtype)
+            elif x2.shape[0] > PREFILL_TOKENS:
                 y = self._session(h).run(None, {"x": x2})[0]
             else:
                 y = gemv(v, x2, self.plan.threads)
@@ -219,7 +259,49 @@ class HostSteps:
         self._values.clear()
         self._views.clear()
         self._after.clear()
+        if self._quiet:
+            self._quiet = False
+            QUIET.release()
 
     def report(self) -> dict:
         """What stats() says of host compute."""
         return self.plan.report(self.steps)
+
+
+class QuietPool:
+    """The host pool's spin bound (a process-wide setting) at 0 while any holder runs host
+    MatMuls between segments; once the last lets go, the bound it found. Where SPIN_ENV
+    sets the bound, it is left alone (``hold`` gives False)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._before = 0
+        os.register_at_fork(after_in_child=self._in_child)
+
+    def hold(self) -> bool:
+        if SPIN_ENV in os.environ:
+            return False
+        with self._lock:
+            if not self._holders:
+                self._before = int(_core.host_cpu()["spin_us"])
+                _core.host_set_spin_us(0)
+            self._holders += 1
+        return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if not self._holders:
+                _core.host_set_spin_us(self._before)
+
+    def _in_child(self) -> None:
+        """A forked child: the parent's holders are not its own (their sessions refuse it),
+        and the lock may have been held by another of the parent's threads."""
+        self._lock = threading.Lock()
+        if self._holders:
+            self._holders = 0
+            _core.host_set_spin_us(self._before)
+
+
+QUIET = QuietPool()

@@ -222,6 +222,18 @@ def plan_host_compute(mode, device, store, model: onnx.ModelProto, plan, info: M
                         ring_address[first])
 
 
+def host_threads(mode) -> Tuple[Optional[int], str]:
+    """(The host threads a job of `mode` uses: None under "auto", every physical core; else
+    the count asked for, at most the CPUs this process may use, which the host kernels
+    refuse to exceed; what was taken off, as a note's words, or "")."""
+    if mode == "auto":
+        return None, ""
+    asked, cpus = int(mode), int(_core.host_cpu()["logical_cpus"])
+    if asked <= cpus:
+        return asked, ""
+    return cpus, f" on {cpus} threads ({asked} asked for; this process may use {cpus} CPUs)"
+
+
 def choose_split(mode, device, store, model: onnx.ModelProto, streamed: Sequence[str], gpu: float, info: Mapping,
                  copy_dst: int) -> Tuple[Optional[HostPlan], str]:
     """The split of a step that streams `streamed` (in read order) beside `gpu` seconds of
@@ -236,7 +248,7 @@ def choose_split(mode, device, store, model: onnx.ModelProto, streamed: Sequence
              and _x_dtype(c[1], [info[m] for m in groups[c[0]]])}
     if not found:
         return None, "host compute is off: no streamed weight is read by a MatMul the host can compute"
-    threads = None if mode == "auto" else int(mode)
+    threads, fewer = host_threads(mode)
     by_kind: Dict[str, List[dict]] = {}
     for label, names in _by_matmul(found).items():
         kind = found[names[0]][1]
@@ -263,6 +275,6 @@ def choose_split(mode, device, store, model: onnx.ModelProto, streamed: Sequence
         chosen.model, chosen.hosts = rewrite_for_host(model, split.host_weights)
     except HostComputeRefused as e:
         return None, f"host compute is off: {e}"
-    return chosen, (f"host compute: the host's cores multiply {len(split.host)} MatMul(s) of a decode step "
+    return chosen, (f"host compute: the host's cores multiply {len(split.host)} MatMul(s) of a decode step{fewer} "
                     f"({split.host_bytes / 1e9:.2f} GB) while {split.streamed_bytes / 1e9:.2f} GB stream; predicted "
                     f"{one * 1e3:.2f} ms a step against {whole * 1e3:.2f} ms streaming every weight ({said})")
