@@ -44,7 +44,7 @@ class Ring:
         # One unmapped granule after each unit: an address one past a weight's end, which
         # kernels take as a bound, falls in no other weight's range.
         total = sum(u.granules + 1 for u in plan.units) * g
-        dev.ledger.charge("transient", plan.ring_bytes, outside=True)
+        dev.charge_outside("transient", plan.ring_bytes)
         self._charged = plan.ring_bytes
         base = backend.reserve(total)
         self._reservation = (base, total)

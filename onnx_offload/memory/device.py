@@ -102,6 +102,18 @@ class Device:
             free = min(free, int(self.free_memory_hook()))
         return free, total
 
+    def charge_outside(self, zone: str, nbytes: int) -> None:
+        """Charges to `zone` `nbytes` of device memory that the arena does not hold (ORT's own,
+        the streaming ring's or an expert's pages), first giving back the arena's idle
+        pooled handles that would take the device past its budget beside them: the pool is
+        the arena's cache for reuse, and the ledger counts it as taken. BudgetExceeded, as
+        the ledger's charge, where the zones have no room."""
+        snap = self.ledger.snapshot()
+        over = snap.committed + snap.pooled + nbytes - snap.budget
+        if over > 0 and snap.pooled:
+            self.arena.trim_pool(over)
+        self.ledger.charge(zone, nbytes, outside=True)
+
     def set_zones(self, zones: Dict[str, ZonePlan]) -> None:
         # Reserves that shrink first: the ledger holds their sum within the budget at
         # every step, and a plan may move bytes from one reserve to another.

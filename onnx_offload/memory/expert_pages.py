@@ -101,7 +101,7 @@ class ExpertPages:
         copy of its host page (queued on the compute stream, before the next step)."""
         b, g, ledger = self._backend, self.g, self._dev.ledger
         va = self.address[stack] + i * g
-        ledger.charge(ZONE, g, True)
+        self._dev.charge_outside(ZONE, g)
         try:
             h = b.create(g)
         except BaseException:

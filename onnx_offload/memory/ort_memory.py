@@ -104,7 +104,7 @@ class OrtMemoryMeter:
 
     def _charge(self, nbytes: int, creating: bool, what: str) -> None:
         try:
-            self._device.ledger.charge("scratch", nbytes, outside=True)
+            self._device.charge_outside("scratch", nbytes)
         except BudgetExceeded as e:
             raise StepMemoryShort(f"{what}, which the scratch zone has no room for: {e}", nbytes) from None
         self.charged += nbytes
