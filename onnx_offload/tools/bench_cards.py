@@ -59,7 +59,7 @@ SHAPE_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336
 SHAPE_CPU = dict(layers=4, hidden=256, heads=8, kv_heads=2, intermediate=704, vocab=1000, max_length=8192,
                  dtype="float32")
 CARDS_GIB = (8, 12, 16, 24)
-CARDS_INT4_GIB = (4, 6)  # the int4 model's 4.6 GB of weights on cards smaller than it
+CARDS_INT4_GIB = (4, 6)  # the int4 model (4.9 GiB of weights, its embedding fp16) on cards smaller than it
 PROMPTS = (512, 4096)
 BATCHES = (1, 4)
 NEW = 32
