@@ -211,7 +211,7 @@ MAX_DEVICE_ID = 2**15 - 1
 def parse_index(value, name: str) -> int:
     """A non-negative integer, or its digits (as provider options give it)."""
     n = integer(value)
-    if n is None and isinstance(value, str) and value.strip().isdigit():
+    if n is None and isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         n = int(value)
     if n is None:
         raise ValueError(f"{name}={value!r} is not valid: expected a non-negative integer")
@@ -251,7 +251,7 @@ def parse_experts(value: str, name: str = ENV_EXPERTS) -> str:
 def parse_host_compute(value, name: str = ENV_HOST_COMPUTE):
     """"auto", "off", or a number of host threads (1 to 4096): host compute on, with that many."""
     text = str(value).strip().lower()
-    n = int(text) if isinstance(value, str) and text.isdigit() else integer(value)
+    n = int(text) if isinstance(value, str) and text.isascii() and text.isdigit() else integer(value)
     if text in ("auto", "off") and isinstance(value, str):
         return text
     if n is None or not 1 <= n <= 4096:

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from onnx_offload import OffloadSession, StateError, UnsupportedModel
+from onnx_offload.config import OffloadConfig
 from onnx_offload.devices import DeviceShare, StagedSession, split_stages
 from onnx_offload.devices.moves import StepMoves
 from onnx_offload.devices.stages import tensor_bytes
@@ -164,6 +165,13 @@ def test_bad_devices_are_refused(devices, error):
 def test_a_device_id_onnxruntime_cannot_hold_is_refused_before_it_reaches_onnxruntime(kw):
     with pytest.raises(ValueError, match="ONNX Runtime takes device ids up to 32767"):
         OffloadSession(mlp_stack(layers=2, hidden=64).SerializeToString(), providers=CPU, **kw)
+
+
+@pytest.mark.parametrize("value", ["\u0663", "\uff11", "1.0", "-1"])
+def test_a_device_id_given_as_text_takes_ascii_digits_only(value):
+    # ORT reads a provider option's digits as ASCII; other scripts' digits are refused here.
+    with pytest.raises(ValueError, match="device_id=.*non-negative integer"):
+        OffloadConfig(device_id=value)
 
 
 def test_per_device_values_must_name_each_device():
@@ -392,7 +400,6 @@ def test_no_stage_is_left_without_weights():
 
 
 def test_the_drop_in_members_answer_as_ort_does():
-    from onnx_offload import OffloadConfig
     m = mlp_stack(layers=4, hidden=64, batch=3)
     with pytest.raises(TypeError, match="not both"):
         OffloadSession(m.SerializeToString(), providers=CPU, devices=[0, 1], config=OffloadConfig(), vram_limit="1MiB")

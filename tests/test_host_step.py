@@ -27,7 +27,7 @@ def test_the_option_takes_auto_off_or_a_thread_count(value, want):
         assert OffloadConfig.from_env({"ONNX_OFFLOAD_HOST_COMPUTE": value}).host_compute == want
 
 
-@pytest.mark.parametrize("value", ["on", "", 0, -1, 4097, True, 2.5, "1e3"])
+@pytest.mark.parametrize("value", ["on", "", 0, -1, 4097, True, 2.5, "1e3", "\u0663", "\uff14"])
 def test_a_bad_option_is_a_value_error_naming_it(value):
     with pytest.raises(ValueError, match="host_compute=.*auto, off or a number of host threads"):
         OffloadConfig(host_compute=value)
