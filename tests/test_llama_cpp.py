@@ -87,6 +87,22 @@ def test_no_llama_bench_is_none_and_a_wrong_path_is_an_error(tmp_path, monkeypat
         llama_cpp.find_llama_bench(str(tmp_path / "nope"))
 
 
+def test_the_probe_reads_where_llama_cpp_put_the_weights():
+    probe = llama_cpp.probe_args("/x/llama-bench", "m.gguf", 33)
+    assert probe[probe.index("-ngl") + 1] == "33" and "-v" in probe and probe[probe.index("-n") + 1] == "1"
+    # llama-model.cpp's lines ("%s: %12s model buffer size = %8.2f MiB"), a load's worth.
+    log = ("load_tensors: offloading 32 repeating layers to GPU\n"
+           "load_tensors:   CPU_Mapped model buffer size =  1002.00 MiB\n"
+           "load_tensors:        CUDA0 model buffer size = 14315.03 MiB\n"
+           "llama_context: n_ctx = 512\n")
+    got = llama_cpp.model_buffers(log)
+    assert got == {"CPU_Mapped": 1002 * 2**20, "CUDA0": int(14315.03 * 2**20)}
+    assert llama_cpp.model_buffers("no buffers here") == {}
+    from onnx_offload.tools.bench_cards_table import _on_device
+    assert _on_device(got) == ", weights 13.98 GiB on the device, 1002.00 MiB on the host"
+    assert _on_device({}) == ""
+
+
 def test_bench_cards_prints_llama_cpps_columns_only_with_llama_bench():
     from onnx_offload.tools.bench_cards import print_cards
     row = dict(card=8 << 30, prompt=512, batch=1, ms_per_token=100.0, ttft_ms=300.0, resident=6 << 30,

@@ -253,18 +253,26 @@ def llama_rows(llama_bench: str, gguf_path: str, shape: dict, card: int, prompt:
     process that holds the rest of the device."""
     from . import llama_cpp
 
-    def run(ngl):
+    def under_card(args):
+        """llama-bench with `args` beside a process holding the rest of the device: its
+        output, or None and why it failed."""
         holder = Card(card)
         try:
-            proc = subprocess.run(llama_cpp.bench_args(llama_bench, gguf_path, prompt, new, ngl),
-                                  capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
         except subprocess.TimeoutExpired:
             return None, "llama-bench ran past 600 s"
         finally:
             holder.close()
-        if proc.returncode != 0:
-            return None, proc.stderr[-400:]
-        return llama_cpp.parse(proc.stdout, prompt, new), ""
+        return (proc, "") if proc.returncode == 0 else (None, proc.stderr[-400:])
+
+    def run(ngl):
+        proc, why = under_card(llama_cpp.bench_args(llama_bench, gguf_path, prompt, new, ngl))
+        return (llama_cpp.parse(proc.stdout, prompt, new), "") if proc else (None, why)
+
+    def buffers(ngl) -> Dict[str, int]:
+        """Where llama.cpp put the weights at `ngl`, from a probe's log ({} if it failed)."""
+        proc, _ = under_card(llama_cpp.probe_args(llama_bench, gguf_path, ngl))
+        return llama_cpp.model_buffers(proc.stderr + proc.stdout) if proc else {}
 
     out: Dict = {}
     fit, why = run(None)
@@ -276,6 +284,7 @@ def llama_rows(llama_bench: str, gguf_path: str, shape: dict, card: int, prompt:
         best, why = run(ngl)
         if best is not None:
             best["ngl"] = ngl
+            best["buffers"] = buffers(ngl)
             out["best"] = best
             break
         ngl -= 1

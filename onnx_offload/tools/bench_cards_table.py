@@ -46,11 +46,19 @@ def _llama_cells(r: Dict) -> tuple:
             return "failed"
         return f"{x['ms_per_token']:.2f} / {x['prompt_ms']:.0f}{ngl}"
     best = lm.get("best", {})
-    best_cell = cell(best, f" (-ngl {best.get('ngl')})") if best else "-"
+    best_cell = cell(best, f" (-ngl {best.get('ngl')}{_on_device(best.get('buffers'))})") if best else "-"
     if "error" in r or "error" in best:
         return cell(lm["fit"]), best_cell, "-", "-"
     return (cell(lm["fit"]), best_cell, f"{r['ms_per_token'] / best['ms_per_token']:.2f}x",
             f"{r['ttft_ms'] / best['prompt_ms']:.2f}x")
+
+
+def _on_device(buffers) -> str:
+    """llama.cpp's weights on the device and in host memory, from its model buffers."""
+    if not buffers:
+        return ""
+    dev = sum(v for k, v in buffers.items() if not k.startswith("CPU"))
+    return f", weights {fmt_bytes(dev)} on the device, {fmt_bytes(sum(buffers.values()) - dev)} on the host"
 
 
 def print_cards(res: Dict) -> str:

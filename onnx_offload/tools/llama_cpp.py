@@ -19,12 +19,17 @@ stays F16, as in the ONNX model.
 
 ``bench_args`` is the command line of one run: llama.cpp's own fit (``-fitt 1024 -fitc
 1024``) or a given ``-ngl``; ``parse`` reads its ``-o json`` output: ms/token of the decode
-at the prompt's depth, and the prompt's time (its first token).
+at the prompt's depth, and the prompt's time (its first token). ``probe_args`` is a run of
+one token with llama.cpp's log on, whose ``model buffer size`` lines ``model_buffers``
+reads: the weight bytes llama.cpp put on the device and those it left in host memory (it
+keeps ``token_embd`` on the host at any ``-ngl``: each token reads one row of it). The
+probe is a run of its own, so that the log does not touch the timed runs.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Dict, List, Optional
 
@@ -170,6 +175,20 @@ def bench_args(llama_bench: str, gguf_path: str, prompt: int, new: int, ngl: Opt
                  else ["-ngl", str(ngl)])
     return [llama_bench, "-m", gguf_path, *placement, "-p", str(prompt), "-n", str(new), "-d", f"0,{prompt}",
             "-fa", "1", "-t", str(threads or os.cpu_count() or 1), "-r", str(REPETITIONS), "-o", "json"]
+
+
+def probe_args(llama_bench: str, gguf_path: str, ngl: int) -> List[str]:
+    """One token at `-ngl ngl`, once, with llama.cpp's log on (on stderr)."""
+    return [llama_bench, "-m", gguf_path, "-ngl", str(ngl), "-p", "0", "-n", "1", "-r", "1", "-v", "-o", "json"]
+
+
+_BUFFER = re.compile(r"(\S+) model buffer size =\s*([0-9.]+) MiB")
+
+
+def model_buffers(log: str) -> Dict[str, int]:
+    """Bytes of each of llama.cpp's model buffers (``CUDA0``, ``CPU_Mapped`` ...) in a log:
+    the last value of each name, so that of the last model load."""
+    return {name: int(float(mib) * 2**20) for name, mib in _BUFFER.findall(log)}
 
 
 def parse(text: str, prompt: int, new: int) -> Dict:
