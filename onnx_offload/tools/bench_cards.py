@@ -48,10 +48,10 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ..config import GiB, MiB
+from ..config import GiB, MiB, fmt_bytes
 from ..memory import host_rate
 from .bench import pinned_h2d
-from .bench_cards_table import _line, print_cards  # noqa: F401 - print_cards: the command's table
+from .bench_cards_table import _line, _llama_cells, print_cards  # noqa: F401 - print_cards: the command's table
 from .bench_decode import WARMUP, build_decoder, in_process_of_its_own
 
 SHAPE_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256, max_length=8192,
@@ -348,7 +348,6 @@ def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BA
             print(f"  anchor {batch} x {prompt}: {a['ms_per_token']:.2f} ms/token, prompt {a['prompt_ms']:.0f} ms",
                   flush=True)
             for card in cards:
-                llama_row = llama_rows(llama, gguf_path, shape, card, prompt, new) if llama and batch == 1 else None
                 off = None
                 for mode in ("off", "auto"):
                     if mode == "auto" and (not host_compute or kind != "cuda" or off is None or "error" in off
@@ -357,11 +356,16 @@ def bench_cards(kind: str, out_dir: str, cards=None, prompts=PROMPTS, batches=BA
                     r = in_process_of_its_own("bench_cards", "row", path=path, card=card, ids=ids.tolist(), new=new,
                                               kind=kind, cache=cache, host_compute=mode)
                     _bounds(r, a, bw, off)
-                    if llama_row:
-                        r["llama"] = llama_row
                     off = off or r
                     rows.append(r)
                     print("  " + _line(r), flush=True)
+                if llama and batch == 1:  # after ours, on the same card: each of its rows gets llama.cpp's columns
+                    lm = llama_rows(llama, gguf_path, shape, card, prompt, new)
+                    for r in rows:
+                        if r["card"] == card and r["batch"] == 1 and r["prompt"] == prompt:
+                            r["llama"] = lm
+                    print(f"  {fmt_bytes(card)} card, llama.cpp fit / best / ours vs best (ms/token, first token): "
+                          + " / ".join(_llama_cells(dict(off, llama=lm))), flush=True)
     return dict(kind=kind, weights=weights, h2d_gbps=bw / 1e9, new=new, shape=shape, rows=rows, levers=levers,
                 llama_bench=llama, int4=int4)
 
