@@ -169,3 +169,41 @@ def test_q4_0_takes_only_blocks_of_32_with_fp16_scales():
         llama_cpp.q4_0_rows(np.zeros((2, 1, 8), np.uint8), np.ones(2, np.float16))
     with pytest.raises(ValueError, match="float32"):
         llama_cpp.q4_0_rows(np.zeros((2, 1, 16), np.uint8), np.ones(2, np.float32))
+
+
+def test_bench_hosts_peer_reads_the_bytes_a_token_reads_and_prints_beside_ours(model, tmp_path):
+    from onnx_offload.tools.bench_host_llama import bytes_a_token, print_llama_host
+    path, m = model
+    out = llama_cpp.write_gguf(path, SHAPE, str(tmp_path / "m.gguf"))
+    tensors = gguf.GGUFReader(out).tensors
+    embd = [t for t in tensors if t.name == "token_embd.weight"][0]
+    assert embd.n_bytes == SHAPE["vocab"] * SHAPE["hidden"] * 2  # F16
+    assert bytes_a_token(out) == sum(int(t.n_bytes) for t in tensors) - embd.n_bytes > 0
+    rec = _result(0, 16, 0, 16 * 40_000_000)
+    assert llama_cpp.parse_gen(json.dumps([rec]), 16)["avg_ts"] == pytest.approx(25.0)
+    with pytest.raises(ValueError, match="tg16 at depth 0"):
+        llama_cpp.parse_gen(json.dumps([_result(0, 16, 512, 1)]), 16)
+    rows = [dict(kind="fp16", threads=1, bytes=800 << 20, ms_per_token=40.0, gbps=(800 << 20) / 40.0 / 1e6),
+            dict(kind="int4", threads=2, bytes=200 << 20, error="llama-bench: model failed to load")]
+    ours = [dict(kind="fp16", m=1, threads=1, gbps=21.0), dict(kind="fp16", m=4, threads=1, gbps=9.0),
+            dict(kind="int4", m=1, threads=2, gbps=9.2)]
+    text = print_llama_host(rows, ours)
+    assert "800.00 MiB" in text and "40.00" in text and "21.0" in text
+    assert f"{21.0 / ((800 << 20) / 40.0 / 1e6):.2f}x" in text
+    assert "FAILED: llama-bench: model failed to load" in text and "9.2" in text
+
+
+def test_bench_hosts_peer_runs_llama_bench_on_the_cpu(tmp_path):
+    """With llama-bench at hand (on PATH, or LLAMA_BENCH), a small model's decode on one
+    thread: a rate from llama.cpp's own run."""
+    import os
+    from onnx_offload.tools.bench_host_llama import bench_llama_host
+    exe = llama_cpp.find_llama_bench(os.environ.get("LLAMA_BENCH"))
+    if exe is None:
+        pytest.skip("no llama-bench on PATH (or LLAMA_BENCH)")
+    shape = dict(SHAPE, layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=512)
+    rows = bench_llama_host(exe, str(tmp_path), [1], kinds=("fp16", "int4"), runs=1, shape=shape)
+    assert [r["kind"] for r in rows] == ["fp16", "int4"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["ms_per_token"] > 0 and r["gbps"] == pytest.approx(r["bytes"] / r["ms_per_token"] / 1e6)

@@ -128,8 +128,9 @@ def main(argv=None) -> int:
     b.add_argument("--prompts", help="bench cards: prompt lengths, comma-separated (default 512,4096)")
     b.add_argument("--batches", help="bench cards: batch sizes, comma-separated (default 1,4)")
     b.add_argument("--llama-bench", metavar="PATH",
-                   help="bench cards: llama.cpp's llama-bench, run beside each batch-1 row on the same card "
-                        "(default: llama-bench on PATH, if any; needs the [bench] extra for the GGUF)")
+                   help="bench cards: llama.cpp's llama-bench, run beside each batch-1 row on the same card; "
+                        "bench host: its decode on the host's cores alone (default: llama-bench on PATH, if any; "
+                        "needs the [bench] extra for the GGUF)")
     b.add_argument("--ort-levers", action="store_true",
                    help="bench cards: also the all-resident step with each of ORT's CUDA levers (TunableOp ...)")
     b.add_argument("--out", default="onnx-offload-bench",

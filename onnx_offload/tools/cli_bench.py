@@ -91,8 +91,16 @@ def cmd_bench(args) -> int:
         return 0
     if args.what == "host":
         from .bench_host import bench_host, print_host
+        from .llama_cpp import find_llama_bench
+        llama = find_llama_bench(args.llama_bench)  # checked before the kernels run
         res = bench_host(weights_mib=args.weights_mib, isa=args.isa, dispatch_calls=args.dispatch_calls)
         print(print_host(res))
+        if llama:  # the peer on the same cores
+            from .bench_host_llama import bench_llama_host, print_llama_host
+            out = os.path.abspath(args.out)
+            os.makedirs(out, exist_ok=True)
+            res["llama"] = bench_llama_host(llama, out, sorted({r["threads"] for r in res["rows"]}))
+            print("\n" + print_llama_host(res["llama"], res["rows"]))
         if device_kind(args) == "cuda":  # the rates host compute's split rests on: the GEMV while H2D runs
             from .bench_host_link import bench_link, print_link
             res["link"] = bench_link()

@@ -191,13 +191,26 @@ def model_buffers(log: str) -> Dict[str, int]:
     return {name: int(float(mib) * 2**20) for name, mib in _BUFFER.findall(log)}
 
 
-def parse(text: str, prompt: int, new: int) -> Dict:
-    """ms/token of the decode at the prompt's depth, the prompt's time in ms (its first
-    token) and the layers on the device, from llama-bench's `-o json` output."""
+def _results(text: str) -> List[Dict]:
+    """The records of llama-bench's `-o json` output (one JSON array on stdout)."""
     start = text.find("[")
     if start < 0:
         raise ValueError(f"no JSON array in llama-bench's output: {text[:200]!r}")
-    results = json.loads(text[start:text.rindex("]") + 1])
+    return json.loads(text[start:text.rindex("]") + 1])
+
+
+def parse_gen(text: str, new: int) -> Dict:
+    """The record of the decode of `new` tokens at depth 0 (its `avg_ts`: tokens a second)."""
+    tg = [r for r in _results(text) if r.get("n_gen") == new and not r.get("n_prompt") and not r.get("n_depth")]
+    if not tg:
+        raise ValueError(f"llama-bench's output has no tg{new} at depth 0")
+    return tg[0]
+
+
+def parse(text: str, prompt: int, new: int) -> Dict:
+    """ms/token of the decode at the prompt's depth, the prompt's time in ms (its first
+    token) and the layers on the device, from llama-bench's `-o json` output."""
+    results = _results(text)
     pp = [r for r in results if r.get("n_prompt") == prompt and not r.get("n_gen") and not r.get("n_depth")]
     tg = [r for r in results if r.get("n_gen") == new and not r.get("n_prompt") and r.get("n_depth") == prompt]
     if not pp or not tg:
