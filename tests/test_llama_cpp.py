@@ -207,3 +207,17 @@ def test_bench_hosts_peer_runs_llama_bench_on_the_cpu(tmp_path):
     for r in rows:
         assert "error" not in r, r
         assert r["ms_per_token"] > 0 and r["gbps"] == pytest.approx(r["bytes"] / r["ms_per_token"] / 1e6)
+
+
+def test_a_llama_bench_without_the_gguf_package_is_a_clear_error_or_left_aside(tmp_path, monkeypatch):
+    import importlib.util
+    exe = tmp_path / "llama-bench"
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(RuntimeError, match=r"pip install 'onnx-offload\[bench\]'"):
+        llama_cpp.find_llama_bench(str(exe))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.warns(UserWarning, match="runs without llama.cpp"):
+        assert llama_cpp.find_llama_bench(None) is None

@@ -27,10 +27,12 @@ probe is a run of its own, so that the log does not touch the timed runs.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
+import warnings
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -158,13 +160,23 @@ def write_gguf(model_path: str, shape: dict, out_path: str, eps: float = 1e-5, r
 
 
 def find_llama_bench(given: Optional[str]) -> Optional[str]:
-    """The llama-bench to run: `given` (which must exist), else the one on PATH, else None."""
+    """The llama-bench to run: `given` (which must exist), else the one on PATH, else None.
+    Running it needs the gguf package (the [bench] extra), which writes its weights: without
+    it, a llama-bench given is an error, and one on PATH is left aside with a warning."""
     if given:
         path = given if os.path.sep in given else shutil.which(given)
         if not path or not os.access(path, os.X_OK):
             raise FileNotFoundError(f"--llama-bench {given}: no such executable")
-        return path
-    return shutil.which("llama-bench")
+    else:
+        path = shutil.which("llama-bench")
+    if path and importlib.util.find_spec("gguf") is None:
+        why = (f"llama.cpp's llama-bench ({path}) runs on the same weights written as a GGUF, which needs the gguf "
+               "package: pip install 'onnx-offload[bench]'")
+        if given:
+            raise RuntimeError(why)
+        warnings.warn(why + "; the bench runs without llama.cpp", stacklevel=2)
+        return None
+    return path
 
 
 def bench_args(llama_bench: str, gguf_path: str, prompt: int, new: int, ngl: Optional[int] = None,
